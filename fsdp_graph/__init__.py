@@ -1,0 +1,19 @@
+"""fsdp_graph: Fully Sharded Data Parallel training as a compiler pass."""
+
+from fsdp_graph.api import fully_shard
+from fsdp_graph.backend import FSDPBackend, GraphReport, fsdp_backend, make_backend
+from fsdp_graph.state_dict import full_state_dict
+from fsdp_graph.unit import ShardingStrategy
+from fsdp_graph.wrap import ModuleWrapPolicy, size_based_wrap_policy
+
+__all__ = [
+    "FSDPBackend",
+    "GraphReport",
+    "ModuleWrapPolicy",
+    "ShardingStrategy",
+    "fsdp_backend",
+    "full_state_dict",
+    "fully_shard",
+    "make_backend",
+    "size_based_wrap_policy",
+]

@@ -1,0 +1,31 @@
+"""Gradients of original parameters as views of the reduced flat-shard gradient (DESIGN §2)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def install_grad_hook(flat_shard: torch.Tensor, views: list[nn.Parameter], ranges: list[tuple[int, int]]) -> None:
+    """After each backward, hand every original parameter its slice of `flat_shard.grad`.
+
+    Plain PyTorch semantics: `.grad is None` (after `zero_grad()`) -> becomes a view of this backward's
+    reduced gradient; otherwise the new gradient is added in place (accumulation). The flat shard's own
+    `.grad` is dropped so a later backward never accumulates into a gradient the user already zeroed.
+    """
+
+    def hook(flat: torch.Tensor) -> None:
+        grad = flat.grad
+        flat.grad = None
+        if grad is None:
+            return
+        for param, (lo, hi) in zip(views, ranges):
+            if not param.requires_grad:
+                continue
+            piece = grad[lo:hi]
+            if param.grad is None:
+                param.grad = piece
+            else:
+                param.grad.add_(piece)
+
+    flat_shard.register_post_accumulate_grad_hook(hook)

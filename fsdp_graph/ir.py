@@ -1,0 +1,33 @@
+"""IR constants shared by the runtime and `passes/` (DESIGN §3). Passes import only this module.
+
+Node meta keys set by passes are namespaced `fsdp_*`:
+- `fsdp_unit`: the unit FQN a lowered collective (or its cast / wait / scale) belongs to.
+- `fsdp_role`: "unshard" or "reduce_grad" on every node a lowering produced.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_graph import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
+
+UNSHARD = torch.ops.fsdp.unshard.default
+REDUCE_GRAD = torch.ops.fsdp.reduce_grad.default
+UNSHARD_TARGETS = (UNSHARD, torch.ops.fsdp.unshard)
+REDUCE_GRAD_TARGETS = (REDUCE_GRAD, torch.ops.fsdp.reduce_grad)
+
+C10D = torch.ops._c10d_functional
+ALL_GATHER = C10D.all_gather_into_tensor.default
+REDUCE_SCATTER = C10D.reduce_scatter_tensor.default
+ALL_REDUCE = C10D.all_reduce.default
+WAIT = C10D.wait_tensor.default
+COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+
+META_UNIT = "fsdp_unit"
+META_ROLE = "fsdp_role"
+ROLE_UNSHARD = "unshard"
+ROLE_REDUCE = "reduce_grad"
+
+# Positional argument indices of fsdp::unshard / fsdp::reduce_grad (the schema is the contract).
+UNSHARD_ARGS = ("shard", "unit", "group", "world", "dtype", "reduce_dtype", "reshard_after_forward")
+REDUCE_ARGS = ("full_grad", "unit", "group", "world", "dtype", "out_dtype")

@@ -1,0 +1,58 @@
+"""Start N local gloo ranks from one process (CPU machines, tests, the demo). Under torchrun use its env."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world: int, port: int, timeout_s: float, out_dir: str, args: tuple) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        result = fn(rank, world, *args)
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world: int = 2, args: tuple = (), timeout_s: float = 300.0) -> list[Any]:
+    """Run `fn(rank, world, *args)` on `world` gloo ranks on 127.0.0.1 and return each rank's result.
+
+    A rank that raises ends every rank (torch.multiprocessing terminates the rest) and the exception carries
+    that rank's traceback; collectives time out after `timeout_s` so nothing hangs forever.
+    `fn` must be importable (a module-level function) and its result picklable.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _entry,
+            args=(fn, world, free_port(), timeout_s, out_dir, args),
+            nprocs=world,
+            join=True,
+            start_method="spawn",
+        )
+        results = []
+        for rank in range(world):
+            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results

@@ -1,0 +1,101 @@
+"""Forward/backward-graph pass: expand `fsdp` ops into casts and `_c10d_functional` collectives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fsdp_graph.ir import (
+    ALL_GATHER,
+    META_ROLE,
+    META_UNIT,
+    REDUCE_ARGS,
+    REDUCE_GRAD_TARGETS,
+    REDUCE_SCATTER,
+    ROLE_REDUCE,
+    ROLE_UNSHARD,
+    UNSHARD_ARGS,
+    UNSHARD_TARGETS,
+    WAIT,
+)
+
+_aten, _prims = torch.ops.aten, torch.ops.prims
+
+
+def _bind(node: fx.Node, names: tuple[str, ...]) -> dict[str, Any]:
+    bound = dict(zip(names, node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
+class _Emitter:
+    """Inserts nodes before `anchor`, each carrying a fake value and the fsdp meta of the op it lowers."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node, unit: str, role: str):
+        self.graph, self.anchor, self.meta = graph, anchor, {META_UNIT: unit, META_ROLE: role}
+
+    def __call__(self, target, args: tuple, val: torch.Tensor | None) -> fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args)
+        node.meta.update(self.meta)
+        if val is not None:
+            node.meta["val"] = val
+        return node
+
+    def cast(self, node: fx.Node, dtype: torch.dtype | None) -> fx.Node:
+        val = node.meta.get("val")
+        if dtype is None or (val is not None and val.dtype == dtype):
+            return node
+        return self(_prims.convert_element_type.default, (node, dtype), None if val is None else val.to(dtype))
+
+
+def _lower_unshard(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    a = _bind(node, UNSHARD_ARGS)
+    emit = _Emitter(graph, node, a["unit"], ROLE_UNSHARD)
+    shard = emit.cast(a["shard"], a.get("dtype"))
+    out_val = node.meta.get("val")
+    gathered = emit(ALL_GATHER, (shard, a["world"], a["group"]), out_val)
+    return emit(WAIT, (gathered,), out_val)
+
+
+def _lower_reduce(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    a = _bind(node, REDUCE_ARGS)
+    emit = _Emitter(graph, node, a["unit"], ROLE_REDUCE)
+    grad = emit.cast(a["full_grad"], a["dtype"])
+    gval = grad.meta.get("val")
+    shard_val = None if gval is None else gval.new_empty(gval.numel() // a["world"])
+    scattered = emit(REDUCE_SCATTER, (grad, "sum", a["world"], a["group"]), shard_val)
+    waited = emit(WAIT, (scattered,), shard_val)
+    averaged = emit(_aten.div.Tensor, (waited, a["world"]), shard_val)
+    return emit.cast(averaged, a["out_dtype"])
+
+
+def lower_fsdp_ops(gm: fx.GraphModule) -> fx.GraphModule:
+    """In place on a partitioned forward or backward graph.
+
+    Matches: `fsdp.unshard` -> [cast to dtype] + `all_gather_into_tensor` + `wait_tensor`;
+    `fsdp.reduce_grad` -> [cast to dtype] + `reduce_scatter_tensor(sum)` + `wait_tensor` + div by world
+    + [cast to out_dtype]. Every produced node carries `meta["fsdp_unit"]` and `meta["fsdp_role"]`.
+    Guarantees: no fsdp op is left, the collectives are the ones Inductor's bucketing and overlap passes
+    recognise, and the numerics equal the ops' eager implementations. No-op when nothing matches.
+    """
+    graph = gm.graph
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in UNSHARD_TARGETS:
+            replacement = _lower_unshard(graph, node)
+        elif node.target in REDUCE_GRAD_TARGETS:
+            replacement = _lower_reduce(graph, node)
+        else:
+            continue
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+        changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return gm

@@ -1,0 +1,53 @@
+"""Joint-graph pass: decide what the backward re-gathers (FULL_SHARD) and what the forward saves."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from fsdp_graph.ir import UNSHARD_ARGS, UNSHARD_TARGETS
+
+_RESHARD_INDEX = UNSHARD_ARGS.index("reshard_after_forward")
+
+
+def reshard_after_forward(node: fx.Node) -> bool:
+    if len(node.args) > _RESHARD_INDEX:
+        return bool(node.args[_RESHARD_INDEX])
+    return bool(node.kwargs.get("reshard_after_forward", True))
+
+
+def _is_view_of(user: fx.Node, base: fx.Node) -> bool:
+    if user.op != "call_function":
+        return False
+    if user.target is operator.getitem:
+        return user.args[0] is base
+    target = user.target
+    return isinstance(target, torch._ops.OpOverload) and target.is_view and user.args[0] is base
+
+
+def tag_reshard(graph: fx.Graph) -> fx.Graph:
+    """In place on the joint graph (before partitioning).
+
+    Matches: `fsdp.unshard` nodes. For `reshard_after_forward=True` it tags the node and every view chained
+    on it `meta["recompute"] = MUST_RECOMPUTE`, so the partitioner saves only the shard and the backward
+    re-gathers; for False it tags the gather `MUST_SAVE`, so the backward reuses it and gathers nothing.
+    View ops have exactly one tensor input, so walking views from a gather never reaches tangent-dependent
+    nodes: no tangent detection is needed. No-op when nothing matches.
+    """
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in UNSHARD_TARGETS:
+            continue
+        if not reshard_after_forward(node):
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            node.meta["ac_graph_id"] = 0
+            continue
+        todo = [node]
+        while todo:
+            current = todo.pop()
+            current.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            current.meta["ac_graph_id"] = 0
+            todo.extend(u for u in current.users if _is_view_of(u, current) and "recompute" not in u.meta)
+    return graph

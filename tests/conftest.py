@@ -1,0 +1,22 @@
+import os
+import tempfile
+
+# One Inductor cache per test session (spawned ranks inherit it): repeated graphs compile once,
+# and nothing leaks in from earlier runs.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="fsdp_graph_inductor_"))
+
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+
+FAKE_WORLD = 4
+
+
+@pytest.fixture
+def fake_pg():
+    """A fake process group (world 4, this process rank 0): graphs compile, collectives move nothing."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=FAKE_WORLD)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,272 @@
+"""Snapshots of each pass on tiny graphs (fake process group, world 4). The snapshots are the spec."""
+
+import copy
+
+import torch
+from expecttest import assert_expected_inline
+
+import fsdp_graph
+from fsdp_graph.ir import ALL_GATHER, REDUCE_GRAD_TARGETS, REDUCE_SCATTER, UNSHARD_TARGETS, WAIT
+from passes import collective_summary, dedup_unshard, lower_fsdp_ops, tag_reshard
+from tests.graphs.capture import ReadsTwice, TwoBlock, aot_stages, code, dynamo_graph, unshard_count
+
+
+def _tags(gm) -> str:
+    lines = []
+    for n in gm.graph.nodes:
+        if "recompute" in n.meta:
+            lines.append(f"{n.name}: {n.meta['recompute'].name}")
+    return "\n".join(lines)
+
+
+def _count(gm, targets) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
+
+
+def test_dedup_merges_repeated_reads(fake_pg):
+    torch.manual_seed(0)
+    model = fsdp_graph.fully_shard(ReadsTwice())
+    gm = dynamo_graph(model, torch.randn(2, 3))
+    assert unshard_count(gm) == 2
+    dedup_unshard(gm)
+    assert unshard_count(gm) == 1
+    assert_expected_inline(
+        code(gm),
+        """\
+def forward(self, L_self_fsdp_flat_shard : torch.Tensor, L_x_ : torch.Tensor):
+    l_self_fsdp_flat_shard = L_self_fsdp_flat_shard
+    l_x_ = L_x_
+    flat = torch.ops.fsdp.unshard(l_self_fsdp_flat_shard, '', '0', 4, None, None, True);  l_self_fsdp_flat_shard = None
+    getitem = flat[slice(0, 9, None)]
+    view = getitem.view((3, 3));  getitem = None
+    matmul = l_x_ @ view;  view = None
+    getitem_1 = flat[slice(0, 9, None)];  flat = None
+    view_1 = getitem_1.view((3, 3));  getitem_1 = None
+    t = view_1.t();  view_1 = None
+    matmul_1 = l_x_ @ t;  l_x_ = t = None
+    add = matmul + matmul_1;  matmul = matmul_1 = None
+    return (add,)""",
+    )
+
+
+def test_dedup_gives_one_reduce_per_unit(fake_pg):
+    """Without dedup the backward reduces once per property read; with it, once per unit."""
+    torch.manual_seed(0)
+    model = fsdp_graph.fully_shard(TwoBlock())
+    x = torch.randn(2, 4)
+    without = aot_stages(copy.deepcopy(model), x, tag=tag_reshard, dedup=False)
+    with_dedup = aot_stages(model, x, tag=tag_reshard)
+    assert _count(without.backward, REDUCE_GRAD_TARGETS) == 5  # weight + bias per block, head weight
+    assert _count(with_dedup.backward, REDUCE_GRAD_TARGETS) == 3
+
+
+def test_dedup_noop_without_fsdp_ops():
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    before = code(gm)
+    assert code(dedup_unshard(gm)) == before
+
+
+def _reshard_stages(strategy: str):
+    torch.manual_seed(0)
+    model = fsdp_graph.fully_shard(TwoBlock(), strategy=fsdp_graph.ShardingStrategy[strategy])
+    stages = aot_stages(model, torch.randn(2, 4), tag=tag_reshard)
+    return stages, unshard_count(stages.backward), len(saved_gathers(stages.forward))
+
+
+def saved_gathers(forward) -> set:
+    """The gathers whose storage the forward hands to the backward (directly or through views)."""
+    roots = set()
+    for out in forward.graph.find_nodes(op="output")[0].args[0]:
+        node = out
+        while (
+            isinstance(node, torch.fx.Node)
+            and node.op == "call_function"
+            and (getattr(node.target, "is_view", False) or node.target in UNSHARD_TARGETS)
+        ):
+            if node.target in UNSHARD_TARGETS:
+                roots.add(node)
+                break
+            node = node.args[0]
+    return roots
+
+
+def test_reshard_full_shard_recomputes_gathers(fake_pg):
+    stages, bw_unshards, n_saved = _reshard_stages("FULL_SHARD")
+    assert_expected_inline(
+        _tags(stages.joint),
+        """\
+unshard: MUST_RECOMPUTE
+slice_1: MUST_RECOMPUTE
+view: MUST_RECOMPUTE
+slice_2: MUST_RECOMPUTE
+view_1: MUST_RECOMPUTE
+t: MUST_RECOMPUTE
+unshard_1: MUST_RECOMPUTE
+slice_3: MUST_RECOMPUTE
+view_2: MUST_RECOMPUTE
+slice_4: MUST_RECOMPUTE
+view_3: MUST_RECOMPUTE
+t_1: MUST_RECOMPUTE
+unshard_2: MUST_RECOMPUTE
+slice_5: MUST_RECOMPUTE
+view_4: MUST_RECOMPUTE
+t_2: MUST_RECOMPUTE
+t_5: MUST_RECOMPUTE
+t_7: MUST_RECOMPUTE""",
+    )
+    # What the tags buy: the forward saves no gathered tensor and the backward re-gathers what it needs:
+    # blocks.1 and the head, not blocks.0, whose weights only feed the gradient of x (no grad needed).
+    assert (bw_unshards, n_saved) == (2, 0)
+
+
+def test_reshard_shard_grad_op_saves_gathers(fake_pg):
+    stages, bw_unshards, n_saved = _reshard_stages("SHARD_GRAD_OP")
+    assert_expected_inline(
+        _tags(stages.joint),
+        """\
+unshard: MUST_SAVE
+unshard_1: MUST_SAVE
+unshard_2: MUST_SAVE""",
+    )
+    # The backward gathers nothing: the forward hands it the gathers it needs (blocks.1 and the head;
+    # blocks.0's weights only feed the gradient of x, which needs none).
+    assert (bw_unshards, n_saved) == (0, 2)
+
+
+def test_reshard_noop_without_fsdp_ops():
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    tag_reshard(gm.graph)
+    assert _tags(gm) == ""
+
+
+def test_lower_forward(fake_pg):
+    torch.manual_seed(0)
+    model = fsdp_graph.fully_shard(TwoBlock())
+    fw = aot_stages(model, torch.randn(2, 4), tag=tag_reshard).forward
+    assert_expected_inline(
+        code(fw),
+        """\
+def forward(self, primals_1, primals_2, primals_3, primals_4):
+    unshard = torch.ops.fsdp.unshard.default(primals_2, 'blocks.0', '0', 4);  primals_2 = None
+    slice_1 = torch.ops.aten.slice.Tensor(unshard, 0, 0, 16)
+    view = torch.ops.aten.view.default(slice_1, [4, 4]);  slice_1 = None
+    slice_2 = torch.ops.aten.slice.Tensor(unshard, 0, 16, 20);  unshard = None
+    view_1 = torch.ops.aten.view.default(slice_2, [4]);  slice_2 = None
+    t = torch.ops.aten.t.default(view);  view = None
+    addmm = torch.ops.aten.addmm.default(view_1, primals_1, t);  view_1 = t = None
+    relu = torch.ops.aten.relu.default(addmm);  addmm = None
+    unshard_1 = torch.ops.fsdp.unshard.default(primals_3, 'blocks.1', '0', 4)
+    slice_3 = torch.ops.aten.slice.Tensor(unshard_1, 0, 0, 16)
+    view_2 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
+    slice_4 = torch.ops.aten.slice.Tensor(unshard_1, 0, 16, 20);  unshard_1 = None
+    view_3 = torch.ops.aten.view.default(slice_4, [4]);  slice_4 = None
+    t_1 = torch.ops.aten.t.default(view_2);  view_2 = None
+    addmm_1 = torch.ops.aten.addmm.default(view_3, relu, t_1);  view_3 = t_1 = None
+    relu_1 = torch.ops.aten.relu.default(addmm_1);  addmm_1 = None
+    unshard_2 = torch.ops.fsdp.unshard.default(primals_4, '', '0', 4)
+    slice_5 = torch.ops.aten.slice.Tensor(unshard_2, 0, 0, 8);  unshard_2 = None
+    view_4 = torch.ops.aten.view.default(slice_5, [2, 4]);  slice_5 = None
+    t_2 = torch.ops.aten.t.default(view_4);  view_4 = None
+    mm = torch.ops.aten.mm.default(relu_1, t_2);  t_2 = None
+    return (mm, primals_1, primals_3, primals_4, relu, relu_1)""",
+    )
+    lower_fsdp_ops(fw)
+    assert_expected_inline(
+        code(fw),
+        """\
+def forward(self, primals_1, primals_2, primals_3, primals_4):
+    all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_2, 4, '0');  primals_2 = None
+    wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
+    slice_1 = torch.ops.aten.slice.Tensor(wait_tensor_default, 0, 0, 16)
+    view = torch.ops.aten.view.default(slice_1, [4, 4]);  slice_1 = None
+    slice_2 = torch.ops.aten.slice.Tensor(wait_tensor_default, 0, 16, 20);  wait_tensor_default = None
+    view_1 = torch.ops.aten.view.default(slice_2, [4]);  slice_2 = None
+    t = torch.ops.aten.t.default(view);  view = None
+    addmm = torch.ops.aten.addmm.default(view_1, primals_1, t);  view_1 = t = None
+    relu = torch.ops.aten.relu.default(addmm);  addmm = None
+    all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_3, 4, '0')
+    wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1);  all_gather_into_tensor_default_1 = None
+    slice_3 = torch.ops.aten.slice.Tensor(wait_tensor_default_1, 0, 0, 16)
+    view_2 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
+    slice_4 = torch.ops.aten.slice.Tensor(wait_tensor_default_1, 0, 16, 20);  wait_tensor_default_1 = None
+    view_3 = torch.ops.aten.view.default(slice_4, [4]);  slice_4 = None
+    t_1 = torch.ops.aten.t.default(view_2);  view_2 = None
+    addmm_1 = torch.ops.aten.addmm.default(view_3, relu, t_1);  view_3 = t_1 = None
+    relu_1 = torch.ops.aten.relu.default(addmm_1);  addmm_1 = None
+    all_gather_into_tensor_default_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_4, 4, '0')
+    wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_2);  all_gather_into_tensor_default_2 = None
+    slice_5 = torch.ops.aten.slice.Tensor(wait_tensor_default_2, 0, 0, 8);  wait_tensor_default_2 = None
+    view_4 = torch.ops.aten.view.default(slice_5, [2, 4]);  slice_5 = None
+    t_2 = torch.ops.aten.t.default(view_4);  view_4 = None
+    mm = torch.ops.aten.mm.default(relu_1, t_2);  t_2 = None
+    return (mm, primals_1, primals_3, primals_4, relu, relu_1)""",
+    )
+    assert _count(fw, UNSHARD_TARGETS) == 0 and _count(fw, (ALL_GATHER,)) == 3 and _count(fw, (WAIT,)) == 3
+    assert {n.meta.get("fsdp_unit") for n in fw.graph.nodes if n.target is ALL_GATHER} == {"", "blocks.0", "blocks.1"}
+
+
+def test_lower_backward(fake_pg):
+    torch.manual_seed(0)
+    model = fsdp_graph.fully_shard(TwoBlock(), strategy=fsdp_graph.ShardingStrategy.SHARD_GRAD_OP)
+    bw = aot_stages(model, torch.randn(2, 4), tag=tag_reshard).backward
+    lower_fsdp_ops(bw)
+    assert_expected_inline(
+        code(bw),
+        """\
+def forward(self, primals_1, relu, relu_1, t_5, t_7, tangents_1):
+    t_3 = torch.ops.aten.t.default(tangents_1)
+    mm_1 = torch.ops.aten.mm.default(t_3, relu_1);  t_3 = None
+    t_4 = torch.ops.aten.t.default(mm_1);  mm_1 = None
+    mm_2 = torch.ops.aten.mm.default(tangents_1, t_5);  tangents_1 = t_5 = None
+    t_6 = torch.ops.aten.t.default(t_4);  t_4 = None
+    view_5 = torch.ops.aten.view.default(t_6, [8]);  t_6 = None
+    slice_backward = torch.ops.aten.slice_backward.default(view_5, [8], 0, 0, 8, 1);  view_5 = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(slice_backward, 'sum', 4, '0');  slice_backward = None
+    wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
+    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
+    detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
+    detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
+    threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
+    mm_3 = torch.ops.aten.mm.default(threshold_backward, t_7);  t_7 = None
+    t_8 = torch.ops.aten.t.default(threshold_backward)
+    mm_4 = torch.ops.aten.mm.default(t_8, relu);  t_8 = None
+    t_9 = torch.ops.aten.t.default(mm_4);  mm_4 = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True);  threshold_backward = None
+    view_6 = torch.ops.aten.view.default(sum_1, [4]);  sum_1 = None
+    t_10 = torch.ops.aten.t.default(t_9);  t_9 = None
+    view_7 = torch.ops.aten.view.default(view_6, [4]);  view_6 = None
+    slice_backward_1 = torch.ops.aten.slice_backward.default(view_7, [20], 0, 16, 20, 1);  view_7 = None
+    view_8 = torch.ops.aten.view.default(t_10, [16]);  t_10 = None
+    slice_backward_2 = torch.ops.aten.slice_backward.default(view_8, [20], 0, 0, 16, 1);  view_8 = None
+    add = torch.ops.aten.add.Tensor(slice_backward_1, slice_backward_2);  slice_backward_1 = slice_backward_2 = None
+    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add, 'sum', 4, '0');  add = None
+    wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
+    detach = torch.ops.aten.detach.default(relu);  relu = None
+    detach_3 = torch.ops.aten.detach.default(detach);  detach = None
+    threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
+    t_11 = torch.ops.aten.t.default(threshold_backward_1)
+    mm_5 = torch.ops.aten.mm.default(t_11, primals_1);  t_11 = primals_1 = None
+    t_12 = torch.ops.aten.t.default(mm_5);  mm_5 = None
+    sum_2 = torch.ops.aten.sum.dim_IntList(threshold_backward_1, [0], True);  threshold_backward_1 = None
+    view_9 = torch.ops.aten.view.default(sum_2, [4]);  sum_2 = None
+    t_13 = torch.ops.aten.t.default(t_12);  t_12 = None
+    view_10 = torch.ops.aten.view.default(view_9, [4]);  view_9 = None
+    slice_backward_3 = torch.ops.aten.slice_backward.default(view_10, [20], 0, 16, 20, 1);  view_10 = None
+    view_11 = torch.ops.aten.view.default(t_13, [16]);  t_13 = None
+    slice_backward_4 = torch.ops.aten.slice_backward.default(view_11, [20], 0, 0, 16, 1);  view_11 = None
+    add_1 = torch.ops.aten.add.Tensor(slice_backward_3, slice_backward_4);  slice_backward_3 = slice_backward_4 = None
+    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add_1, 'sum', 4, '0');  add_1 = None
+    wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
+    div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 4);  wait_tensor_default_2 = None
+    return (None, div_tensor_2, div_tensor_1, div_tensor)""",
+    )
+    summary = collective_summary(bw)
+    assert summary.counts == {"reduce_scatter": 3} and summary.fsdp_ops_left == 0
+    assert _count(bw, (REDUCE_SCATTER,)) == 3
+
+
+def test_lower_noop_without_fsdp_ops():
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    before = code(gm)
+    assert code(lower_fsdp_ops(gm)) == before

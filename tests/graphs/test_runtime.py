@@ -1,0 +1,188 @@
+"""fully_shard's layout, unit choice, parameter exposure, eager gathers and errors (fake PG, world 4)."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fsdp_graph
+from fsdp_graph.flat_param import FlatParamLayout
+from fsdp_graph.unit import sharded_units
+from tests.graphs.capture import TwoBlock
+from tests.models import GPT, ConvNet, GPTConfig, OddMLP
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    def count(self, name: str) -> int:
+        return sum(1 for c in self.calls if c.startswith(name))
+
+
+def test_layout_padding_and_ranges():
+    layout = FlatParamLayout.build([(("a",), torch.Size([3, 2])), (("b", "c"), torch.Size([5]))], world=4, rank=1)
+    assert (layout.numel, layout.padded_numel, layout.shard_numel, layout.shard_start) == (11, 12, 3, 3)
+    assert [layout.local_range(s) for s in layout.slots] == [(0, 3), (3, 3)]  # rank 1 holds a[3:6], nothing of b
+    last = FlatParamLayout.build([(("a",), torch.Size([3, 2])), (("b",), torch.Size([5]))], world=4, rank=3)
+    assert [last.local_range(s) for s in last.slots] == [(0, 0), (0, 2)]  # b[3:5], then one padding element
+    flat = last.flatten([torch.arange(6.0).view(3, 2), torch.arange(5.0)])
+    assert flat.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 0]
+    assert [t.shape for t in last.unflatten(flat)] == [torch.Size([3, 2]), torch.Size([5])]
+
+
+def test_shards_cover_every_parameter_once(fake_pg):
+    """Rank views tile each parameter exactly: concatenating all ranks' slices rebuilds it."""
+    torch.manual_seed(0)
+    ref = OddMLP()
+    pieces = [dict(_shard_as_rank(copy.deepcopy(ref), rank).named_parameters()) for rank in range(4)]
+    for name, p in ref.named_parameters():
+        rebuilt = torch.cat([pieces[r][name].detach() for r in range(4)])
+        assert torch.equal(rebuilt, p.detach().reshape(-1)), name
+
+
+def _shard_as_rank(model: nn.Module, rank: int) -> nn.Module:
+    dist.destroy_process_group()
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+    return fsdp_graph.fully_shard(model)
+
+
+def test_auto_policy_picks_blocks_and_root_last(fake_pg):
+    model = fsdp_graph.fully_shard(GPT(GPTConfig(layers=3)))
+    assert [u._fsdp_state.name for u in sharded_units(model)] == ["blocks.0", "blocks.1", "blocks.2", ""]
+
+
+def test_module_and_size_policies(fake_pg):
+    model = fsdp_graph.fully_shard(ConvNet(), wrap=fsdp_graph.ModuleWrapPolicy({nn.Conv2d}))
+    assert [u._fsdp_state.name for u in sharded_units(model)] == ["features.0.0", "features.1.0", ""]
+    mlp = fsdp_graph.fully_shard(OddMLP(), wrap=fsdp_graph.size_based_wrap_policy(min_num_params=100))
+    assert [u._fsdp_state.name for u in sharded_units(mlp)] == ["layers.0", "layers.1", ""]  # layers.2 has 60
+
+
+def test_tied_parameter_stored_once_in_common_ancestor(fake_pg):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    names_before = [n for n, _ in model.named_parameters()]
+    fsdp_graph.fully_shard(model)
+    root = sharded_units(model)[-1]._fsdp_state
+    tied = [s for s in root.layout.slots if len(s.fqns) > 1]
+    assert [s.fqns for s in tied] == [("tok.weight", "head.weight")]
+    assert model.tok.weight is model.head.weight  # one Parameter object: the optimizer steps it once
+    assert [n for n, _ in model.named_parameters()] == names_before
+
+
+class CrossUnitTied(nn.Module):
+    """A weight shared by two blocks (two units): it must move to their common ancestor, the root."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.blocks[1].weight = self.blocks[0].weight
+
+    def forward(self, x):
+        return self.blocks[1](self.blocks[0](x))
+
+
+def test_cross_unit_tied_weight_goes_to_lowest_common_ancestor(fake_pg):
+    model = fsdp_graph.fully_shard(CrossUnitTied())
+    units = {u._fsdp_state.name: u._fsdp_state for u in sharded_units(model)}
+    assert [s.fqns for s in units[""].layout.slots] == [("blocks.0.weight", "blocks.1.weight")]
+    assert [s.fqns for s in units["blocks.0"].layout.slots] == [("blocks.0.bias",)]
+    assert model.blocks[0].weight is model.blocks[1].weight
+
+
+def test_outside_forward_parameters_are_shards_and_free(fake_pg):
+    model = fsdp_graph.fully_shard(TwoBlock())
+    with CountOps() as ops:
+        w = model.blocks[0].weight
+        params = list(model.parameters())
+    assert ops.calls == []
+    assert w.dim() == 1 and isinstance(w, nn.Parameter) and w is params[0]
+    flat = model.blocks[0]._fsdp_flat_shard
+    assert w.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # a view: optimizer updates land
+
+
+def test_eager_forward_gathers_each_unit_once(fake_pg):
+    model = fsdp_graph.fully_shard(GPT(GPTConfig()))  # the root unit's tok/head weights are read 2x per forward
+    with CountOps() as ops:
+        model(torch.randint(0, 96, (2, 16)))
+    assert ops.count("fsdp.unshard") == len(sharded_units(model)) == 3
+    with CountOps() as ops:
+        model(torch.randint(0, 96, (2, 16)))
+    assert ops.count("fsdp.unshard") == 3  # the cache is per forward
+
+
+def test_deepcopy_of_sharded_model_is_independent(fake_pg):
+    model = fsdp_graph.fully_shard(TwoBlock())
+    clone = copy.deepcopy(model)
+    assert clone.blocks[0]._fsdp_views["weight"].unit is clone.blocks[0]
+    clone.blocks[0]._fsdp_flat_shard.data.fill_(7.0)
+    assert not torch.equal(model.blocks[0]._fsdp_flat_shard, clone.blocks[0]._fsdp_flat_shard)
+
+
+# ---- errors users can hit: raised early, naming the module/parameter and the fix
+
+
+def test_error_without_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fsdp_graph.fully_shard(TwoBlock())
+
+
+def test_error_when_sharded_twice(fake_pg):
+    model = fsdp_graph.fully_shard(TwoBlock())
+    with pytest.raises(RuntimeError, match="module 'TwoBlock' is already sharded.*ModuleWrapPolicy"):
+        fsdp_graph.fully_shard(model)
+    with pytest.raises(RuntimeError, match="already sharded"):
+        fsdp_graph.fully_shard(model.blocks[1])
+
+
+def test_error_non_floating_parameter(fake_pg):
+    model = TwoBlock()
+    model.blocks[1].steps = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+    with pytest.raises(TypeError, match="'blocks.1.steps' has dtype torch.int64.*register_buffer"):
+        fsdp_graph.fully_shard(model)
+
+
+def test_error_mixed_dtypes_in_unit(fake_pg):
+    model = TwoBlock()
+    model.blocks[0].bias.data = model.blocks[0].bias.data.double()
+    with pytest.raises(TypeError, match="unit 'blocks.0' mixes torch.float32.*'blocks.0.bias'"):
+        fsdp_graph.fully_shard(model)
+
+
+def test_error_mesh_size_mismatch(fake_pg):
+    mesh = DeviceMesh("cpu", torch.arange(2), _init_backend=False)
+    with pytest.raises(ValueError, match="mesh has 2 ranks but the process group has 4"):
+        fsdp_graph.fully_shard(TwoBlock(), mesh)
+
+
+def test_error_two_dimensional_mesh(fake_pg):
+    mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), _init_backend=False)
+    with pytest.raises(NotImplementedError, match="2-D mesh"):
+        fsdp_graph.fully_shard(TwoBlock(), mesh)
+
+
+def test_error_backend_on_unsharded_model(fake_pg):
+    torch._dynamo.reset()
+    compiled = torch.compile(TwoBlock(), backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
+    with pytest.raises(Exception, match="fully_shard never sharded.*Call fsdp_graph.fully_shard"):
+        compiled(torch.randn(2, 4))
+
+
+def test_error_meta_device(fake_pg):
+    with torch.device("meta"):
+        model = TwoBlock()
+    with pytest.raises(NotImplementedError, match="'blocks.0.weight' is on the meta device"):
+        fsdp_graph.fully_shard(model)

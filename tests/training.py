@@ -1,0 +1,232 @@
+"""Train a sharded model and a single-process full-batch reference side by side (run inside each rank)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fsdp_graph
+from tests.models import GPT, BNNet, ConvNet, GPTConfig, OddMLP, gpt_loss
+
+
+@dataclass(frozen=True)
+class Case:
+    """One parity run. mode: "eager" (no compile), "aot" (make_backend(inductor=False)), "inductor"."""
+
+    model: str
+    optim: str = "adamw"
+    strategy: str = "FULL_SHARD"
+    mode: str = "aot"
+    steps: int = 5
+    wrap: str = "auto"
+    reference: str = "single"  # "single": one process on the full batch; "ddp": DDP on the same local batches
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    losses: list[float]
+    ref_losses: list[float]
+    max_param_diff: float
+    param_change: float  # max |final - initial| of the reference: parity is not vacuous
+    reports: list = field(default_factory=list)
+    dynamo_graphs: int = 0
+
+
+def _mse(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def build(name: str) -> tuple[nn.Module, Callable, Callable[[torch.Generator, int], tuple]]:
+    """(model, loss_fn, make_batch(generator, batch_size)) for a named test model."""
+    if name == "gpt":
+        cfg = GPTConfig()
+        return (
+            GPT(cfg),
+            gpt_loss,
+            lambda g, b: (
+                torch.randint(0, cfg.vocab, (b, cfg.seq), generator=g),
+                torch.randint(0, cfg.vocab, (b, cfg.seq), generator=g),
+            ),
+        )
+    if name == "mlp":
+        return OddMLP(), _mse, lambda g, b: (torch.randn(b, 7, generator=g), torch.randn(b, 5, generator=g))
+    if name == "bn":
+        return BNNet(), _mse, lambda g, b: (torch.randn(b, 6, generator=g), torch.randn(b, 3, generator=g))
+    if name == "conv":
+        return ConvNet(), _mse, lambda g, b: (torch.randn(b, 3, 8, 8, generator=g), torch.randn(b, 5, generator=g))
+    raise ValueError(name)
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=5e-2, momentum=0.9)
+
+
+def wrap_policy(name: str):
+    if name == "auto":
+        return None
+    if name == "size":
+        return fsdp_graph.size_based_wrap_policy(min_num_params=100)
+    raise ValueError(name)
+
+
+def shard_and_compile(model: nn.Module, case: Case):
+    strategy = fsdp_graph.ShardingStrategy[case.strategy]
+    fsdp_graph.fully_shard(model, wrap=wrap_policy(case.wrap), strategy=strategy)
+    if case.mode == "eager":
+        return model, None
+    backend = fsdp_graph.make_backend(inductor=case.mode == "inductor")
+    return torch.compile(model, backend=backend, fullgraph=True), backend
+
+
+def max_param_diff(model: nn.Module, ref: nn.Module) -> float:
+    """Max abs difference over every floating-point state entry (parameters and this rank's buffers)."""
+    full = fsdp_graph.full_state_dict(model)
+    ref_sd = ref.state_dict()
+    assert set(full) == set(ref_sd), set(full) ^ set(ref_sd)
+    return max((full[k] - ref_sd[k]).abs().max().item() for k in ref_sd if ref_sd[k].is_floating_point())
+
+
+def _reference_step(case: Case, ref: nn.Module, loss_fn, full_batch, local_batch) -> float:
+    if case.reference == "ddp":
+        loss = loss_fn(ref, local_batch)
+        loss.backward()
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        return value.item() / dist.get_world_size()
+    loss = loss_fn(ref, full_batch)
+    loss.backward()
+    return loss.item()
+
+
+def run_case(case: Case, rank: int, world: int, per_rank_batch: int = 4) -> CaseResult:
+    torch.manual_seed(0)
+    model, loss_fn, make_batch = build(case.model)
+    ref = copy.deepcopy(model)
+    ref_module = ref
+    initial = copy.deepcopy(ref.state_dict())
+    if case.reference == "ddp":
+        ref = nn.parallel.DistributedDataParallel(ref, broadcast_buffers=False)
+    compiled, backend = shard_and_compile(model, case)
+    opt = make_optimizer(case.optim, model.parameters())
+    ref_opt = make_optimizer(case.optim, ref.parameters())
+    gen = torch.Generator().manual_seed(1234)
+    losses, ref_losses = [], []
+    for _ in range(case.steps):
+        full_batch = make_batch(gen, per_rank_batch * world)
+        local = tuple(t.chunk(world)[rank] for t in full_batch)
+        loss = loss_fn(compiled, local)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        losses.append(global_loss.item() / world)
+        ref_losses.append(_reference_step(case, ref, loss_fn, full_batch, local))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return CaseResult(
+        case,
+        losses,
+        ref_losses,
+        max_param_diff(model, ref_module),
+        max((v - initial[k]).abs().max().item() for k, v in ref_module.state_dict().items() if v.is_floating_point()),
+        reports=list(backend.reports) if backend else [],
+        dynamo_graphs=backend.dynamo_graphs if backend else 0,
+    )
+
+
+def run_cases(rank: int, world: int, cases: list[Case]) -> list[CaseResult]:
+    return [run_case(c, rank, world) for c in cases]
+
+
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every original parameter's full gradient, reassembled from the ranks' sharded `.grad` views."""
+    out = {}
+    for unit in fsdp_graph.unit.sharded_units(model):
+        state = unit._fsdp_state
+        layout = state.layout
+        local = torch.zeros(layout.shard_numel)
+        for slot, view in zip(layout.slots, state.views):
+            lo, hi = layout.local_range(slot)
+            if view.grad is not None:
+                local[lo:hi] = view.grad
+        full = torch.empty(layout.padded_numel)
+        dist.all_gather_single(full, local)
+        for slot, grad in zip(layout.slots, layout.unflatten(full)):
+            for fqn in slot.fqns:
+                out[fqn] = grad
+    return out
+
+
+def grad_semantics(rank: int, world: int, mode: str) -> dict[str, float]:
+    """Max |grad - reference grad| after: two backwards without zero_grad (accumulation), then
+    zero_grad(set_to_none=True) + backward, then zero_grad(set_to_none=False) + backward."""
+    torch.manual_seed(0)
+    model, loss_fn, make_batch = build("gpt")
+    ref = copy.deepcopy(model)
+    compiled, _ = shard_and_compile(model, Case("gpt", mode=mode))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(7)
+    batches = [make_batch(gen, 4 * world) for _ in range(4)]
+
+    def backward(batch):
+        loss_fn(compiled, tuple(t.chunk(world)[rank] for t in batch)).backward()
+        loss_fn(ref, batch).backward()
+
+    def diff() -> float:
+        grads = full_grads(model)
+        return max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
+
+    result = {}
+    backward(batches[0])
+    backward(batches[1])
+    result["accumulated"] = diff()
+    opt.step()
+    ref_opt.step()
+    opt.zero_grad(set_to_none=True)
+    ref_opt.zero_grad(set_to_none=True)
+    backward(batches[2])
+    result["after_zero_grad_none"] = diff()
+    opt.zero_grad(set_to_none=False)
+    ref_opt.zero_grad(set_to_none=False)
+    backward(batches[3])
+    result["after_zero_grad_zeros"] = diff()
+    result["grad_norm"] = max(p.grad.abs().max().item() for p in ref.parameters())
+    return result
+
+
+def step_counts(rank: int, world: int, strategy: str, steps: int = 10) -> dict:
+    """Train `steps` steps compiled without fullgraph; report graphs, graph breaks and collectives."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    case = Case("gpt", strategy=strategy, mode="aot")
+    torch.manual_seed(0)
+    model, loss_fn, make_batch = build("gpt")
+    fsdp_graph.fully_shard(model, strategy=fsdp_graph.ShardingStrategy[strategy])
+    backend = fsdp_graph.make_backend(inductor=False)
+    compiled = torch.compile(model, backend=backend)
+    opt = make_optimizer(case.optim, model.parameters())
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        loss_fn(compiled, make_batch(gen, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {
+        "units": len(fsdp_graph.unit.sharded_units(model)),
+        "dynamo_graphs": backend.dynamo_graphs,
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "reports": [(r.stage, dict(r.collectives.counts)) for r in backend.reports],
+    }
