@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -21,6 +22,8 @@ def free_port() -> int:
 
 
 def _entry(rank: int, fn: Callable, world: int, port: int, timeout_s: float, out_dir: str, args: tuple) -> None:
+    # As torchrun does: ranks sharing a machine split its cores instead of oversubscribing them.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
