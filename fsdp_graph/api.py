@@ -5,18 +5,19 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_graph import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.flat_param import FlatParamLayout
-from fsdp_graph.grads import install_grad_hook
 from fsdp_graph.unit import (
     RootState,
     ShardingStrategy,
     UnitState,
     ViewSpec,
+    bind_flat_shard,
     install_forward_hooks,
     is_sharded,
     swap_class,
@@ -102,8 +103,9 @@ def _resolve_group(mesh: DeviceMesh | None) -> dist.ProcessGroup:
 def _check_not_sharded(model: nn.Module) -> None:
     for name, module in model.named_modules():
         if is_sharded(module):
+            root_class = getattr(type(model), "_fsdp_original_class", type(model))
             raise RuntimeError(
-                f"fully_shard: module '{name or type(model).__name__}' is already sharded. Call fully_shard once, "
+                f"fully_shard: module '{name or root_class.__name__}' is already sharded. Call fully_shard once, "
                 "on the root model, and choose the nested units with wrap=ModuleWrapPolicy({...})."
             )
 
@@ -205,18 +207,18 @@ def _shard_unit(unit, unit_fqn, layout, params, param_uses, group, strategy, roo
         reshard_after_forward=strategy is ShardingStrategy.FULL_SHARD,
         root=root_state,
     )
-    ranges = [layout.local_range(slot) for slot in layout.slots]
-    base = shard.detach()
-    for slot_index, (orig, (lo, hi), slot_uses) in enumerate(zip(params, ranges, param_uses)):
-        view = nn.Parameter(base[lo:hi], requires_grad=orig.requires_grad)
+    for slot_index, (orig, slot_uses) in enumerate(zip(params, param_uses)):
+        view = nn.Parameter(torch.empty(0, dtype=orig.dtype, device=orig.device), requires_grad=orig.requires_grad)
         view.__dict__.update({k: v for k, v in orig.__dict__.items() if not k.startswith("_")})
         state.views.append(view)
         for _, module, name in slot_uses:
             module._parameters[name] = view
             module.__dict__.setdefault("_fsdp_views", {})[name] = ViewSpec(unit, slot_index)
-    for _, module, _ in [u for uses in param_uses for u in uses]:
-        swap_class(module, frozenset(module.__dict__["_fsdp_views"]))
-    unit._fsdp_flat_shard = shard
     unit._fsdp_state = state
+    bind_flat_shard(unit, shard)
+    owners = {id(m): m for uses in param_uses for _, m, _ in uses}
+    owners[id(unit)] = unit
+    for module in owners.values():
+        names = frozenset(module.__dict__.get("_fsdp_views", {}))
+        swap_class(module, names, is_unit="_fsdp_state" in module.__dict__)
     install_forward_hooks(unit, root_state)
-    install_grad_hook(shard, state.views, ranges)

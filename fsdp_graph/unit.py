@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_graph.flat_param import FlatParamLayout
+from fsdp_graph.grads import install_grad_hook
 
 
 class ShardingStrategy(enum.Enum):
@@ -99,17 +100,42 @@ def _make_property(name: str) -> property:
     return property(get, doc=f"`{name}`: unsharded in forward, this rank's 1-D shard outside it (fsdp_graph).")
 
 
-_SWAPPED_CLASSES: dict[tuple[type, frozenset[str]], type] = {}
+def bind_flat_shard(unit: nn.Module, flat_shard: torch.Tensor) -> None:
+    """Make `flat_shard` the unit's storage: every original-parameter view is re-pointed at its range (the
+    Parameter objects stay the same, so optimizers keep working) and the gradient hook moves with it."""
+    state: UnitState = unit._fsdp_state
+    layout = state.layout
+    ranges = [layout.local_range(slot) for slot in layout.slots]
+    base = flat_shard.detach()
+    for view, (lo, hi) in zip(state.views, ranges):
+        view.data = base[lo:hi]
+    unit._fsdp_flat_shard = flat_shard
+    install_grad_hook(flat_shard, state.views, ranges)
 
 
-def swap_class(module: nn.Module, names: frozenset[str]) -> None:
-    """Give `module` a subclass with one property per sharded parameter name (cached per class and names)."""
+def _unit_apply(self: nn.Module, fn, recurse: bool = True):
+    """`.to()`, `.double()`, `.cuda()`...: the views are converted one by one by nn.Module (which unlinks them
+    from the flat shard); convert the flat shard once instead and re-point them."""
+    result = self._fsdp_original_class._apply(self, fn, recurse)
+    old = self._fsdp_flat_shard
+    bind_flat_shard(self, fn(old.detach()).detach().requires_grad_(old.requires_grad))
+    return result
+
+
+_SWAPPED_CLASSES: dict[tuple[type, frozenset[str], bool], type] = {}
+
+
+def swap_class(module: nn.Module, names: frozenset[str], is_unit: bool = False) -> None:
+    """Give `module` a subclass with one property per sharded parameter name and, for a unit module, an
+    `_apply` that moves its flat shard (cached per class, names and role)."""
     cls = getattr(type(module), "_fsdp_original_class", type(module))
-    key = (cls, names)
+    key = (cls, names, is_unit)
     if key not in _SWAPPED_CLASSES:
-        props = {n: _make_property(n) for n in sorted(names)}
-        props["_fsdp_original_class"] = cls
-        _SWAPPED_CLASSES[key] = type(f"FSDP{cls.__name__}", (cls,), props)
+        members = {n: _make_property(n) for n in sorted(names)}
+        members["_fsdp_original_class"] = cls
+        if is_unit:
+            members["_apply"] = _unit_apply
+        _SWAPPED_CLASSES[key] = type(f"FSDP{cls.__name__}", (cls,), members)
     module.__class__ = _SWAPPED_CLASSES[key]
 
 

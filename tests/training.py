@@ -230,3 +230,20 @@ def step_counts(rank: int, world: int, strategy: str, steps: int = 10) -> dict:
         "graph_breaks": sum(counters["graph_break"].values()),
         "reports": [(r.stage, dict(r.collectives.counts)) for r in backend.reports],
     }
+
+
+def inference_outputs(rank: int, world: int, mode: str) -> float:
+    """Max |sharded - reference| of logits under torch.no_grad (the compiled inference graph) and in eval."""
+    torch.manual_seed(0)
+    model, _, make_batch = build("gpt")
+    ref = copy.deepcopy(model)
+    compiled, backend = shard_and_compile(model, Case("gpt", mode=mode))
+    idx, _ = make_batch(torch.Generator().manual_seed(5), 2)
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        out, expected = compiled(idx), ref(idx)
+    if backend is not None:
+        assert [r.stage for r in backend.reports] == ["inference"], backend.reports
+        assert backend.reports[0].collectives.counts == {"all_gather": 3}
+    return (out - expected).abs().max().item()

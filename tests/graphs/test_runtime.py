@@ -186,3 +186,21 @@ def test_error_meta_device(fake_pg):
         model = TwoBlock()
     with pytest.raises(NotImplementedError, match="'blocks.0.weight' is on the meta device"):
         fsdp_graph.fully_shard(model)
+
+
+def test_moving_a_sharded_model_keeps_views_linked(fake_pg):
+    """`.double()` after fully_shard converts each flat shard once and re-points the same Parameter objects."""
+    model = fsdp_graph.fully_shard(CrossUnitTied())
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    model.double()
+    assert list(model.parameters()) == params  # same objects: the optimizer still holds them
+    for unit in sharded_units(model):
+        flat = unit._fsdp_flat_shard
+        assert flat.dtype == torch.float64 and flat.requires_grad
+        for view in unit._fsdp_state.views:
+            assert view.dtype == torch.float64
+            assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float64 for p in params)  # hook moved with the shard
+    opt.step()

@@ -3,7 +3,7 @@
 import pytest
 
 from fsdp_graph.launch import spawn
-from tests.training import grad_semantics, step_counts
+from tests.training import grad_semantics, inference_outputs, step_counts
 
 
 @pytest.mark.parametrize("mode", ["eager", "aot"])
@@ -28,3 +28,9 @@ def test_shard_grad_op_no_backward_gathers():
         units = r["units"]
         assert (r["dynamo_graphs"], r["graph_breaks"]) == (1, 0)
         assert r["reports"] == [("fw", {"all_gather": units}), ("bw", {"reduce_scatter": units})]
+
+
+@pytest.mark.parametrize("mode", ["eager", "aot"])
+def test_inference_under_no_grad(mode):
+    for diff in spawn(inference_outputs, 2, (mode,)):
+        assert diff < 1e-5

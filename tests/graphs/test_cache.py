@@ -1,0 +1,41 @@
+"""DESIGN §5 cache rule: our passes are in the compile cache key (fake PG, world 4, full Inductor)."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import fsdp_graph
+from tests.graphs.capture import TwoBlock
+
+
+def _compile_once(backend) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = fsdp_graph.fully_shard(TwoBlock(dim=6))
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(3, 6)).sum().backward()
+
+
+@pytest.mark.slow
+def test_changed_pass_never_reuses_cached_code(fake_pg, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    counters.clear()
+    first = fsdp_graph.make_backend()
+    _compile_once(first)
+    assert [r.stage for r in first.reports] == ["fw", "bw"]  # the passes ran
+    assert counters["aot_autograd"]["autograd_cache_miss"] == 1
+
+    same = fsdp_graph.make_backend()
+    _compile_once(same)
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1  # identical passes: the cache serves it
+    assert same.reports == []
+
+    changed = fsdp_graph.make_backend()
+    monkeypatch.setattr(changed, "_uuid", "a-changed-pass")  # what editing any pass module does to the key
+    _compile_once(changed)
+    assert counters["aot_autograd"]["autograd_cache_miss"] == 2
+    assert [r.stage for r in changed.reports] == ["fw", "bw"]
+
+
+def test_pass_uuid_tracks_options_and_is_stable():
+    assert fsdp_graph.make_backend()._uuid == fsdp_graph.make_backend()._uuid
+    assert fsdp_graph.make_backend()._uuid != fsdp_graph.make_backend(inductor=False)._uuid
