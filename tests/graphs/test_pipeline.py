@@ -203,3 +203,10 @@ def forward(self, primals_1, relu, relu_1, t_5, t_7, t_11, tangents_1):
     div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 4);  wait_tensor_default_2 = None
     return (mm_5, div_tensor_2, div_tensor_1, div_tensor)""",
     )
+
+
+def test_dump_dir_from_environment(fake_pg, tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDP_GRAPH_DUMP", str(tmp_path))
+    _compile("SHARD_GRAD_OP")
+    summary = (tmp_path / "graph_0" / "summary.txt").read_text().splitlines()
+    assert summary == ["fw: all_gather: 3 (0.000 MiB)", "bw: reduce_scatter: 3 (0.000 MiB)"]

@@ -204,3 +204,13 @@ def test_moving_a_sharded_model_keeps_views_linked(fake_pg):
     model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float64 for p in params)  # hook moved with the shard
     opt.step()
+
+
+def test_explicit_one_dimensional_mesh(fake_pg):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (4,))
+    model = fsdp_graph.fully_shard(TwoBlock(), mesh)
+    state = sharded_units(model)[0]._fsdp_state
+    assert (state.world, state.group_name) == (4, mesh.get_group().group_name)
+    assert state.layout.shard_numel == 5  # blocks.0: 16 + 4 = 20 elements over 4 ranks
