@@ -2,13 +2,14 @@
 
 from fsdp_graph.api import fully_shard
 from fsdp_graph.backend import FSDPBackend, GraphReport, fsdp_backend, make_backend
+from fsdp_graph.config import MixedPrecision, ShardingStrategy
 from fsdp_graph.state_dict import full_state_dict
-from fsdp_graph.unit import ShardingStrategy
 from fsdp_graph.wrap import ModuleWrapPolicy, size_based_wrap_policy
 
 __all__ = [
     "FSDPBackend",
     "GraphReport",
+    "MixedPrecision",
     "ModuleWrapPolicy",
     "ShardingStrategy",
     "fsdp_backend",

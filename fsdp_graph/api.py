@@ -1,9 +1,10 @@
-"""`fully_shard`: turn a model's parameters into one flat shard per unit, in place (DESIGN §1, §4)."""
+"""`fully_shard`: turn a model's parameters into flat shards, one per unit (DESIGN §1, §4), in place."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -11,10 +12,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_graph import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
+from fsdp_graph.config import MixedPrecision, ShardingStrategy
 from fsdp_graph.flat_param import FlatParamLayout
+from fsdp_graph.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
 from fsdp_graph.unit import (
     RootState,
-    ShardingStrategy,
     UnitState,
     ViewSpec,
     bind_flat_shard,
@@ -25,6 +27,18 @@ from fsdp_graph.unit import (
 from fsdp_graph.wrap import auto_wrap_policy
 
 WrapPolicy = Callable[[nn.Module], list[nn.Module]]
+ReshardSpec = bool | None | Mapping[nn.Module | str, bool]
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """Where a flat parameter is gathered (shard) and its gradient all-reduced afterwards (replicate)."""
+
+    shard_name: str
+    shard_world: int
+    shard_rank: int
+    replicate_name: str = ""
+    replicate_world: int = 1
 
 
 def fully_shard(
@@ -33,71 +47,114 @@ def fully_shard(
     *,
     wrap: WrapPolicy | list[nn.Module] | None = None,
     strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+    mixed_precision: MixedPrecision | None = None,
+    reshard_after_forward: ReshardSpec = None,
+    ignored_modules: Iterable[nn.Module] = (),
+    ignored_params: Iterable[nn.Parameter] = (),
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+    device: torch.device | str | None = None,
+    sync_module_states: bool = False,
 ) -> nn.Module:
-    """Shard `model` in place over `mesh` (default: the whole world) and return it.
+    """Shard `model` in place over `mesh` and return it. Create the optimizer AFTER this call.
 
-    `wrap` picks the units: a policy (`ModuleWrapPolicy`, `size_based_wrap_policy`, any callable
-    `root -> [modules]`), an explicit list of modules, or None for the automatic policy (the blocks of the
-    largest same-typed ModuleList/Sequential). The root is always the last unit and takes what is left.
-    Create the optimizer AFTER this call: parameters are replaced by 1-D views of this rank's shard.
+    - `wrap`: the units. A policy (`ModuleWrapPolicy`, `size_based_wrap_policy`, any `root -> [modules]`),
+      a list of modules, or None (the blocks of the largest same-typed ModuleList/Sequential). The root is
+      always the last unit and takes what is left.
+    - `mesh`: None (the world) or a 1-D DeviceMesh; a 2-D (replicate, shard) mesh for HYBRID strategies.
+    - `reshard_after_forward`: None (the strategy's default), a bool for every unit, or a mapping from unit
+      module or FQN ("" = root) to bool; units not in the mapping keep the default.
+    - `mixed_precision`: see `MixedPrecision`.
+    - `ignored_modules` / `ignored_params`: left as ordinary replicated parameters; their gradients are not
+      reduced.
+    - Meta-device models: each unit's parameters are materialised on `device` (default cpu) one module at a
+      time with `param_init_fn(module)` or `module.reset_parameters()`; only this rank's shard is kept.
+    - `sync_module_states`: broadcast rank 0's parameters and buffers before sharding.
     """
-    group = _resolve_group(mesh)
-    if not isinstance(strategy, ShardingStrategy):
-        raise TypeError(f"fully_shard: strategy must be a fsdp_graph.ShardingStrategy, got {strategy!r}")
+    groups = _resolve_groups(mesh, strategy)
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(f"fully_shard: mixed_precision must be a fsdp_graph.MixedPrecision, got {mixed_precision!r}")
     _check_not_sharded(model)
     module_fqns = {id(m): name for name, m in model.named_modules()}
-    units = _select_units(model, wrap, module_fqns)
+    ignored = _ignored_param_ids(model, ignored_modules, ignored_params)
+    units = _select_units(model, wrap, module_fqns, ignored_modules)
     unit_fqns = [module_fqns[id(u)] for u in units]
-    params, uses = _collect_parameters(model)
+    params, uses = _collect_parameters(model, ignored)
     assignment = _assign_to_units(params, uses, unit_fqns)
+    reshard = _resolve_reshard(reshard_after_forward, strategy, units, unit_fqns)
+    mp = mixed_precision or MixedPrecision()
+    if sync_module_states:
+        sync_module_states_from_rank0(model, ignored)
+    if mp.buffer_dtype is not None:
+        _cast_buffers(model, mp.buffer_dtype, ignored_modules)
 
-    world, rank = group.size(), group.rank()
     root_state = RootState()
     for unit, unit_fqn in zip(units, unit_fqns):
         members = [pid for pid in params if assignment[pid] == unit_fqn]
-        if not members:
-            continue
-        _check_unit_params(unit_fqn, [params[pid] for pid in members], uses, members)
-        layout = FlatParamLayout.build(
-            [(tuple(f"{m}.{n}".lstrip(".") for m, _, n in uses[pid]), params[pid].shape) for pid in members],
-            world,
-            rank,
-        )
-        _shard_unit(
-            unit,
-            unit_fqn,
-            layout,
-            [params[pid] for pid in members],
-            [uses[pid] for pid in members],
-            group,
-            strategy,
-            root_state,
-        )
-        root_state.units.append(unit)
+        values = _unit_values(members, params, uses, param_init_fn, device)
+        trainable = [pid for pid in members if params[pid].requires_grad]
+        frozen = [pid for pid in members if not params[pid].requires_grad]
+        for suffix, group in (("", trainable), ("[frozen]", frozen)):
+            if not group:
+                continue
+            state = _shard_flat_param(
+                unit,
+                unit_fqn + suffix,
+                [params[pid] for pid in group],
+                [values[pid] for pid in group],
+                [uses[pid] for pid in group],
+                groups,
+                reshard[unit_fqn],
+                mp,
+                root_state,
+            )
+            root_state.flat_params.append(state)
+        if "_fsdp_states" in unit.__dict__:
+            cast_inputs = (
+                mp.param_dtype if (mp.cast_forward_inputs or (unit is model and mp.cast_root_forward_inputs)) else None
+            )
+            install_forward_hooks(unit, root_state, cast_inputs)
+        del values
+    materialize_buffers(model, torch.device(device or "cpu"), param_init_fn)
+    if "_fsdp_states" not in model.__dict__:  # the root owns nothing: still the forward boundary
+        install_forward_hooks(model, root_state, mp.param_dtype if mp.cast_root_forward_inputs else None)
     model.__dict__["_fsdp_root"] = root_state
     return model
 
 
-def _resolve_group(mesh: DeviceMesh | None) -> dist.ProcessGroup:
+def _resolve_groups(mesh: DeviceMesh | None, strategy: ShardingStrategy) -> _Groups:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "fully_shard needs an initialised process group: call "
             "torch.distributed.init_process_group('gloo' or 'nccl') first (torchrun sets the environment)."
         )
-    if mesh is None:
-        return dist.group.WORLD
-    if not isinstance(mesh, DeviceMesh):
+    if not isinstance(strategy, ShardingStrategy):
+        raise TypeError(f"fully_shard: strategy must be a fsdp_graph.ShardingStrategy, got {strategy!r}")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh)}")
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"fully_shard: a {mesh.ndim}-D mesh (HYBRID_SHARD) is not supported yet; pass a 1-D mesh or mesh=None."
-        )
-    if mesh.size() != dist.get_world_size():
+    world = dist.get_world_size()
+    if mesh is not None and mesh.size() != world:
         raise ValueError(
-            f"fully_shard: the mesh has {mesh.size()} ranks but the process group has {dist.get_world_size()}; "
-            f"build it with init_device_mesh(device_type, ({dist.get_world_size()},)) or pass mesh=None."
+            f"fully_shard: the mesh has {mesh.size()} ranks but the process group has {world}; "
+            f"build it with init_device_mesh(device_type, ({world},)) (or (replicate, shard) for HYBRID_SHARD)."
         )
-    return mesh.get_group()
+    if strategy.is_hybrid:
+        if mesh is None or mesh.ndim != 2:
+            raise ValueError(
+                f"fully_shard: {strategy.name} needs a 2-D mesh (replicate, shard), e.g. "
+                "init_device_mesh('cuda', (num_nodes, gpus_per_node)); got "
+                f"{'no mesh' if mesh is None else f'a {mesh.ndim}-D mesh'}."
+            )
+        shard, replicate = mesh.get_group(1), mesh.get_group(0)
+        return _Groups(shard.group_name, shard.size(), shard.rank(), replicate.group_name, replicate.size())
+    if mesh is not None and mesh.ndim != 1:
+        raise ValueError(
+            f"fully_shard: a {mesh.ndim}-D mesh needs strategy=ShardingStrategy.HYBRID_SHARD (or "
+            "_HYBRID_SHARD_ZERO2); pass a 1-D mesh or mesh=None for other strategies."
+        )
+    group = dist.group.WORLD if mesh is None else mesh.get_group()
+    if strategy is ShardingStrategy.NO_SHARD:
+        return _Groups("", 1, 0, group.group_name if group.size() > 1 else "", group.size())
+    return _Groups(group.group_name, group.size(), group.rank())
 
 
 def _check_not_sharded(model: nn.Module) -> None:
@@ -110,10 +167,18 @@ def _check_not_sharded(model: nn.Module) -> None:
             )
 
 
-def _select_units(model: nn.Module, wrap, module_fqns: dict[int, str]) -> list[nn.Module]:
+def _ignored_param_ids(model: nn.Module, ignored_modules, ignored_params) -> set[int]:
+    ids = {id(p) for m in ignored_modules for p in m.parameters()}
+    ids |= {id(p) for p in ignored_params}
+    if model in list(ignored_modules):
+        raise ValueError("fully_shard: the root model itself is in ignored_modules; nothing would be sharded.")
+    return ids
+
+
+def _select_units(model: nn.Module, wrap, module_fqns: dict[int, str], ignored_modules) -> list[nn.Module]:
     if wrap is None:
         chosen = auto_wrap_policy(model)
-    elif isinstance(wrap, (list, tuple)):
+    elif isinstance(wrap, list | tuple):
         chosen = list(wrap)
     elif callable(wrap):
         chosen = list(wrap(model))
@@ -122,30 +187,26 @@ def _select_units(model: nn.Module, wrap, module_fqns: dict[int, str]) -> list[n
     for m in chosen:
         if id(m) not in module_fqns:
             raise ValueError(f"fully_shard: wrap selected a {type(m).__name__} that is not a submodule of the model.")
+    inside_ignored = {id(sub) for m in ignored_modules for sub in m.modules()}
     order = {mid: i for i, mid in enumerate(module_fqns)}
-    units = sorted({id(m): m for m in chosen if m is not model}.values(), key=lambda m: order[id(m)])
+    chosen = [m for m in chosen if m is not model and id(m) not in inside_ignored]
+    units = sorted({id(m): m for m in chosen}.values(), key=lambda m: order[id(m)])
     return units + [model]
 
 
-def _collect_parameters(model: nn.Module):
+def _collect_parameters(model: nn.Module, ignored: set[int]):
     """Distinct parameters in registration order, and every (module FQN, module, name) using each."""
     params: dict[int, nn.Parameter] = {}
     uses: dict[int, list[tuple[str, nn.Module, str]]] = defaultdict(list)
     for module_fqn, module in model.named_modules(remove_duplicate=False):
         for name, p in module._parameters.items():
-            if p is None:
+            if p is None or id(p) in ignored:
                 continue
             fqn = f"{module_fqn}.{name}".lstrip(".")
             if not p.is_floating_point():
                 raise TypeError(
                     f"fully_shard: parameter '{fqn}' has dtype {p.dtype}; only floating-point parameters can be "
-                    "sharded. Register it as a buffer (module.register_buffer) instead."
-                )
-            if p.device.type == "meta":
-                raise NotImplementedError(
-                    f"fully_shard: parameter '{fqn}' is on the meta device; meta-device construction is not "
-                    "supported yet. Materialise the model (e.g. model.to_empty(device=...) and reset_parameters()) "
-                    "before fully_shard."
+                    "sharded. Register it as a buffer (module.register_buffer) or pass it in ignored_params."
                 )
             params.setdefault(id(p), p)
             if (module_fqn, name) not in {(f, n) for f, _, n in uses[id(p)]}:
@@ -182,43 +243,102 @@ def _assign_to_units(params, uses, unit_fqns: list[str]) -> dict[int, str]:
     return assignment
 
 
-def _check_unit_params(unit_fqn: str, params: list[nn.Parameter], uses, members: list[int]) -> None:
+def _resolve_reshard(spec: ReshardSpec, strategy: ShardingStrategy, units, unit_fqns) -> dict[str, bool]:
+    default = strategy.default_reshard_after_forward
+    if strategy is ShardingStrategy.NO_SHARD:
+        if spec not in (None, True):
+            raise ValueError("fully_shard: NO_SHARD has nothing to reshard; leave reshard_after_forward=None.")
+        return dict.fromkeys(unit_fqns, True)
+    if spec is None or isinstance(spec, bool):
+        return dict.fromkeys(unit_fqns, default if spec is None else spec)
+    if not isinstance(spec, Mapping):
+        raise TypeError(f"fully_shard: reshard_after_forward must be None, a bool or a mapping, got {type(spec)}")
+    by_key = {}
+    for key, value in spec.items():
+        fqn = key if isinstance(key, str) else next((f for u, f in zip(units, unit_fqns) if u is key), None)
+        if fqn not in unit_fqns:
+            raise ValueError(f"fully_shard: reshard_after_forward names {key!r}, which is not a unit ({unit_fqns}).")
+        by_key[fqn] = bool(value)
+    return {fqn: by_key.get(fqn, default) for fqn in unit_fqns}
+
+
+def _cast_buffers(model: nn.Module, dtype: torch.dtype, ignored_modules) -> None:
+    skip = {id(sub) for m in ignored_modules for sub in m.modules()}
+    for module in model.modules():
+        if id(module) in skip:
+            continue
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_floating_point():
+                module._buffers[name] = buf.to(dtype)
+
+
+def _check_flat_params(name: str, params: list[nn.Parameter], uses) -> None:
     first = params[0]
-    for p, pid in zip(params, members):
-        fqn = ".".join(filter(None, uses[pid][0][::2]))
+    for p, param_uses in zip(params, uses):
         if p.dtype != first.dtype or p.device != first.device:
+            fqn = f"{param_uses[0][0]}.{param_uses[0][2]}".lstrip(".")
             raise TypeError(
-                f"fully_shard: unit '{unit_fqn or '<root>'}' mixes {first.dtype} on {first.device} with "
+                f"fully_shard: unit '{name or '<root>'}' mixes {first.dtype} on {first.device} with "
                 f"{p.dtype} on {p.device} (parameter '{fqn}'). A flat parameter needs one dtype and device: "
                 "cast the model (model.to(dtype)) or make that module its own unit with the wrap policy."
             )
 
 
-def _shard_unit(unit, unit_fqn, layout, params, param_uses, group, strategy, root_state) -> None:
-    flat = layout.flatten(params)
+def _unit_values(members, params, uses, param_init_fn, device) -> dict[int, torch.Tensor]:
+    """Each member's value: itself, or for meta-device parameters, freshly initialised on `device` one owning
+    module at a time (this unit's parameters are the most any rank holds unsharded at once)."""
+    values = {pid: params[pid] for pid in members}
+    device = torch.device(device or "cpu")
+    for pid in members:
+        if values[pid].device.type != "meta":
+            continue
+        module_fqn, module, _ = uses[pid][0]
+        materialized = materialize_module(module, module_fqn or "<root>", device, param_init_fn)
+        for old_id, value in materialized.items():
+            if old_id in values:
+                values[old_id] = value
+    return values
+
+
+def _shard_flat_param(
+    unit, name, params, values, param_uses, groups: _Groups, reshard: bool, mp: MixedPrecision, root_state
+) -> UnitState:
+    _check_flat_params(name, values, param_uses)
+    layout = FlatParamLayout.build(
+        [(tuple(f"{m}.{n}".lstrip(".") for m, _, n in u), p.shape) for p, u in zip(params, param_uses)],
+        groups.shard_world,
+        groups.shard_rank,
+    )
+    flat = layout.flatten(values)
     shard = flat[layout.shard_start : layout.shard_start + layout.shard_numel].clone()
-    shard.requires_grad_(any(p.requires_grad for p in params))
     del flat
+    shard.requires_grad_(params[0].requires_grad)
+    index = len(unit.__dict__.get("_fsdp_states", []))
     state = UnitState(
-        name=unit_fqn,
+        module=unit,
+        index=index,
+        name=name,
         layout=layout,
-        group_name=group.group_name,
-        world=layout.world,
-        reshard_after_forward=strategy is ShardingStrategy.FULL_SHARD,
+        group_name=groups.shard_name,
+        world=groups.shard_world,
+        reshard_after_forward=reshard,
         root=root_state,
+        param_dtype=mp.param_dtype if mp.param_dtype != shard.dtype else None,
+        reduce_dtype=mp.effective_reduce_dtype,
+        replicate_group=groups.replicate_name,
+        replicate_world=groups.replicate_world,
     )
     for slot_index, (orig, slot_uses) in enumerate(zip(params, param_uses)):
-        view = nn.Parameter(torch.empty(0, dtype=orig.dtype, device=orig.device), requires_grad=orig.requires_grad)
+        view = nn.Parameter(torch.empty(0, dtype=shard.dtype, device=shard.device), requires_grad=orig.requires_grad)
         view.__dict__.update({k: v for k, v in orig.__dict__.items() if not k.startswith("_")})
         state.views.append(view)
-        for _, module, name in slot_uses:
-            module._parameters[name] = view
-            module.__dict__.setdefault("_fsdp_views", {})[name] = ViewSpec(unit, slot_index)
-    unit._fsdp_state = state
-    bind_flat_shard(unit, shard)
+        for _, module, pname in slot_uses:
+            module._parameters[pname] = view
+            module.__dict__.setdefault("_fsdp_views", {})[pname] = ViewSpec(unit, index, slot_index)
+    unit.__dict__.setdefault("_fsdp_states", []).append(state)
+    bind_flat_shard(state, shard)
     owners = {id(m): m for uses in param_uses for _, m, _ in uses}
     owners[id(unit)] = unit
     for module in owners.values():
-        names = frozenset(module.__dict__.get("_fsdp_views", {}))
-        swap_class(module, names, is_unit="_fsdp_state" in module.__dict__)
-    install_forward_hooks(unit, root_state)
+        swap_class(module, frozenset(module.__dict__.get("_fsdp_views", {})), is_unit="_fsdp_states" in module.__dict__)
+    return state

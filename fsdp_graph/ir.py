@@ -29,5 +29,23 @@ ROLE_UNSHARD = "unshard"
 ROLE_REDUCE = "reduce_grad"
 
 # Positional argument indices of fsdp::unshard / fsdp::reduce_grad (the schema is the contract).
-UNSHARD_ARGS = ("shard", "unit", "group", "world", "dtype", "reduce_dtype", "reshard_after_forward")
-REDUCE_ARGS = ("full_grad", "unit", "group", "world", "dtype", "out_dtype")
+UNSHARD_ARGS = (
+    "shard",
+    "unit",
+    "group",
+    "world",
+    "dtype",
+    "reduce_dtype",
+    "reshard_after_forward",
+    "replicate_group",
+    "replicate_world",
+)
+REDUCE_ARGS = ("full_grad", "unit", "group", "world", "dtype", "out_dtype", "replicate_group", "replicate_world")
+UNSHARD_DEFAULTS = {
+    "dtype": None,
+    "reduce_dtype": None,
+    "reshard_after_forward": True,
+    "replicate_group": "",
+    "replicate_world": 1,
+}
+REDUCE_DEFAULTS = {"replicate_group": "", "replicate_world": 1}

@@ -25,19 +25,35 @@ def unshard(
     dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
+    replicate_group: str = "",
+    replicate_world: int = 1,
 ) -> torch.Tensor:
-    """The unit's full padded flat parameter: `shard` cast to `dtype`, then all-gathered over `group`.
+    """The unit's full padded flat parameter: `shard` cast to `dtype`, then all-gathered over `group`
+    (`world` == 1: nothing to gather, NO_SHARD).
 
     `reduce_dtype` is the dtype its gradient is reduced in (None: the gradient's own dtype);
-    `reshard_after_forward` tells the reshard pass whether the backward re-gathers (True) or the
-    forward saves the gathered tensor (False).
+    `reshard_after_forward` tells the reshard pass whether the backward re-gathers (True) or the forward
+    saves the gathered tensor (False); `replicate_group`/`replicate_world` name the group the gradient is
+    all-reduced over after the reduce-scatter (HYBRID_SHARD, NO_SHARD; 1: none).
     """
-    gathered = _c10d.all_gather_into_tensor(_cast(shard, dtype).contiguous(), world, group)
-    return _c10d.wait_tensor(gathered)
+    cast = _cast(shard, dtype)
+    if world == 1:
+        return cast.clone() if cast is shard else cast
+    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(cast.contiguous(), world, group))
 
 
 @unshard.register_fake
-def _unshard_fake(shard, unit, group, world, dtype=None, reduce_dtype=None, reshard_after_forward=True):
+def _unshard_fake(
+    shard,
+    unit,
+    group,
+    world,
+    dtype=None,
+    reduce_dtype=None,
+    reshard_after_forward=True,
+    replicate_group="",
+    replicate_world=1,
+):
     return shard.new_empty(shard.numel() * world, dtype=dtype or shard.dtype)
 
 
@@ -49,28 +65,35 @@ def reduce_grad(
     world: int,
     dtype: torch.dtype | None,
     out_dtype: torch.dtype,
+    replicate_group: str = "",
+    replicate_world: int = 1,
 ) -> torch.Tensor:
-    """This rank's shard of the gradient averaged over `group`, reduced in `dtype`, returned in `out_dtype`.
+    """This rank's shard of the gradient averaged over all `world * replicate_world` data-parallel ranks:
+    cast to `dtype`, reduce-scattered (sum) over `group`, all-reduced (sum) over `replicate_group`,
+    divided, returned in `out_dtype`.
 
-    Reduce-scatter with "sum" then a division: "avg" has no autograd formula and is not supported by
-    every process-group backend.
+    Sum then a division: "avg" has no autograd formula and is not supported by every process-group backend.
     """
-    scattered = _c10d.reduce_scatter_tensor(_cast(full_grad, dtype).contiguous(), "sum", world, group)
-    return _cast(_c10d.wait_tensor(scattered) / world, out_dtype)
+    grad = _cast(full_grad, dtype).contiguous()
+    if world > 1:
+        grad = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, "sum", world, group))
+    if replicate_world > 1:
+        grad = _c10d.wait_tensor(_c10d.all_reduce(grad, "sum", replicate_group))
+    return _cast(grad / (world * replicate_world), out_dtype)
 
 
 @reduce_grad.register_fake
-def _reduce_grad_fake(full_grad, unit, group, world, dtype, out_dtype):
+def _reduce_grad_fake(full_grad, unit, group, world, dtype, out_dtype, replicate_group="", replicate_world=1):
     return full_grad.new_empty(full_grad.numel() // world, dtype=out_dtype)
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shard, unit, group, world, _dtype, reduce_dtype, _reshard = inputs
-    ctx.reduce_args = (unit, group, world, reduce_dtype, shard.dtype)
+    shard, unit, group, world, _dtype, reduce_dtype, _reshard, replicate_group, replicate_world = inputs
+    ctx.reduce_args = (unit, group, world, reduce_dtype, shard.dtype, replicate_group, replicate_world)
 
 
 def _unshard_backward(ctx, grad: torch.Tensor):
-    return (reduce_grad(grad, *ctx.reduce_args),) + (None,) * 6
+    return (reduce_grad(grad, *ctx.reduce_args),) + (None,) * 8
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

@@ -6,14 +6,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_graph.unit import sharded_units
+from fsdp_graph.unit import UnitState, flat_params
 
 
-def _gather_flat(unit: nn.Module) -> torch.Tensor:
-    state = unit._fsdp_state
-    shard = unit._fsdp_flat_shard.detach()
+def _gather_flat(state: UnitState) -> torch.Tensor:
+    shard = state.flat_shard.detach()
     full = shard.new_empty(state.layout.padded_numel)
     group = dist.distributed_c10d._resolve_process_group(state.group_name)
+    if state.world == 1:
+        return shard.clone()
     dist.all_gather_single(full, shard.contiguous(), group=group)
     return full
 
@@ -24,13 +25,13 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     Collective: every rank must call it. Keys are the original FQNs (each name of a tied parameter).
     """
-    units = sharded_units(model)
-    if not units:
+    states = flat_params(model)
+    if not states:
         raise RuntimeError("full_state_dict: the model is not sharded; call fsdp_graph.fully_shard(model) first.")
     result = model.state_dict()
-    for unit in units:
-        layout = unit._fsdp_state.layout
-        for slot, full in zip(layout.slots, layout.unflatten(_gather_flat(unit))):
+    for state in states:
+        layout = state.layout
+        for slot, full in zip(layout.slots, layout.unflatten(_gather_flat(state))):
             for fqn in slot.fqns:
                 if fqn in result:
                     result[fqn] = full.clone()

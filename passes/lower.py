@@ -9,14 +9,17 @@ import torch.fx as fx
 
 from fsdp_graph.ir import (
     ALL_GATHER,
+    ALL_REDUCE,
     META_ROLE,
     META_UNIT,
     REDUCE_ARGS,
+    REDUCE_DEFAULTS,
     REDUCE_GRAD_TARGETS,
     REDUCE_SCATTER,
     ROLE_REDUCE,
     ROLE_UNSHARD,
     UNSHARD_ARGS,
+    UNSHARD_DEFAULTS,
     UNSHARD_TARGETS,
     WAIT,
 )
@@ -24,8 +27,9 @@ from fsdp_graph.ir import (
 _aten, _prims = torch.ops.aten, torch.ops.prims
 
 
-def _bind(node: fx.Node, names: tuple[str, ...]) -> dict[str, Any]:
-    bound = dict(zip(names, node.args))
+def _bind(node: fx.Node, names: tuple[str, ...], defaults: dict[str, Any]) -> dict[str, Any]:
+    bound = dict(defaults)
+    bound.update(zip(names, node.args))
     bound.update(node.kwargs)
     return bound
 
@@ -52,32 +56,39 @@ class _Emitter:
 
 
 def _lower_unshard(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    a = _bind(node, UNSHARD_ARGS)
+    a = _bind(node, UNSHARD_ARGS, UNSHARD_DEFAULTS)
     emit = _Emitter(graph, node, a["unit"], ROLE_UNSHARD)
-    shard = emit.cast(a["shard"], a.get("dtype"))
+    shard = emit.cast(a["shard"], a["dtype"])
+    if a["world"] == 1:
+        return shard
     out_val = node.meta.get("val")
     gathered = emit(ALL_GATHER, (shard, a["world"], a["group"]), out_val)
     return emit(WAIT, (gathered,), out_val)
 
 
 def _lower_reduce(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    a = _bind(node, REDUCE_ARGS)
+    a = _bind(node, REDUCE_ARGS, REDUCE_DEFAULTS)
     emit = _Emitter(graph, node, a["unit"], ROLE_REDUCE)
     grad = emit.cast(a["full_grad"], a["dtype"])
     gval = grad.meta.get("val")
     shard_val = None if gval is None else gval.new_empty(gval.numel() // a["world"])
-    scattered = emit(REDUCE_SCATTER, (grad, "sum", a["world"], a["group"]), shard_val)
-    waited = emit(WAIT, (scattered,), shard_val)
-    averaged = emit(_aten.div.Tensor, (waited, a["world"]), shard_val)
+    if a["world"] > 1:
+        grad = emit(REDUCE_SCATTER, (grad, "sum", a["world"], a["group"]), shard_val)
+        grad = emit(WAIT, (grad,), shard_val)
+    if a["replicate_world"] > 1:
+        grad = emit(ALL_REDUCE, (grad, "sum", a["replicate_group"]), shard_val)
+        grad = emit(WAIT, (grad,), shard_val)
+    averaged = emit(_aten.div.Tensor, (grad, a["world"] * a["replicate_world"]), shard_val)
     return emit.cast(averaged, a["out_dtype"])
 
 
 def lower_fsdp_ops(gm: fx.GraphModule) -> fx.GraphModule:
     """In place on a partitioned forward or backward graph.
 
-    Matches: `fsdp.unshard` -> [cast to dtype] + `all_gather_into_tensor` + `wait_tensor`;
-    `fsdp.reduce_grad` -> [cast to dtype] + `reduce_scatter_tensor(sum)` + `wait_tensor` + div by world
-    + [cast to out_dtype]. Every produced node carries `meta["fsdp_unit"]` and `meta["fsdp_role"]`.
+    Matches: `fsdp.unshard` -> [cast to dtype] + `all_gather_into_tensor` + `wait_tensor` (world 1: the cast
+    alone); `fsdp.reduce_grad` -> [cast to dtype] + [`reduce_scatter_tensor(sum)` + `wait_tensor` if world > 1]
+    + [`all_reduce(sum)` + `wait_tensor` over the replicate group if replicate_world > 1] + div by the
+    data-parallel size + [cast to out_dtype]. Every produced node carries `meta["fsdp_unit"]` and `meta["fsdp_role"]`.
     Guarantees: no fsdp op is left, the collectives are the ones Inductor's bucketing and overlap passes
     recognise, and the numerics equal the ops' eager implementations. No-op when nothing matches.
     """

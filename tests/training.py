@@ -152,16 +152,21 @@ def run_cases(rank: int, world: int, cases: list[Case]) -> list[CaseResult]:
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every original parameter's full gradient, reassembled from the ranks' sharded `.grad` views."""
     out = {}
-    for unit in fsdp_graph.unit.sharded_units(model):
-        state = unit._fsdp_state
+    for state in fsdp_graph.unit.flat_params(model):
         layout = state.layout
+        if not state.flat_shard.requires_grad:
+            continue
         local = torch.zeros(layout.shard_numel)
         for slot, view in zip(layout.slots, state.views):
             lo, hi = layout.local_range(slot)
             if view.grad is not None:
                 local[lo:hi] = view.grad
         full = torch.empty(layout.padded_numel)
-        dist.all_gather_single(full, local)
+        if state.world == 1:
+            full = local
+        else:
+            group = dist.distributed_c10d._resolve_process_group(state.group_name)
+            dist.all_gather_single(full, local, group=group)
         for slot, grad in zip(layout.slots, layout.unflatten(full)):
             for fqn in slot.fqns:
                 out[fqn] = grad

@@ -33,10 +33,10 @@ def test_dedup_merges_repeated_reads(fake_pg):
     assert_expected_inline(
         code(gm),
         """\
-def forward(self, L_self_fsdp_flat_shard : torch.Tensor, L_x_ : torch.Tensor):
-    l_self_fsdp_flat_shard = L_self_fsdp_flat_shard
+def forward(self, L_self_fsdp_flat_shards_0_ : torch.Tensor, L_x_ : torch.Tensor):
+    l_self_fsdp_flat_shards_0_ = L_self_fsdp_flat_shards_0_
     l_x_ = L_x_
-    flat = torch.ops.fsdp.unshard(l_self_fsdp_flat_shard, '', '0', 4, None, None, True);  l_self_fsdp_flat_shard = None
+    flat = torch.ops.fsdp.unshard(l_self_fsdp_flat_shards_0_, '', '0', 4, None, None, True, '', 1);  l_self_fsdp_flat_shards_0_ = None
     getitem = flat[slice(0, 9, None)]
     view = getitem.view((3, 3));  getitem = None
     matmul = l_x_ @ view;  view = None

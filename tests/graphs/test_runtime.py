@@ -11,9 +11,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_graph
 from fsdp_graph.flat_param import FlatParamLayout
-from fsdp_graph.unit import sharded_units
+from fsdp_graph.unit import flat_params, sharded_units
 from tests.graphs.capture import TwoBlock
-from tests.models import GPT, ConvNet, GPTConfig, OddMLP
+from tests.models import GPT, BNNet, ConvNet, GPTConfig, OddMLP
 
 
 class CountOps(TorchDispatchMode):
@@ -50,24 +50,24 @@ def test_shards_cover_every_parameter_once(fake_pg):
         assert torch.equal(rebuilt, p.detach().reshape(-1)), name
 
 
-def _shard_as_rank(model: nn.Module, rank: int) -> nn.Module:
+def _shard_as_rank(model: nn.Module, rank: int, **kwargs) -> nn.Module:
     dist.destroy_process_group()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
-    return fsdp_graph.fully_shard(model)
+    return fsdp_graph.fully_shard(model, **kwargs)
 
 
 def test_auto_policy_picks_blocks_and_root_last(fake_pg):
     model = fsdp_graph.fully_shard(GPT(GPTConfig(layers=3)))
-    assert [u._fsdp_state.name for u in sharded_units(model)] == ["blocks.0", "blocks.1", "blocks.2", ""]
+    assert [s.name for s in flat_params(model)] == ["blocks.0", "blocks.1", "blocks.2", ""]
 
 
 def test_module_and_size_policies(fake_pg):
     model = fsdp_graph.fully_shard(ConvNet(), wrap=fsdp_graph.ModuleWrapPolicy({nn.Conv2d}))
-    assert [u._fsdp_state.name for u in sharded_units(model)] == ["features.0.0", "features.1.0", ""]
+    assert [s.name for s in flat_params(model)] == ["features.0.0", "features.1.0", ""]
     mlp = fsdp_graph.fully_shard(OddMLP(), wrap=fsdp_graph.size_based_wrap_policy(min_num_params=100))
-    assert [u._fsdp_state.name for u in sharded_units(mlp)] == ["layers.0", "layers.1", ""]  # layers.2 has 60
+    assert [s.name for s in flat_params(mlp)] == ["layers.0", "layers.1", ""]  # layers.2 has 60
 
 
 def test_tied_parameter_stored_once_in_common_ancestor(fake_pg):
@@ -75,7 +75,7 @@ def test_tied_parameter_stored_once_in_common_ancestor(fake_pg):
     model = GPT(GPTConfig())
     names_before = [n for n, _ in model.named_parameters()]
     fsdp_graph.fully_shard(model)
-    root = sharded_units(model)[-1]._fsdp_state
+    root = flat_params(model)[-1]
     tied = [s for s in root.layout.slots if len(s.fqns) > 1]
     assert [s.fqns for s in tied] == [("tok.weight", "head.weight")]
     assert model.tok.weight is model.head.weight  # one Parameter object: the optimizer steps it once
@@ -96,7 +96,7 @@ class CrossUnitTied(nn.Module):
 
 def test_cross_unit_tied_weight_goes_to_lowest_common_ancestor(fake_pg):
     model = fsdp_graph.fully_shard(CrossUnitTied())
-    units = {u._fsdp_state.name: u._fsdp_state for u in sharded_units(model)}
+    units = {s.name: s for s in flat_params(model)}
     assert [s.fqns for s in units[""].layout.slots] == [("blocks.0.weight", "blocks.1.weight")]
     assert [s.fqns for s in units["blocks.0"].layout.slots] == [("blocks.0.bias",)]
     assert model.blocks[0].weight is model.blocks[1].weight
@@ -109,7 +109,7 @@ def test_outside_forward_parameters_are_shards_and_free(fake_pg):
         params = list(model.parameters())
     assert ops.calls == []
     assert w.dim() == 1 and isinstance(w, nn.Parameter) and w is params[0]
-    flat = model.blocks[0]._fsdp_flat_shard
+    flat = model.blocks[0]._fsdp_flat_shards[0]
     assert w.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # a view: optimizer updates land
 
 
@@ -127,8 +127,8 @@ def test_deepcopy_of_sharded_model_is_independent(fake_pg):
     model = fsdp_graph.fully_shard(TwoBlock())
     clone = copy.deepcopy(model)
     assert clone.blocks[0]._fsdp_views["weight"].unit is clone.blocks[0]
-    clone.blocks[0]._fsdp_flat_shard.data.fill_(7.0)
-    assert not torch.equal(model.blocks[0]._fsdp_flat_shard, clone.blocks[0]._fsdp_flat_shard)
+    clone.blocks[0]._fsdp_flat_shards[0].data.fill_(7.0)
+    assert not torch.equal(model.blocks[0]._fsdp_flat_shards[0], clone.blocks[0]._fsdp_flat_shards[0])
 
 
 # ---- errors users can hit: raised early, naming the module/parameter and the fix
@@ -170,7 +170,7 @@ def test_error_mesh_size_mismatch(fake_pg):
 
 def test_error_two_dimensional_mesh(fake_pg):
     mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), _init_backend=False)
-    with pytest.raises(NotImplementedError, match="2-D mesh"):
+    with pytest.raises(ValueError, match="2-D mesh needs strategy=ShardingStrategy.HYBRID_SHARD"):
         fsdp_graph.fully_shard(TwoBlock(), mesh)
 
 
@@ -181,11 +181,46 @@ def test_error_backend_on_unsharded_model(fake_pg):
         compiled(torch.randn(2, 4))
 
 
-def test_error_meta_device(fake_pg):
+class NoReset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(3))
+
+
+def test_error_meta_module_without_initialiser(fake_pg):
     with torch.device("meta"):
-        model = TwoBlock()
-    with pytest.raises(NotImplementedError, match="'blocks.0.weight' is on the meta device"):
+        model = NoReset()
+    with pytest.raises(ValueError, match="'<root>' \\(NoReset\\) has meta-device parameters \\['w'\\].*param_init_fn"):
         fsdp_graph.fully_shard(model)
+
+
+def _deterministic_init(module: nn.Module) -> None:
+    """A param_init_fn initialises the module's own parameters and buffers (FSDP1's contract)."""
+    for p in module.parameters(recurse=False):
+        p.copy_(torch.arange(p.numel(), dtype=p.dtype).view(p.shape) / 64 + p.numel())
+    if isinstance(module, nn.BatchNorm1d):
+        module.reset_running_stats()
+
+
+def test_meta_device_materialises_only_this_ranks_shard(fake_pg):
+    ref = BNNet()
+    with torch.no_grad():
+        for m in ref.modules():
+            _deterministic_init(m)
+    pieces = []
+    for rank in range(4):
+        with torch.device("meta"):
+            model = BNNet()
+        sharded = _shard_as_rank(model, rank, param_init_fn=_deterministic_init)
+        assert all(p.device.type == "cpu" for p in sharded.parameters())
+        assert sharded.bn.running_var.device.type == "cpu" and torch.equal(sharded.bn.running_var, torch.ones(12))
+        assert (
+            sum(s.flat_shard.numel() for s in flat_params(sharded))
+            == sum(s.layout.padded_numel for s in flat_params(sharded)) // 4
+        )  # each rank keeps a quarter
+        pieces.append(dict(sharded.named_parameters()))
+    for name, p in ref.named_parameters():
+        assert torch.equal(torch.cat([pieces[r][name].detach() for r in range(4)]), p.detach().reshape(-1)), name
 
 
 def test_moving_a_sharded_model_keeps_views_linked(fake_pg):
@@ -195,10 +230,10 @@ def test_moving_a_sharded_model_keeps_views_linked(fake_pg):
     opt = torch.optim.SGD(params, lr=0.1)
     model.double()
     assert list(model.parameters()) == params  # same objects: the optimizer still holds them
-    for unit in sharded_units(model):
-        flat = unit._fsdp_flat_shard
+    for state in flat_params(model):
+        flat = state.flat_shard
         assert flat.dtype == torch.float64 and flat.requires_grad
-        for view in unit._fsdp_state.views:
+        for view in state.views:
             assert view.dtype == torch.float64
             assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
     model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
@@ -211,6 +246,6 @@ def test_explicit_one_dimensional_mesh(fake_pg):
 
     mesh = init_device_mesh("cpu", (4,))
     model = fsdp_graph.fully_shard(TwoBlock(), mesh)
-    state = sharded_units(model)[0]._fsdp_state
+    state = flat_params(model)[0]
     assert (state.world, state.group_name) == (4, mesh.get_group().group_name)
     assert state.layout.shard_numel == 5  # blocks.0: 16 + 4 = 20 elements over 4 ranks

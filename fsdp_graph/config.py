@@ -1,0 +1,66 @@
+"""User-facing configuration: sharding strategies and mixed precision (FSDP1's names and meanings)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class ShardingStrategy(enum.Enum):
+    """FULL_SHARD: params, grads, optimizer state sharded; the backward re-gathers (ZeRO-3).
+    SHARD_GRAD_OP: the forward keeps gathered params for backward; grads and optimizer state sharded (ZeRO-2).
+    NO_SHARD: nothing sharded; gradients all-reduced (DDP semantics on flat parameters).
+    HYBRID_SHARD: FULL_SHARD within the shard dim of a 2-D mesh (replicate, shard), replicated across it.
+    _HYBRID_SHARD_ZERO2: HYBRID_SHARD without resharding after forward."""
+
+    FULL_SHARD = "full_shard"
+    SHARD_GRAD_OP = "shard_grad_op"
+    NO_SHARD = "no_shard"
+    HYBRID_SHARD = "hybrid_shard"
+    _HYBRID_SHARD_ZERO2 = "hybrid_shard_zero2"
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+    @property
+    def default_reshard_after_forward(self) -> bool:
+        # NO_SHARD "re-gathers" nothing: recomputing its no-op gather keeps a copy of the params out of memory.
+        return self not in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """FSDP1's mixed precision. Master shards stay in their dtype (fp32).
+
+    - param_dtype: each shard is cast BEFORE the all-gather (communication and compute in this dtype).
+    - reduce_dtype: the dtype gradients are reduced in (None: param_dtype, as FSDP1); stored in the shard's dtype.
+    - buffer_dtype: buffers are cast to it once, at fully_shard.
+    - cast_forward_inputs: every unit casts its floating-point forward inputs to param_dtype;
+      cast_root_forward_inputs: the root does (default True, as FSDP1).
+    - keep_low_precision_grads: not supported (raises).
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise TypeError(f"MixedPrecision.{name} must be a floating-point torch.dtype, got {value!r}")
+        if self.keep_low_precision_grads:
+            raise NotImplementedError(
+                "MixedPrecision(keep_low_precision_grads=True) is not supported: gradients are stored in the "
+                "master shard's dtype. Cast them in an optimizer hook if you need low-precision gradients."
+            )
+
+    @property
+    def effective_reduce_dtype(self) -> torch.dtype | None:
+        return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
