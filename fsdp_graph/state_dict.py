@@ -11,10 +11,10 @@ from fsdp_graph.unit import UnitState, flat_params
 
 def _gather_flat(state: UnitState) -> torch.Tensor:
     shard = state.flat_shard.detach()
-    full = shard.new_empty(state.layout.padded_numel)
-    group = dist.distributed_c10d._resolve_process_group(state.group_name)
     if state.world == 1:
         return shard.clone()
+    full = shard.new_empty(state.layout.padded_numel)
+    group = dist.distributed_c10d._resolve_process_group(state.group_name)
     dist.all_gather_single(full, shard.contiguous(), group=group)
     return full
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
 from fsdp_graph.ir import ALL_GATHER, ALL_REDUCE, META_UNIT, REDUCE_GRAD_TARGETS, REDUCE_SCATTER, UNSHARD_TARGETS
@@ -30,8 +31,14 @@ class CollectiveSummary:
 
 
 def _nbytes(node: fx.Node) -> int:
+    """Bytes of the node's value; a symbolic size (dynamic shapes) counts at its current hint."""
     val = node.meta.get("val")
-    return 0 if val is None else val.numel() * val.element_size()
+    if val is None:
+        return 0
+    numel = val.numel()
+    if isinstance(numel, torch.SymInt):
+        numel = numel.node.hint if numel.node.has_hint() else 0
+    return int(numel) * val.element_size()
 
 
 def collective_summary(gm: fx.GraphModule) -> CollectiveSummary:

@@ -50,3 +50,54 @@ class ConvNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(F.adaptive_avg_pool2d(self.features(x), 4).flatten(1))
+
+
+class SharedBlockNet(nn.Module):
+    """One block (one unit) applied twice per forward: one gather, gradients of both uses reduced once."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.inp = nn.Linear(5, dim)
+        self.block = nn.Sequential(nn.Linear(dim, dim), nn.Tanh())
+        self.out = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(self.block(self.block(h)))
+
+
+class SkipNet(nn.Module):
+    """`extra` (a unit) runs only when asked: in some steps it has no gradient at all."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+        self.extra = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        if use_extra:
+            x = torch.relu(self.extra(x))
+        return self.out(x)
+
+
+class HFStyleNet(nn.Module):
+    """Hugging Face style: keyword inputs, a dict output with the loss computed inside."""
+
+    def __init__(self, vocab: int = 32, dim: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+        self.lm_head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        logits = self.lm_head(h)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return out

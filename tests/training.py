@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_graph
-from tests.models import GPT, BNNet, ConvNet, GPTConfig, OddMLP, gpt_loss
+from tests.models import GPT, Block, BNNet, ConvNet, GPTConfig, HFStyleNet, OddMLP, SharedBlockNet, SkipNet, gpt_loss
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,10 @@ class Case:
     steps: int = 5
     wrap: str = "auto"
     reference: str = "single"  # "single": one process on the full batch; "ddp": DDP on the same local batches
+    mp: bool = False  # MixedPrecision(param_dtype=bf16, reduce_dtype=fp32); the reference casts the same way
+    freeze: tuple[str, ...] = ()  # parameters whose FQN starts with one of these are frozen (in both models)
+    reshard: str = "default"  # "default", or "keep_root": reshard_after_forward={"": False}
+    dynamic: bool = False  # the per-rank batch size changes every step
 
 
 @dataclass
@@ -60,6 +64,37 @@ def build(name: str) -> tuple[nn.Module, Callable, Callable[[torch.Generator, in
         return OddMLP(), _mse, lambda g, b: (torch.randn(b, 7, generator=g), torch.randn(b, 5, generator=g))
     if name == "bn":
         return BNNet(), _mse, lambda g, b: (torch.randn(b, 6, generator=g), torch.randn(b, 3, generator=g))
+    if name == "shared":
+        return SharedBlockNet(), _mse, lambda g, b: (torch.randn(b, 5, generator=g), torch.randn(b, 3, generator=g))
+    if name == "skip":
+
+        def skip_loss(model, batch):
+            x, y, use_extra = batch
+            return F.mse_loss(model(x, use_extra=use_extra), y)
+
+        return (
+            SkipNet(),
+            skip_loss,
+            lambda g, b: (
+                torch.randn(b, 8, generator=g),
+                torch.randn(b, 3, generator=g),
+                bool(torch.randint(0, 2, (1,), generator=g).item()),
+            ),
+        )
+    if name == "hf":
+
+        def hf_loss(model, batch):
+            ids, labels = batch
+            return model(input_ids=ids, labels=labels)["loss"]
+
+        return (
+            HFStyleNet(),
+            hf_loss,
+            lambda g, b: (
+                torch.randint(0, 32, (b, 6), generator=g),
+                torch.randint(0, 32, (b, 6), generator=g),
+            ),
+        )
     if name == "conv":
         return ConvNet(), _mse, lambda g, b: (torch.randn(b, 3, 8, 8, generator=g), torch.randn(b, 5, generator=g))
     raise ValueError(name)
@@ -74,6 +109,10 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 def wrap_policy(name: str):
     if name == "auto":
         return None
+    if name == "nested":  # blocks are units and so is every Linear inside them
+        return fsdp_graph.ModuleWrapPolicy({Block, nn.Linear})
+    if name == "linear":
+        return fsdp_graph.ModuleWrapPolicy({nn.Linear})
     if name == "size":
         return fsdp_graph.size_based_wrap_policy(min_num_params=100)
     raise ValueError(name)
@@ -81,11 +120,54 @@ def wrap_policy(name: str):
 
 def shard_and_compile(model: nn.Module, case: Case):
     strategy = fsdp_graph.ShardingStrategy[case.strategy]
-    fsdp_graph.fully_shard(model, wrap=wrap_policy(case.wrap), strategy=strategy)
+    mesh = None
+    if strategy.is_hybrid:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2))
+    fsdp_graph.fully_shard(
+        model,
+        mesh,
+        wrap=wrap_policy(case.wrap),
+        strategy=strategy,
+        mixed_precision=BF16 if case.mp else None,
+        reshard_after_forward={"": False} if case.reshard == "keep_root" else None,
+    )
     if case.mode == "eager":
         return model, None
     backend = fsdp_graph.make_backend(inductor=case.mode == "inductor")
     return torch.compile(model, backend=backend, fullgraph=True), backend
+
+
+BF16 = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def freeze(model: nn.Module, prefixes: tuple[str, ...]) -> None:
+    for name, p in model.named_parameters():
+        if name.startswith(prefixes):
+            p.requires_grad_(False)
+
+
+def _bf16_reference_loss(ref: nn.Module, loss_fn, batch) -> torch.Tensor:
+    """The reference for mixed precision: compute with bf16 copies of the fp32 parameters (floating inputs cast
+    too), then hand the fp32 parameters the bf16 gradients cast back, as FSDP's MixedPrecision does."""
+    params = dict(ref.named_parameters())
+    low = {n: p.detach().to(torch.bfloat16).requires_grad_(p.requires_grad) for n, p in params.items()}
+
+    def cast(t):
+        return t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    def call(*args, **kwargs):
+        return torch.func.functional_call(
+            ref, low, tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+        )
+
+    loss = loss_fn(call, batch)
+    loss.backward()
+    for n, p in params.items():
+        if low[n].grad is not None:
+            p.grad = low[n].grad.float()
+    return loss
 
 
 def max_param_diff(model: nn.Module, ref: nn.Module) -> float:
@@ -97,6 +179,8 @@ def max_param_diff(model: nn.Module, ref: nn.Module) -> float:
 
 
 def _reference_step(case: Case, ref: nn.Module, loss_fn, full_batch, local_batch) -> float:
+    if case.mp:
+        return _bf16_reference_loss(ref, loss_fn, full_batch).item()
     if case.reference == "ddp":
         loss = loss_fn(ref, local_batch)
         loss.backward()
@@ -111,6 +195,7 @@ def _reference_step(case: Case, ref: nn.Module, loss_fn, full_batch, local_batch
 def run_case(case: Case, rank: int, world: int, per_rank_batch: int = 4) -> CaseResult:
     torch.manual_seed(0)
     model, loss_fn, make_batch = build(case.model)
+    freeze(model, case.freeze)
     ref = copy.deepcopy(model)
     ref_module = ref
     initial = copy.deepcopy(ref.state_dict())
@@ -121,9 +206,10 @@ def run_case(case: Case, rank: int, world: int, per_rank_batch: int = 4) -> Case
     ref_opt = make_optimizer(case.optim, ref.parameters())
     gen = torch.Generator().manual_seed(1234)
     losses, ref_losses = [], []
-    for _ in range(case.steps):
-        full_batch = make_batch(gen, per_rank_batch * world)
-        local = tuple(t.chunk(world)[rank] for t in full_batch)
+    for step in range(case.steps):
+        batch_size = (per_rank_batch + step % 3) if case.dynamic else per_rank_batch
+        full_batch = make_batch(gen, batch_size * world)
+        local = tuple(t.chunk(world)[rank] if isinstance(t, torch.Tensor) else t for t in full_batch)
         loss = loss_fn(compiled, local)
         loss.backward()
         opt.step()

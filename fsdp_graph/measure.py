@@ -1,0 +1,65 @@
+"""Count the collectives that actually execute (torch.profiler), with their payload and wire bytes."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch.profiler import ProfilerActivity, profile
+
+_ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "signed char": 1}
+_KINDS = {
+    "_c10d_functional::all_gather_into_tensor": "all_gather",
+    "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
+    "_c10d_functional::all_reduce": "all_reduce",
+}
+
+
+@dataclass
+class ExecutedCollectives:
+    """Per kind: how many ran, their payload (unsharded side: gather output, scatter input, all-reduce
+    tensor) in bytes, and the bytes each rank sends with ring algorithms: (N-1)/N of the payload for gathers
+    and scatters, 2(N-1)/N for all-reduce, N = the group size the collective ran with."""
+
+    counts: Counter = field(default_factory=Counter)
+    payload_bytes: Counter = field(default_factory=Counter)
+    wire_bytes: Counter = field(default_factory=Counter)
+    dtypes: Counter = field(default_factory=Counter)
+
+    @property
+    def total_wire_bytes(self) -> float:
+        return sum(self.wire_bytes.values())
+
+
+def executed_collectives(fn: Callable[[], object], group_size_of_all_reduce: int | None = None) -> ExecutedCollectives:
+    """Run `fn()` under the profiler and count the `_c10d_functional` collectives it executed (eager, compiled
+    with eager kernels or with Inductor: all of them call these ops). The profiler does not record group names,
+    so all-reduce wire bytes need `group_size_of_all_reduce` (its payload is counted regardless)."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    result = ExecutedCollectives()
+    for event in prof.profiler.kineto_results.events():
+        kind = _KINDS.get(event.name())
+        if kind is None:
+            continue
+        numel = 1
+        for dim in event.shapes()[0]:
+            numel *= dim
+        dtype = event.dtypes()[0]
+        size = numel * _ELEMENT_BYTES[dtype]
+        inputs = event.concrete_inputs()
+        if kind == "all_gather":
+            n = int(inputs[1])
+            payload, wire = size * n, size * (n - 1)
+        elif kind == "reduce_scatter":
+            n = int(inputs[2])
+            payload, wire = size, size * (n - 1) / n
+        else:
+            n = group_size_of_all_reduce
+            payload, wire = size, (0.0 if n is None else 2 * size * (n - 1) / n)
+        result.counts[kind] += 1
+        result.payload_bytes[kind] += payload
+        result.wire_bytes[kind] += wire
+        result.dtypes[(kind, dtype)] += 1
+    return result

@@ -1,0 +1,119 @@
+"""Rank-side workers for strategy, precision and model-shape tests (each returns plain data)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fsdp_graph
+from fsdp_graph.measure import executed_collectives
+from fsdp_graph.unit import flat_params
+from tests.training import BF16, Case, build, max_param_diff, shard_and_compile
+
+
+def ignored_module_grads(rank: int, world: int, mode: str) -> dict[str, float]:
+    """`head` ignored: it stays a full replicated Parameter and its gradient is this rank's own (not reduced)."""
+    torch.manual_seed(0)
+    model, loss_fn, make_batch = build("mlp")
+    ref = copy.deepcopy(model)
+    ignored = model.layers[2]
+    original = ignored.weight
+    fsdp_graph.fully_shard(model, ignored_modules=[ignored])
+    step_model = model if mode == "eager" else torch.compile(model, backend=fsdp_graph.make_backend(inductor=False))
+    full_batch = make_batch(torch.Generator().manual_seed(2), 4 * world)
+    local = tuple(t.chunk(world)[rank] for t in full_batch)
+    loss_fn(step_model, local).backward()
+    loss_fn(ref, local).backward()  # the local-batch gradient: what an unreduced parameter must get
+    full_ref = copy.deepcopy(ref)
+    full_ref.zero_grad()
+    loss_fn(full_ref, full_batch).backward()
+    return {
+        "same_object": float(model.layers[2].weight is original and original.shape == (5, 11)),
+        "ignored_vs_local": (model.layers[2].weight.grad - ref.layers[2].weight.grad).abs().max().item(),
+        "ignored_vs_global": (model.layers[2].weight.grad - full_ref.layers[2].weight.grad).abs().max().item(),
+        "sharded_units": float(len(flat_params(model))),
+    }
+
+
+def _deterministic_init(module: nn.Module) -> None:
+    for i, p in enumerate(module.parameters(recurse=False)):
+        gen = torch.Generator().manual_seed(p.numel() * 31 + i)
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
+def meta_init_parity(rank: int, world: int) -> dict[str, float]:
+    """Built on the meta device, materialised shard by shard: equals a CPU model initialised the same way,
+    before and after 3 steps of training."""
+    from tests.models import GPT, GPTConfig
+
+    cfg = GPTConfig()
+    with torch.device("meta"):
+        model = GPT(cfg)
+    ref = GPT(cfg)
+    with torch.no_grad():
+        for m in ref.modules():
+            _deterministic_init(m)
+            if isinstance(m, nn.LayerNorm):
+                pass
+    fsdp_graph.fully_shard(model, param_init_fn=_deterministic_init)
+    before = max_param_diff(model, ref)
+    _, loss_fn, make_batch = build("gpt")
+    compiled = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        full = make_batch(gen, 4 * world)
+        loss_fn(compiled, tuple(t.chunk(world)[rank] for t in full)).backward()
+        loss_fn(ref, full).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return {
+        "before": before,
+        "after": max_param_diff(model, ref),
+        "local_numel": float(sum(s.flat_shard.numel() for s in flat_params(model))),
+        "full_numel": float(sum(p.numel() for p in ref.parameters())),
+    }
+
+
+def sync_states(rank: int, world: int, sync: bool) -> float:
+    """Ranks start from different weights; with sync_module_states they all train rank 0's."""
+    torch.manual_seed(100 + rank)
+    model, _, _ = build("mlp")
+    rank0_weights = [p.detach().clone() for p in model.parameters()]
+    dist.broadcast_object_list(obj := [rank0_weights], src=0)
+    fsdp_graph.fully_shard(model, sync_module_states=sync)
+    full = fsdp_graph.full_state_dict(model)
+    return max((full[n] - w).abs().max().item() for (n, _), w in zip(model.named_parameters(), obj[0]))
+
+
+def executed_bytes(rank: int, world: int, strategy: str, mp: bool) -> dict:
+    """One training step of the GPT per strategy, counted from what executes (profiler)."""
+    case = Case("gpt", strategy=strategy, mp=mp, mode="aot")
+    torch.manual_seed(0)
+    model, loss_fn, make_batch = build("gpt")
+    compiled, _ = shard_and_compile(model, case)
+    batch = make_batch(torch.Generator().manual_seed(0), 4)
+    loss_fn(compiled, batch).backward()  # compile outside the measurement
+    states = flat_params(model)
+    replicate = states[0].replicate_world
+    measured = executed_collectives(lambda: loss_fn(compiled, batch).backward(), group_size_of_all_reduce=replicate)
+    return {
+        "counts": dict(measured.counts),
+        "wire": dict(measured.wire_bytes),
+        "dtypes": dict(measured.dtypes),
+        "params": sum(s.layout.numel for s in states),
+        "padded": sum(s.layout.padded_numel for s in states),
+        "units": len(states),
+        "shard_world": states[0].world,
+        "replicate_world": replicate,
+        "param_bytes": 2 if mp else 4,
+        "reduce_bytes": 4,
+    }
+
+
+__all__ = ["BF16", "executed_bytes", "ignored_module_grads", "meta_init_parity", "sync_states"]
