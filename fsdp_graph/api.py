@@ -108,15 +108,19 @@ def fully_shard(
                 root_state,
             )
             root_state.flat_params.append(state)
-        if "_fsdp_states" in unit.__dict__:
-            cast_inputs = (
-                mp.param_dtype if (mp.cast_forward_inputs or (unit is model and mp.cast_root_forward_inputs)) else None
-            )
-            install_forward_hooks(unit, root_state, cast_inputs)
         del values
     materialize_buffers(model, torch.device(device or "cpu"), param_init_fn)
-    if "_fsdp_states" not in model.__dict__:  # the root owns nothing: still the forward boundary
-        install_forward_hooks(model, root_state, mp.param_dtype if mp.cast_root_forward_inputs else None)
+    for unit in units:
+        casts = mp.cast_forward_inputs or (unit is model and mp.cast_root_forward_inputs)
+        has_states = "_fsdp_states" in unit.__dict__
+        if has_states or unit is model:  # the root is the forward boundary even if it owns nothing
+            install_forward_hooks(unit, root_state)
+        swap_class(
+            unit,
+            frozenset(unit.__dict__.get("_fsdp_views", {})),
+            is_unit=has_states,
+            cast_inputs_to=mp.param_dtype if casts else None,
+        )
     model.__dict__["_fsdp_root"] = root_state
     return model
 

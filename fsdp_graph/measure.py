@@ -63,3 +63,16 @@ def executed_collectives(fn: Callable[[], object], group_size_of_all_reduce: int
         result.wire_bytes[kind] += wire
         result.dtypes[(kind, dtype)] += 1
     return result
+
+
+def peak_allocated_bytes(fn: Callable[[], object]) -> tuple[int, object]:
+    """(peak bytes allocated above the starting point while `fn()` ran, fn's result), from the profiler's
+    memory events: works on CPU, where no allocator statistics exist."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    running = peak = 0
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        running += event.nbytes()
+        peak = max(peak, running)
+    return peak, result

@@ -61,6 +61,10 @@ class GPT(nn.Module):
             self.head.weight = self.tok.weight
         self.apply(_init_weights)
 
+    def reset_parameters(self) -> None:
+        """Initialises the parameters the root owns itself (meta-device construction calls it)."""
+        nn.init.normal_(self.pos, std=0.02)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos[: idx.shape[1]]
         for block in self.blocks:

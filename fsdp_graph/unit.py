@@ -131,51 +131,63 @@ def _unit_apply(self: nn.Module, fn, recurse: bool = True):
     return result
 
 
-_SWAPPED_CLASSES: dict[tuple[type, frozenset[str], bool], type] = {}
+def _casting_forward(dtype: torch.dtype):
+    """Mixed precision's input cast, inside `forward` so that Dynamo traces it into the model's graph (module
+    hooks of the compiled root run as frames of their own, which would make a second graph)."""
+
+    def cast(value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+
+    def forward(self, *args, **kwargs):
+        return self._fsdp_original_class.forward(self, *tree_map(cast, args), **tree_map(cast, kwargs))
+
+    return forward
 
 
-def swap_class(module: nn.Module, names: frozenset[str], is_unit: bool = False) -> None:
-    """Give `module` a subclass with one property per sharded parameter name and, for a unit module, an
-    `_apply` that moves its flat shards (cached per class, names and role)."""
+_SWAPPED_CLASSES: dict[tuple[type, frozenset[str], bool, torch.dtype | None], type] = {}
+
+
+def swap_class(
+    module: nn.Module, names: frozenset[str], is_unit: bool = False, cast_inputs_to: torch.dtype | None = None
+) -> None:
+    """Give `module` a subclass with one property per sharded parameter name; for a unit module, an `_apply`
+    that moves its flat shards; with `cast_inputs_to`, a forward casting floating-point inputs to it
+    (cached per class, names, role and dtype)."""
     cls = getattr(type(module), "_fsdp_original_class", type(module))
-    key = (cls, names, is_unit)
+    key = (cls, names, is_unit, cast_inputs_to)
     if key not in _SWAPPED_CLASSES:
         members = {n: _make_property(n) for n in sorted(names)}
         members["_fsdp_original_class"] = cls
         if is_unit:
             members["_apply"] = _unit_apply
+        if cast_inputs_to is not None:
+            members["forward"] = _casting_forward(cast_inputs_to)
         _SWAPPED_CLASSES[key] = type(f"FSDP{cls.__name__}", (cls,), members)
     module.__class__ = _SWAPPED_CLASSES[key]
 
 
-def install_forward_hooks(module: nn.Module, root: RootState, cast_inputs_to: torch.dtype | None) -> None:
-    """Marks eager forwards of `module` so property reads inside them gather (once per flat parameter), and
-    casts floating-point forward inputs to `cast_inputs_to` (mixed precision; traced by Dynamo too)."""
+def install_forward_hooks(module: nn.Module, root: RootState) -> None:
+    """Marks eager forwards of `module` so property reads inside them gather (once per flat parameter).
+    The hooks touch no tensor, so under torch.compile they add no graph."""
 
-    def cast(value):
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != cast_inputs_to:
-            return value.to(cast_inputs_to)
-        return value
-
-    def pre_hook(module, args, kwargs):
+    def pre_hook(module, args):
         if not torch.compiler.is_compiling():
             root.forward_depth += 1
-        if cast_inputs_to is not None:
-            return tree_map(cast, args), tree_map(cast, kwargs)
-        return None
 
-    def post_hook(module, args, kwargs, output):
+    def post_hook(module, args, output):
         if not torch.compiler.is_compiling():
             root.forward_depth -= 1
             if root.forward_depth == 0:
                 root.gathered.clear()
 
-    module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    module.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
+    module.register_forward_pre_hook(pre_hook)
+    module.register_forward_hook(post_hook, always_call=True)
 
 
 def is_sharded(module: nn.Module) -> bool:
-    return "_fsdp_views" in module.__dict__ or "_fsdp_states" in module.__dict__
+    return any(key in module.__dict__ for key in ("_fsdp_views", "_fsdp_states", "_fsdp_root"))
 
 
 def flat_params(model: nn.Module) -> list[UnitState]:

@@ -249,3 +249,62 @@ def test_explicit_one_dimensional_mesh(fake_pg):
     state = flat_params(model)[0]
     assert (state.world, state.group_name) == (4, mesh.get_group().group_name)
     assert state.layout.shard_numel == 5  # blocks.0: 16 + 4 = 20 elements over 4 ranks
+
+
+def test_meta_init_never_holds_the_full_model(fake_pg):
+    """World 4: materialising shard by shard peaks at this rank's quarter plus one unit, not the full model."""
+    from fsdp_graph.measure import peak_allocated_bytes
+
+    cfg = GPTConfig(dim=64, layers=6)
+    full_bytes = sum(p.numel() * 4 for p in GPT(cfg).parameters())
+    with torch.device("meta"):
+        model = GPT(cfg)
+    peak, _ = peak_allocated_bytes(lambda: fsdp_graph.fully_shard(model))
+    largest_unit = max(s.layout.padded_numel * 4 for s in flat_params(model))
+    assert peak < full_bytes / 4 + 2 * largest_unit < 0.6 * full_bytes, (peak, full_bytes, largest_unit)
+
+
+def test_error_hybrid_without_two_dimensional_mesh(fake_pg):
+    with pytest.raises(ValueError, match="HYBRID_SHARD needs a 2-D mesh \\(replicate, shard\\).*got no mesh"):
+        fsdp_graph.fully_shard(TwoBlock(), strategy=fsdp_graph.ShardingStrategy.HYBRID_SHARD)
+
+
+def test_error_keep_low_precision_grads():
+    with pytest.raises(NotImplementedError, match="keep_low_precision_grads=True"):
+        fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+
+
+def test_error_bad_mixed_precision_dtype():
+    with pytest.raises(TypeError, match="param_dtype must be a floating-point torch.dtype"):
+        fsdp_graph.MixedPrecision(param_dtype=torch.int8)
+
+
+def test_error_reshard_after_forward_names_unknown_unit(fake_pg):
+    with pytest.raises(ValueError, match="reshard_after_forward names 'blocks.7', which is not a unit"):
+        model = TwoBlock()
+        fsdp_graph.fully_shard(model, wrap=list(model.blocks), reshard_after_forward={"blocks.7": False})
+
+
+def test_error_no_shard_with_reshard_after_forward(fake_pg):
+    with pytest.raises(ValueError, match="NO_SHARD has nothing to reshard"):
+        fsdp_graph.fully_shard(TwoBlock(), strategy=fsdp_graph.ShardingStrategy.NO_SHARD, reshard_after_forward=False)
+
+
+def test_reshard_after_forward_per_unit(fake_pg):
+    model = TwoBlock()
+    fsdp_graph.fully_shard(model, reshard_after_forward={model.blocks[1]: False, "": False})
+    assert {s.name: s.reshard_after_forward for s in flat_params(model)} == {
+        "blocks.0": True,
+        "blocks.1": False,
+        "": False,
+    }
+
+
+def test_frozen_parameters_get_their_own_flat_param(fake_pg):
+    model = TwoBlock()
+    model.blocks[0].bias.requires_grad_(False)
+    fsdp_graph.fully_shard(model)
+    states = {s.name: s for s in flat_params(model)}
+    assert list(states) == ["blocks.0", "blocks.0[frozen]", "blocks.1", ""]
+    assert not states["blocks.0[frozen]"].flat_shard.requires_grad and states["blocks.0"].flat_shard.requires_grad
+    assert not model.blocks[0].bias.requires_grad and model.blocks[0].weight.requires_grad
