@@ -313,9 +313,7 @@ def _shard_flat_param(
         groups.shard_world,
         groups.shard_rank,
     )
-    flat = layout.flatten(values)
-    shard = flat[layout.shard_start : layout.shard_start + layout.shard_numel].clone()
-    del flat
+    shard = layout.shard_of(values)
     shard.requires_grad_(params[0].requires_grad)
     index = len(unit.__dict__.get("_fsdp_states", []))
     state = UnitState(

@@ -70,6 +70,18 @@ class FlatParamLayout:
             parts.append(parts[0].new_zeros(pad))
         return torch.cat(parts)
 
+    def shard_of(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's shard of the flat parameter made of `tensors`, copying only the elements it owns (never
+        the full flat parameter: with meta-device init, a unit is the most a rank ever holds unsharded)."""
+        first = tensors[0]
+        shard = torch.zeros(self.shard_numel, dtype=first.dtype, device=first.device)
+        for slot, tensor in zip(self.slots, tensors):
+            lo, hi = self.local_range(slot)
+            if hi > lo:
+                start = self.shard_start + lo - slot.offset
+                shard[lo:hi] = tensor.detach().reshape(-1)[start : start + hi - lo]
+        return shard
+
     def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of the full flat parameter `flat`, one per slot, in their original shapes."""
         return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]

@@ -372,7 +372,9 @@ def test_bf16_mixed_precision_pipeline(fake_pg):
     reports = _compile("FULL_SHARD", mixed_precision=mp)
     fw = reports["fw"].collectives
     assert fw.bytes["all_gather"] == 2 * (20 + 20 + 8)  # bf16: 2 bytes per gathered element
-    assert_expected_inline(reports["fw"].code, """\
+    assert_expected_inline(
+        reports["fw"].code,
+        """\
 def forward(self, primals_1, primals_2, primals_3, primals_4):
     _to_copy = torch.ops.aten._to_copy.default(primals_1, dtype = torch.bfloat16);  primals_1 = None
     convert_element_type_default = torch.ops.prims.convert_element_type.default(primals_2, torch.bfloat16)
@@ -402,8 +404,11 @@ def forward(self, primals_1, primals_2, primals_3, primals_4):
     view_4 = torch.ops.aten.view.default(slice_5, [2, 4]);  slice_5 = None
     t_2 = torch.ops.aten.t.default(view_4);  view_4 = None
     mm = torch.ops.aten.mm.default(relu_1, t_2);  t_2 = None
-    return (mm, primals_2, primals_3, primals_4, _to_copy, relu, relu_1)""")
-    assert_expected_inline(reports["bw"].code, """\
+    return (mm, primals_2, primals_3, primals_4, _to_copy, relu, relu_1)""",
+    )
+    assert_expected_inline(
+        reports["bw"].code,
+        """\
 def forward(self, primals_2, primals_3, primals_4, _to_copy, relu, relu_1, tangents_1):
     t_3 = torch.ops.aten.t.default(tangents_1)
     mm_1 = torch.ops.aten.mm.default(t_3, relu_1);  t_3 = None
@@ -476,4 +481,5 @@ def forward(self, primals_2, primals_3, primals_4, _to_copy, relu, relu_1, tange
     wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
     div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 4);  wait_tensor_default_5 = None
     _to_copy_1 = torch.ops.aten._to_copy.default(mm_5, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'));  mm_5 = None
-    return (_to_copy_1, div_tensor_2, div_tensor_1, div_tensor)""")
+    return (_to_copy_1, div_tensor_2, div_tensor_1, div_tensor)""",
+    )

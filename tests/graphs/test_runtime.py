@@ -38,6 +38,7 @@ def test_layout_padding_and_ranges():
     flat = last.flatten([torch.arange(6.0).view(3, 2), torch.arange(5.0)])
     assert flat.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 0]
     assert [t.shape for t in last.unflatten(flat)] == [torch.Size([3, 2]), torch.Size([5])]
+    assert last.shard_of([torch.arange(6.0).view(3, 2), torch.arange(5.0)]).tolist() == [3, 4, 0]
 
 
 def test_shards_cover_every_parameter_once(fake_pg):
