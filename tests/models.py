@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -83,21 +85,28 @@ class SkipNet(nn.Module):
         return self.out(x)
 
 
-class HFStyleNet(nn.Module):
-    """Hugging Face style: keyword inputs, a dict output with the loss computed inside."""
+@dataclass
+class CausalLMOutput:
+    loss: torch.Tensor | None
+    logits: torch.Tensor
 
-    def __init__(self, vocab: int = 32, dim: int = 8):
+
+class HFStyleNet(nn.Module):
+    """Hugging Face style: keyword inputs, the loss computed inside, a dict or a dataclass output."""
+
+    def __init__(self, vocab: int = 32, dim: int = 8, return_dataclass: bool = False):
         super().__init__()
+        self.return_dataclass = return_dataclass
         self.embed = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
         self.lm_head = nn.Linear(dim, vocab)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
         h = self.embed(input_ids)
         for layer in self.layers:
             h = h + torch.tanh(layer(h))
         logits = self.lm_head(h)
-        out = {"logits": logits}
-        if labels is not None:
-            out["loss"] = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-        return out
+        loss = None if labels is None else F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        if self.return_dataclass:
+            return CausalLMOutput(loss=loss, logits=logits)
+        return {"logits": logits, "loss": loss}

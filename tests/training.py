@@ -81,14 +81,15 @@ def build(name: str) -> tuple[nn.Module, Callable, Callable[[torch.Generator, in
                 bool(torch.randint(0, 2, (1,), generator=g).item()),
             ),
         )
-    if name == "hf":
+    if name in ("hf", "hf_dataclass"):
 
         def hf_loss(model, batch):
             ids, labels = batch
-            return model(input_ids=ids, labels=labels)["loss"]
+            out = model(input_ids=ids, labels=labels)
+            return out.loss if name == "hf_dataclass" else out["loss"]
 
         return (
-            HFStyleNet(),
+            HFStyleNet(return_dataclass=name == "hf_dataclass"),
             hf_loss,
             lambda g, b: (
                 torch.randint(0, 32, (b, 6), generator=g),
@@ -209,6 +210,8 @@ def run_case(case: Case, rank: int, world: int, per_rank_batch: int = 4) -> Case
     for step in range(case.steps):
         batch_size = (per_rank_batch + step % 3) if case.dynamic else per_rank_batch
         full_batch = make_batch(gen, batch_size * world)
+        if case.dynamic and case.model == "gpt":  # the sequence length changes too
+            full_batch = tuple(t[:, : t.shape[1] - 4 * (step % 3)] for t in full_batch)
         local = tuple(t.chunk(world)[rank] if isinstance(t, torch.Tensor) else t for t in full_batch)
         loss = loss_fn(compiled, local)
         loss.backward()

@@ -309,3 +309,38 @@ def test_frozen_parameters_get_their_own_flat_param(fake_pg):
     assert list(states) == ["blocks.0", "blocks.0[frozen]", "blocks.1", ""]
     assert not states["blocks.0[frozen]"].flat_shard.requires_grad and states["blocks.0"].flat_shard.requires_grad
     assert not model.blocks[0].bias.requires_grad and model.blocks[0].weight.requires_grad
+
+
+class RecordsInputDtype(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.register_buffer("scale", torch.ones(4))
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, x):
+        self.seen.append(x.dtype)
+        for block in self.blocks:
+            x = block(x * self.scale)
+        return x
+
+
+def test_mixed_precision_casts_inputs_and_buffers(fake_pg):
+    mp = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16, cast_forward_inputs=True)
+    model = fsdp_graph.fully_shard(RecordsInputDtype(), mixed_precision=mp)
+    seen_by_blocks = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda m, args, out: seen_by_blocks.append(args[0].dtype))
+    out = model(torch.randn(2, 4))
+    assert model.seen == [torch.bfloat16] and out.dtype == torch.bfloat16  # root cast (cast_root_forward_inputs)
+    assert model.scale.dtype == torch.bfloat16  # buffer_dtype
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master shards
+    assert seen_by_blocks == [torch.bfloat16, torch.bfloat16]
+
+
+def test_error_meta_module_partly_materialised(fake_pg):
+    with torch.device("meta"):
+        model = TwoBlock()
+    model.blocks[0].bias = nn.Parameter(torch.zeros(4))
+    with pytest.raises(NotImplementedError, match="'blocks.0' mixes meta and materialised parameters"):
+        fsdp_graph.fully_shard(model)

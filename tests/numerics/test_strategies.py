@@ -99,6 +99,7 @@ def test_model_shapes():
             Case("shared", "adamw", wrap="linear"),
             Case("skip", "sgd", wrap="linear"),
             Case("hf", "adamw"),
+            Case("hf_dataclass", "adamw"),
             Case("gpt", "sgd", dynamic=True),
             Case("skip", "sgd", wrap="linear", mode="eager"),
             Case("hf", "sgd", mode="eager"),
@@ -131,20 +132,22 @@ def test_sync_module_states():
         ("SHARD_GRAD_OP", 2, False, 2),
         ("NO_SHARD", 2, False, 2),
         ("FULL_SHARD", 2, True, 3),
+        ("HYBRID_SHARD", 4, False, 3),
     ],
 )
 def test_bytes_on_the_wire_equal_zero_minimum(strategy, world, mp, rounds):
     """Counted from what executes: FULL_SHARD 3(N-1)/N*P*b, SHARD_GRAD_OP and NO_SHARD 2(N-1)/N*P*b (P the
     padded parameter count), bf16 gathers at 2 bytes/element with the reduction in fp32."""
     r = spawn(executed_bytes, world, (strategy, mp))[0]
-    n, padded = world, r["padded"]
+    n, padded = r["shard_world"], r["padded"]
     gathers = 0 if strategy == "NO_SHARD" else rounds - 1
     expected_gather = gathers * (n - 1) / n * padded * r["param_bytes"]
-    expected_reduce = (
-        2 * (n - 1) / n * padded * r["reduce_bytes"]
-        if strategy == "NO_SHARD"
-        else ((n - 1) / n * padded * r["reduce_bytes"])
-    )
+    if strategy == "NO_SHARD":
+        expected_reduce = 2 * (world - 1) / world * padded * r["reduce_bytes"]
+    else:  # reduce-scatter in the shard group, then (HYBRID) all-reduce of the shard across replicas
+        replicas = r["replicate_world"]
+        expected_reduce = (n - 1) / n * padded * r["reduce_bytes"]
+        expected_reduce += 2 * (replicas - 1) / replicas * padded / n * r["reduce_bytes"]
     assert r["wire"].get("all_gather", 0) == pytest.approx(expected_gather)
     assert sum(v for k, v in r["wire"].items() if k != "all_gather") == pytest.approx(expected_reduce)
     assert padded - r["params"] < r["units"] * n  # padding: under one element per rank per flat param
