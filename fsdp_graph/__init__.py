@@ -2,6 +2,7 @@
 
 from fsdp_graph.api import fully_shard
 from fsdp_graph.backend import FSDPBackend, GraphReport, fsdp_backend, make_backend
+from fsdp_graph.clip import clip_grad_norm_
 from fsdp_graph.config import MixedPrecision, ShardingStrategy
 from fsdp_graph.state_dict import full_state_dict
 from fsdp_graph.wrap import ModuleWrapPolicy, size_based_wrap_policy
@@ -12,6 +13,7 @@ __all__ = [
     "MixedPrecision",
     "ModuleWrapPolicy",
     "ShardingStrategy",
+    "clip_grad_norm_",
     "fsdp_backend",
     "full_state_dict",
     "fully_shard",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import socket
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -14,23 +13,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_HOST = "127.0.0.1"
 
 
 def _entry(rank: int, fn: Callable, world: int, port: int, timeout_s: float, out_dir: str, args: tuple) -> None:
     # As torchrun does: ranks sharing a machine split its cores instead of oversubscribing them.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(_HOST, port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         result = fn(rank, world, *args)
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
@@ -46,10 +37,15 @@ def spawn(fn: Callable[..., Any], world: int = 2, args: tuple = (), timeout_s: f
     that rank's traceback; collectives time out after `timeout_s` so nothing hangs forever.
     `fn` must be importable (a module-level function) and its result picklable.
     """
+    # The parent owns the rendezvous store, bound to a port the OS picks and held for the whole run: no window in
+    # which another process could take the port between choosing and binding it.
+    store = dist.TCPStore(
+        _HOST, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
             _entry,
-            args=(fn, world, free_port(), timeout_s, out_dir, args),
+            args=(fn, world, store.port, timeout_s, out_dir, args),
             nprocs=world,
             join=True,
             start_method="spawn",
