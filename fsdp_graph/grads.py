@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 
 
-def install_grad_hook(flat_shard: torch.Tensor, views: list[nn.Parameter], ranges: list[tuple[int, int]]) -> None:
+def install_grad_hook(
+    flat_shard: torch.Tensor,
+    views: list[nn.Parameter],
+    ranges: list[tuple[int, int]],
+    after: list[Callable[[], None]],
+) -> None:
     """After each backward, hand every original parameter its slice of `flat_shard.grad`.
 
     Plain PyTorch semantics: `.grad is None` (after `zero_grad()`) -> becomes a view of this backward's
     reduced gradient; otherwise the new gradient is added in place (accumulation). The flat shard's own
     `.grad` is dropped so a later backward never accumulates into a gradient the user already zeroed.
+    Then every callback in `after` runs (e.g. an optimizer step in backward); it is read at call time, so
+    callbacks added later count.
     """
 
     def hook(flat: torch.Tensor) -> None:
@@ -27,5 +36,7 @@ def install_grad_hook(flat_shard: torch.Tensor, views: list[nn.Parameter], range
                 param.grad = piece
             else:
                 param.grad.add_(piece)
+        for callback in after:
+            callback()
 
     flat_shard.register_post_accumulate_grad_hook(hook)

@@ -25,6 +25,7 @@ class RootState:
 
     forward_depth: int = 0
     gathered: dict[str, torch.Tensor] = field(default_factory=dict)
+    recompute_task: int = -1  # the autograd graph task whose activation-checkpoint recompute `gathered` serves
     flat_params: list[UnitState] = field(default_factory=list)
 
 
@@ -45,6 +46,7 @@ class UnitState:
     replicate_group: str = ""
     replicate_world: int = 1
     views: list[nn.Parameter] = field(default_factory=list)  # one per layout slot
+    after_grad: list = field(default_factory=list)  # callbacks run after each backward hands out gradients
 
     @property
     def flat_shard(self) -> torch.Tensor:
@@ -64,14 +66,20 @@ def unsharded_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
     """The full flat parameter, or None outside forward in eager mode (then callers expose shards).
 
     Compiled: always the op (the dedup pass keeps one per flat parameter and dtype). Eager: one gather per
-    flat parameter per forward, cached until the outermost unit forward returns.
+    flat parameter per forward, cached until the outermost unit forward returns; inside a backward (activation
+    checkpointing recomputing a forward) one gather per flat parameter per backward.
     """
     state: UnitState = unit._fsdp_states[index]
     if torch.compiler.is_compiling():
         return _call_unshard(unit._fsdp_flat_shards[index], state)
     root = state.root
     if root.forward_depth == 0:
-        return None
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            return None
+        if root.recompute_task != task:
+            root.gathered.clear()
+            root.recompute_task = task
     cached = root.gathered.get(state.name)
     if cached is None:
         cached = root.gathered[state.name] = _call_unshard(unit._fsdp_flat_shards[index], state)
@@ -118,7 +126,7 @@ def bind_flat_shard(state: UnitState, flat_shard: torch.Tensor) -> None:
     else:
         shards[state.index] = flat_shard
     if flat_shard.requires_grad:
-        install_grad_hook(flat_shard, state.views, ranges)
+        install_grad_hook(flat_shard, state.views, ranges, state.after_grad)
 
 
 def _unit_apply(self: nn.Module, fn, recurse: bool = True):
@@ -181,6 +189,7 @@ def install_forward_hooks(module: nn.Module, root: RootState) -> None:
             root.forward_depth -= 1
             if root.forward_depth == 0:
                 root.gathered.clear()
+                root.recompute_task = -1
 
     module.register_forward_pre_hook(pre_hook)
     module.register_forward_hook(post_hook, always_call=True)

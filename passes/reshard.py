@@ -34,20 +34,26 @@ def tag_reshard(graph: fx.Graph) -> fx.Graph:
     Matches: `fsdp.unshard` nodes. For `reshard_after_forward=True` it tags the node and every view chained
     on it `meta["recompute"] = MUST_RECOMPUTE`, so the partitioner saves only the shard and the backward
     re-gathers; for False it tags the gather `MUST_SAVE`, so the backward reuses it and gathers nothing.
-    View ops have exactly one tensor input, so walking views from a gather never reaches tangent-dependent
-    nodes: no tangent detection is needed. No-op when nothing matches.
+    View ops have exactly one tensor input, so this walk can never reach tangent-dependent nodes: no tangent
+    detection is needed. Inside an activation-checkpoint region the tags override the region's (a gathered
+    parameter is never worth saving) but each node keeps its region's `ac_graph_id`. No-op when nothing
+    matches.
     """
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in UNSHARD_TARGETS:
             continue
         if not reshard_after_forward(node):
-            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-            node.meta["ac_graph_id"] = 0
+            _tag(node, CheckpointPolicy.MUST_SAVE)
             continue
-        todo = [node]
+        todo, seen = [node], set()
         while todo:
             current = todo.pop()
-            current.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            current.meta["ac_graph_id"] = 0
-            todo.extend(u for u in current.users if _is_view_of(u, current) and "recompute" not in u.meta)
+            seen.add(current)
+            _tag(current, CheckpointPolicy.MUST_RECOMPUTE)
+            todo.extend(u for u in current.users if _is_view_of(u, current) and u not in seen)
     return graph
+
+
+def _tag(node: fx.Node, policy: CheckpointPolicy) -> None:
+    node.meta["recompute"] = policy
+    node.meta.setdefault("ac_graph_id", 0)

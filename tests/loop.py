@@ -7,7 +7,7 @@ import copy
 import torch
 
 import fsdp_graph
-from tests.training import Case, build, full_grads, shard_and_compile
+from tests.training import Case, build, full_grads, max_param_diff, run_case, shard_and_compile
 
 
 def clip_matches_pytorch(rank: int, world: int, strategy: str, mode: str) -> dict[str, float]:
@@ -28,3 +28,73 @@ def clip_matches_pytorch(rank: int, world: int, strategy: str, mode: str) -> dic
         out[f"grads_{norm_type}"] = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
         out[f"clipped_{norm_type}"] = float(theirs.item() > max_norm)
     return out
+
+
+def summon_checks(rank: int, world: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    model, loss_fn, make_batch = build("gpt")
+    ref = copy.deepcopy(model)
+    fsdp_graph.fully_shard(model)
+    full = make_batch(torch.Generator().manual_seed(3), 4 * world)
+    loss_fn(model, tuple(t.chunk(world)[rank] for t in full)).backward()
+    loss_fn(ref, full).backward()
+    out = {}
+    with fsdp_graph.summon_full_params(model, with_grads=True):
+        out["shapes"] = float(all(p.shape == q.shape for p, q in zip(model.parameters(), ref.parameters())))
+        out["values"] = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+        out["grads"] = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+        out["tied"] = float(model.tok.weight is model.head.weight)
+        with torch.no_grad():
+            model.blocks[0].fc.weight.mul_(2.0)  # writeback=True: lands in the shards
+    with fsdp_graph.summon_full_params(model, writeback=False), torch.no_grad():
+        model.blocks[1].fc.weight.zero_()  # writeback=False: discarded
+    with torch.no_grad():
+        ref.blocks[0].fc.weight.mul_(2.0)
+    out["after_writeback"] = max_param_diff(model, ref)
+    out["sharded_again"] = float(model.blocks[0].fc.weight.dim() == 1)
+    with fsdp_graph.summon_full_params(model, rank0_only=True, writeback=False, offload_to_cpu=True):
+        out["rank0_only_full"] = float(model.blocks[0].fc.weight.dim() == 2)
+    return out
+
+
+def optimizer_in_backward_parity(rank: int, world: int, mode: str) -> dict[str, float]:
+    """Stepping inside backward gives exactly the parameters of stepping after it (same sharded model, same
+    data), and both track single-process AdamW; every gradient is freed right after its unit's step."""
+
+    def train(in_backward: bool):
+        torch.manual_seed(0)
+        model, loss_fn, make_batch = build("gpt")
+        ref = copy.deepcopy(model)
+        compiled, _ = shard_and_compile(model, Case("gpt", mode=mode))
+        if in_backward:
+            optimizers = fsdp_graph.optimizer_in_backward(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+        else:
+            optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)]
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+        gen = torch.Generator().manual_seed(8)
+        for _ in range(4):
+            full = make_batch(gen, 4 * world)
+            loss_fn(compiled, tuple(t.chunk(world)[rank] for t in full)).backward()
+            if not in_backward:
+                optimizers[0].step()
+                optimizers[0].zero_grad()
+            loss_fn(ref, full).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        leftover = sum(p.grad is not None for p in model.parameters())
+        return fsdp_graph.full_state_dict(model), max_param_diff(model, ref), len(optimizers), leftover
+
+    in_bw, in_bw_vs_ref, n_optimizers, leftover = train(True)
+    after, after_vs_ref, _, _ = train(False)
+    return {
+        "vs_step_after_backward": max((in_bw[k] - after[k]).abs().max().item() for k in after),
+        "vs_single_process": in_bw_vs_ref,
+        "step_after_backward_vs_single_process": after_vs_ref,
+        "optimizers": float(n_optimizers),
+        "grads_left": float(leftover),
+    }
+
+
+def checkpointing_parity(rank: int, world: int, model_name: str, mode: str) -> dict:
+    result = run_case(Case(model_name, "adamw", mode=mode), rank, world)
+    return {"diff": result.max_param_diff, "reports": [(r.stage, dict(r.collectives.counts)) for r in result.reports]}

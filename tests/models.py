@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fsdp_graph.models import GPT, Block, GPTConfig, gpt_loss
 
@@ -110,3 +112,29 @@ class HFStyleNet(nn.Module):
         if self.return_dataclass:
             return CausalLMOutput(loss=loss, logits=logits)
         return {"logits": logits, "loss": loss}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class CheckpointedGPT(GPT):
+    """Every block runs under torch.utils.checkpoint (non-reentrant); `selective` saves matmul outputs and
+    recomputes the rest (selective activation checkpointing)."""
+
+    def __init__(self, cfg: GPTConfig, selective: bool = False):
+        super().__init__(cfg)
+        self.selective = selective
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            if self.selective:
+                # Dynamo wants context_fn as a partial of create_selective_checkpoint_contexts.
+                context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+                x = checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
+            else:
+                x = checkpoint(block, x, use_reentrant=False)
+        return self.head(self.ln(x))

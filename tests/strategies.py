@@ -84,11 +84,13 @@ def sync_states(rank: int, world: int, sync: bool) -> float:
     """Ranks start from different weights; with sync_module_states they all train rank 0's."""
     torch.manual_seed(100 + rank)
     model, _, _ = build("mlp")
+    names = [n for n, _ in model.named_parameters()]
     rank0_weights = [p.detach().clone() for p in model.parameters()]
-    dist.broadcast_object_list(obj := [rank0_weights], src=0)
+    for weight in rank0_weights:  # every rank learns rank 0's initial values
+        dist.broadcast(weight, src=0)
     fsdp_graph.fully_shard(model, sync_module_states=sync)
     full = fsdp_graph.full_state_dict(model)
-    return max((full[n] - w).abs().max().item() for (n, _), w in zip(model.named_parameters(), obj[0]))
+    return max((full[n] - w).abs().max().item() for n, w in zip(names, rank0_weights))
 
 
 def executed_bytes(rank: int, world: int, strategy: str, mp: bool) -> dict:

@@ -12,7 +12,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_graph
-from tests.models import GPT, Block, BNNet, ConvNet, GPTConfig, HFStyleNet, OddMLP, SharedBlockNet, SkipNet, gpt_loss
+from tests.models import (
+    GPT,
+    Block,
+    BNNet,
+    CheckpointedGPT,
+    ConvNet,
+    GPTConfig,
+    HFStyleNet,
+    OddMLP,
+    SharedBlockNet,
+    SkipNet,
+    gpt_loss,
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,16 @@ def build(name: str) -> tuple[nn.Module, Callable, Callable[[torch.Generator, in
         cfg = GPTConfig()
         return (
             GPT(cfg),
+            gpt_loss,
+            lambda g, b: (
+                torch.randint(0, cfg.vocab, (b, cfg.seq), generator=g),
+                torch.randint(0, cfg.vocab, (b, cfg.seq), generator=g),
+            ),
+        )
+    if name in ("gpt_ac", "gpt_sac"):
+        cfg = GPTConfig()
+        return (
+            CheckpointedGPT(cfg, selective=name == "gpt_sac"),
             gpt_loss,
             lambda g, b: (
                 torch.randint(0, cfg.vocab, (b, cfg.seq), generator=g),
