@@ -2,10 +2,12 @@
 
 from fsdp_graph.api import fully_shard
 from fsdp_graph.backend import FSDPBackend, GraphReport, fsdp_backend, make_backend
+from fsdp_graph.checkpoint_io import load_checkpoint, save_checkpoint
 from fsdp_graph.clip import clip_grad_norm_
 from fsdp_graph.config import MixedPrecision, ShardingStrategy
 from fsdp_graph.full_params import summon_full_params
 from fsdp_graph.optim import optimizer_in_backward
+from fsdp_graph.optim_state import load_optim_state_dict, optim_state_dict
 from fsdp_graph.state_dict import full_state_dict
 from fsdp_graph.wrap import ModuleWrapPolicy, size_based_wrap_policy
 
@@ -20,6 +22,10 @@ __all__ = [
     "full_state_dict",
     "fully_shard",
     "make_backend",
+    "load_checkpoint",
+    "load_optim_state_dict",
+    "optim_state_dict",
+    "save_checkpoint",
     "optimizer_in_backward",
     "summon_full_params",
     "size_based_wrap_policy",

@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_graph import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
+from fsdp_graph.checkpoint import install_state_dict_hooks
 from fsdp_graph.config import MixedPrecision, ShardingStrategy
 from fsdp_graph.flat_param import FlatParamLayout
 from fsdp_graph.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
@@ -121,8 +122,25 @@ def fully_shard(
             is_unit=has_states,
             cast_inputs_to=mp.param_dtype if casts else None,
         )
+    root_state.mesh, root_state.placements = _state_dict_mesh(mesh, strategy, root_state)
     model.__dict__["_fsdp_root"] = root_state
+    install_state_dict_hooks(model)
     return model
+
+
+def _state_dict_mesh(mesh: DeviceMesh | None, strategy: ShardingStrategy, root_state: RootState):
+    """The mesh and placements that describe a parameter as FSDP2 would: Shard(0) over the shard dim,
+    Replicate over replicas (NO_SHARD: Replicate only)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if mesh is None:
+        device = root_state.flat_params[0].flat_shard.device.type if root_state.flat_params else "cpu"
+        mesh = DeviceMesh.from_group(dist.group.WORLD, device)
+    if strategy is ShardingStrategy.NO_SHARD:
+        return mesh, (Replicate(),)
+    if strategy.is_hybrid:
+        return mesh, (Replicate(), Shard(0))
+    return mesh, (Shard(0),)
 
 
 def _resolve_groups(mesh: DeviceMesh | None, strategy: ShardingStrategy) -> _Groups:

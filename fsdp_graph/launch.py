@@ -26,6 +26,7 @@ def _entry(rank: int, fn: Callable, world: int, port: int, timeout_s: float, out
         result = fn(rank, world, *args)
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
+        dist.barrier()  # nobody tears the group down while a peer still has collectives in flight
     finally:
         dist.destroy_process_group()
 

@@ -1,38 +1,27 @@
-"""Full (unsharded) state dicts of a sharded model."""
+"""Full (unsharded) state dicts of a sharded model, for single-file exports and comparisons."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
-from fsdp_graph.unit import UnitState, flat_params
-
-
-def _gather_flat(state: UnitState) -> torch.Tensor:
-    shard = state.flat_shard.detach()
-    if state.world == 1:
-        return shard.clone()
-    full = shard.new_empty(state.layout.padded_numel)
-    group = dist.distributed_c10d._resolve_process_group(state.group_name)
-    dist.all_gather_single(full, shard.contiguous(), group=group)
-    return full
+from fsdp_graph.unit import flat_params
 
 
 @torch.no_grad()
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """`model.state_dict()` with every sharded parameter replaced by its full tensor, on every rank.
-
-    Collective: every rank must call it. Keys are the original FQNs (each name of a tied parameter).
-    """
-    states = flat_params(model)
-    if not states:
+def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with every sharded parameter as its full tensor, under the original FQNs (each name
+    of a tied parameter). Collective: every rank must call it. `rank0_only`: other ranks get `{}`.
+    `cpu_offload`: the tensors are moved to the CPU."""
+    if not flat_params(model):
         raise RuntimeError("full_state_dict: the model is not sharded; call fsdp_graph.fully_shard(model) first.")
-    result = model.state_dict()
-    for state in states:
-        layout = state.layout
-        for slot, full in zip(layout.slots, layout.unflatten(_gather_flat(state))):
-            for fqn in slot.fqns:
-                if fqn in result:
-                    result[fqn] = full.clone()
+    result = {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        result[key] = value.cpu() if cpu_offload else value
+    if rank0_only and dist.get_rank() != 0:
+        return {}
     return result

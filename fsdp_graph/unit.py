@@ -27,6 +27,8 @@ class RootState:
     gathered: dict[str, torch.Tensor] = field(default_factory=dict)
     recompute_task: int = -1  # the autograd graph task whose activation-checkpoint recompute `gathered` serves
     flat_params: list[UnitState] = field(default_factory=list)
+    mesh: object = None  # the DeviceMesh state dicts describe their DTensors on
+    placements: tuple = ()  # DTensor placements of a parameter on `mesh` (Shard(0), with Replicate for replicas)
 
 
 @dataclass(eq=False)

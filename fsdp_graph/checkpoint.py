@@ -1,0 +1,85 @@
+"""Sharded state dicts in FSDP2's layout: original FQNs, DTensor values sharded on dim 0.
+
+Our flat layout is not FSDP2's per-parameter dim-0 sharding, so converting moves data: each flat parameter
+is gathered (one at a time: a unit is the most any rank holds unsharded) and every parameter is re-chunked on
+dim 0 the way `DTensor` with `Shard(0)` expects (`torch.chunk` semantics). In exchange `model.state_dict()`
+goes straight into `torch.distributed.checkpoint` (DCP), which reshards across world sizes and reads and
+writes checkpoints of torch's own FSDP2.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp_graph.unit import RootState, UnitState, flat_params
+
+
+def gather_flat(state: UnitState, local: torch.Tensor) -> torch.Tensor:
+    """The full padded flat tensor of which `local` is this rank's shard (collective over the shard group)."""
+    if state.world == 1:
+        return local.clone()
+    full = local.new_empty(state.layout.padded_numel)
+    dist.all_gather_single(
+        full, local.contiguous(), group=dist.distributed_c10d._resolve_process_group(state.group_name)
+    )
+    return full
+
+
+def to_dtensor(full: torch.Tensor, root: RootState) -> DTensor:
+    """`full` (identical on every rank) as a DTensor on the model's mesh, this rank holding its dim-0 chunk."""
+    placements = root.placements if full.dim() > 0 else tuple(Replicate() for _ in root.placements)
+    local = full
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            n, coordinate = root.mesh.size(dim), root.mesh.get_local_rank(dim)
+            chunks = local.chunk(n, dim=0)
+            local = chunks[coordinate] if coordinate < len(chunks) else local.new_empty((0, *local.shape[1:]))
+    return DTensor.from_local(
+        local.clone(), root.mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+    )
+
+
+def local_range_of(value: torch.Tensor, state: UnitState, slot_index: int) -> torch.Tensor:
+    """This rank's 1-D piece of a parameter-shaped tensor (full tensor or DTensor, identical on every rank)."""
+    slot = state.layout.slots[slot_index]
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    if tuple(value.shape) != tuple(slot.shape):
+        raise ValueError(
+            f"load_state_dict: '{slot.fqns[0]}' has shape {tuple(value.shape)} in the state dict but "
+            f"{tuple(slot.shape)} in the model."
+        )
+    lo, hi = state.layout.local_range(slot)
+    start = state.layout.shard_start + lo - slot.offset
+    return value.detach().reshape(-1)[start : start + hi - lo].to(state.flat_shard.dtype)
+
+
+def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    root: RootState = module.__dict__["_fsdp_root"]
+    with torch.no_grad():
+        for state in root.flat_params:
+            full = gather_flat(state, state.flat_shard.detach())
+            for slot, value in zip(state.layout.slots, state.layout.unflatten(full)):
+                dtensor = to_dtensor(value, root)
+                for fqn in slot.fqns:
+                    if prefix + fqn in state_dict:
+                        state_dict[prefix + fqn] = dtensor
+
+
+def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    for state in flat_params(module):
+        for index, slot in enumerate(state.layout.slots):
+            for fqn in slot.fqns:
+                key = prefix + fqn
+                if key in state_dict:
+                    state_dict[key] = local_range_of(state_dict[key], state, index)
+
+
+def install_state_dict_hooks(model: nn.Module) -> None:
+    """`model.state_dict()` returns DTensors (FSDP2's layout); `model.load_state_dict()` accepts DTensors or
+    full tensors. Both are collectives: every rank calls them."""
+    model.register_state_dict_post_hook(_state_dict_hook)
+    model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
