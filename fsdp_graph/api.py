@@ -347,6 +347,7 @@ def _shard_flat_param(
         reduce_dtype=mp.effective_reduce_dtype,
         replicate_group=groups.replicate_name,
         replicate_world=groups.replicate_world,
+        grad_dtype=mp.param_dtype if mp.keep_low_precision_grads else None,
     )
     for slot_index, (orig, slot_uses) in enumerate(zip(params, param_uses)):
         view = nn.Parameter(torch.empty(0, dtype=shard.dtype, device=shard.device), requires_grad=orig.requires_grad)

@@ -40,7 +40,8 @@ class MixedPrecision:
     - buffer_dtype: buffers are cast to it once, at fully_shard.
     - cast_forward_inputs: every unit casts its floating-point forward inputs to param_dtype;
       cast_root_forward_inputs: the root does (default True, as FSDP1).
-    - keep_low_precision_grads: not supported (raises).
+    - keep_low_precision_grads: `.grad` is stored in param_dtype (on fp32 parameters, as FSDP1: upcast them
+      before a stock optimizer's step, or use one that accepts mixed dtypes).
     """
 
     param_dtype: torch.dtype | None = None
@@ -55,11 +56,8 @@ class MixedPrecision:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise TypeError(f"MixedPrecision.{name} must be a floating-point torch.dtype, got {value!r}")
-        if self.keep_low_precision_grads:
-            raise NotImplementedError(
-                "MixedPrecision(keep_low_precision_grads=True) is not supported: gradients are stored in the "
-                "master shard's dtype. Cast them in an optimizer hook if you need low-precision gradients."
-            )
+        if self.keep_low_precision_grads and self.param_dtype is None:
+            raise ValueError("MixedPrecision(keep_low_precision_grads=True) needs a param_dtype to keep them in.")
 
     @property
     def effective_reduce_dtype(self) -> torch.dtype | None:

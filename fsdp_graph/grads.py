@@ -13,6 +13,7 @@ def install_grad_hook(
     views: list[nn.Parameter],
     ranges: list[tuple[int, int]],
     after: list[Callable[[], None]],
+    grad_dtype: torch.dtype | None = None,
 ) -> None:
     """After each backward, hand every original parameter its slice of `flat_shard.grad`.
 
@@ -20,7 +21,9 @@ def install_grad_hook(
     reduced gradient; otherwise the new gradient is added in place (accumulation). The flat shard's own
     `.grad` is dropped so a later backward never accumulates into a gradient the user already zeroed.
     Then every callback in `after` runs (e.g. an optimizer step in backward); it is read at call time, so
-    callbacks added later count.
+    callbacks added later count. `grad_dtype` (MixedPrecision.keep_low_precision_grads): gradients are
+    stored in that dtype; autograd cannot hand an fp32 leaf a bf16 gradient, so, as FSDP1 does, the
+    low-precision tensor is installed through `.grad.data`.
     """
 
     def hook(flat: torch.Tensor) -> None:
@@ -32,7 +35,14 @@ def install_grad_hook(
             if not param.requires_grad:
                 continue
             piece = grad[lo:hi]
-            if param.grad is None:
+            if grad_dtype is not None:
+                piece = piece.to(grad_dtype)
+                if param.grad is None:
+                    param.grad = torch.empty_like(param)
+                    param.grad.data = piece
+                else:
+                    param.grad.data.add_(piece)
+            elif param.grad is None:
                 param.grad = piece
             else:
                 param.grad.add_(piece)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,12 @@ def _entry(rank: int, fn: Callable, world: int, port: int, timeout_s: float, out
         dist.barrier()  # nobody tears the group down while a peer still has collectives in flight
     finally:
         dist.destroy_process_group()
+    # Success: the result is on disk and the group is gone. Leave without running C++ static destructors:
+    # torch.distributed.checkpoint can leave a background thread joinable at interpreter exit, which aborts
+    # the process ("terminate called without an active exception") after all its work succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Callable[..., Any], world: int = 2, args: tuple = (), timeout_s: float = 300.0) -> list[Any]:

@@ -49,6 +49,7 @@ class UnitState:
     replicate_world: int = 1
     views: list[nn.Parameter] = field(default_factory=list)  # one per layout slot
     after_grad: list = field(default_factory=list)  # callbacks run after each backward hands out gradients
+    grad_dtype: torch.dtype | None = None  # keep_low_precision_grads: the dtype `.grad` is stored in
 
     @property
     def flat_shard(self) -> torch.Tensor:
@@ -128,7 +129,7 @@ def bind_flat_shard(state: UnitState, flat_shard: torch.Tensor) -> None:
     else:
         shards[state.index] = flat_shard
     if flat_shard.requires_grad:
-        install_grad_hook(flat_shard, state.views, ranges, state.after_grad)
+        install_grad_hook(flat_shard, state.views, ranges, state.after_grad, state.grad_dtype)
 
 
 def _unit_apply(self: nn.Module, fn, recurse: bool = True):

@@ -119,3 +119,29 @@ def executed_bytes(rank: int, world: int, strategy: str, mp: bool) -> dict:
 
 
 __all__ = ["BF16", "executed_bytes", "ignored_module_grads", "meta_init_parity", "sync_states"]
+
+
+def low_precision_grads(rank: int, world: int) -> dict[str, float]:
+    """keep_low_precision_grads: `.grad` in bf16 on fp32 parameters, equal to the fp32-stored gradient rounded
+    (after two backwards, so accumulation happens in the kept dtype)."""
+    grads, dtypes_ok = {}, {}
+    for keep in (False, True):
+        torch.manual_seed(0)
+        model, loss_fn, make_batch = build("gpt")
+        mp = fsdp_graph.MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, keep_low_precision_grads=keep
+        )
+        fsdp_graph.fully_shard(model, mixed_precision=mp)
+        compiled = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
+        batch = make_batch(torch.Generator().manual_seed(1), 4)
+        for _ in range(2):
+            loss_fn(compiled, batch).backward()
+        grads[keep] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        expected = torch.bfloat16 if keep else torch.float32
+        dtypes_ok[keep] = all(p.grad.dtype == expected and p.dtype == torch.float32 for p in model.parameters())
+    present = [n for n in grads[True] if grads[True][n].numel()]  # a rank may hold none of a parameter
+    return {
+        "dtypes_ok": float(dtypes_ok[False] and dtypes_ok[True]),
+        "diff": max((grads[True][n].float() - grads[False][n]).abs().max().item() for n in present),
+        "scale": max(grads[False][n].abs().max().item() for n in present),
+    }

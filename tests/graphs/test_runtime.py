@@ -270,9 +270,9 @@ def test_error_hybrid_without_two_dimensional_mesh(fake_pg):
         fsdp_graph.fully_shard(TwoBlock(), strategy=fsdp_graph.ShardingStrategy.HYBRID_SHARD)
 
 
-def test_error_keep_low_precision_grads():
-    with pytest.raises(NotImplementedError, match="keep_low_precision_grads=True"):
-        fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+def test_error_keep_low_precision_grads_without_param_dtype():
+    with pytest.raises(ValueError, match="keep_low_precision_grads=True\\) needs a param_dtype"):
+        fsdp_graph.MixedPrecision(keep_low_precision_grads=True)
 
 
 def test_error_bad_mixed_precision_dtype():

@@ -3,7 +3,13 @@
 import pytest
 
 from fsdp_graph.launch import spawn
-from tests.strategies import executed_bytes, ignored_module_grads, meta_init_parity, sync_states
+from tests.strategies import (
+    executed_bytes,
+    ignored_module_grads,
+    low_precision_grads,
+    meta_init_parity,
+    sync_states,
+)
 from tests.training import Case, run_cases
 
 FP32_TOL = 2e-5
@@ -153,3 +159,9 @@ def test_bytes_on_the_wire_equal_zero_minimum(strategy, world, mp, rounds):
     assert padded - r["params"] < r["units"] * n  # padding: under one element per rank per flat param
     if mp:
         assert r["dtypes"] == {("all_gather", "c10::BFloat16"): 6, ("reduce_scatter", "float"): 3}
+
+
+def test_keep_low_precision_grads():
+    for r in spawn(low_precision_grads, 2):
+        assert r["dtypes_ok"] == 1.0, r
+        assert r["diff"] <= r["scale"] * 2**-7, r  # the fp32 gradient rounded to bf16 (8 bits of mantissa)
