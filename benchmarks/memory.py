@@ -8,6 +8,8 @@ starting point (profiler memory events, so it works on CPU), median of 3 measure
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import statistics
 
 import torch
@@ -19,17 +21,19 @@ from fsdp_graph.measure import peak_allocated_bytes
 from fsdp_graph.models import GPT, gpt_loss
 
 
-def measure(rank: int, world: int, in_backward: bool) -> float:
+def measure(rank: int, world: int, in_backward: bool, compiled_step: bool, batch: int, seq: int, layers: int) -> float:
     torch.manual_seed(0)
-    model = GPT(DEMO_CONFIG)
+    model = GPT(dataclasses.replace(DEMO_CONFIG, layers=layers))
     fsdp_graph.fully_shard(model)
-    compiled = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
+    compiled = model
+    if compiled_step:
+        compiled = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
     if in_backward:
         fsdp_graph.optimizer_in_backward(model, torch.optim.AdamW, lr=3e-3)
         optimizer = None
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    data = batches(corpus(), 8, DEMO_CONFIG.seq, rank, world, seed=1)
+    data = batches(corpus(), batch, seq, rank, world, seed=1)
 
     def step():
         gpt_loss(compiled, next(data)).backward()
@@ -46,15 +50,25 @@ def measure(rank: int, world: int, in_backward: bool) -> float:
 
 
 def main() -> None:
-    after = spawn(measure, 2, (False,))[0]
-    inside = spawn(measure, 2, (True,))[0]
-    n_params = sum(p.numel() for p in GPT(DEMO_CONFIG).parameters())
-    print(f"demo GPT ({n_params / 1e6:.2f} M params), 2 ranks, FULL_SHARD: peak allocated per step (rank 0)")
-    print(f"  optimizer after backward: {after / 2**20:.2f} MiB")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=DEMO_CONFIG.seq)
+    parser.add_argument("--layers", type=int, default=DEMO_CONFIG.layers)
+    args = parser.parse_args()
+    n_params = sum(p.numel() for p in GPT(dataclasses.replace(DEMO_CONFIG, layers=args.layers)).parameters())
     print(
-        f"  optimizer_in_backward:    {inside / 2**20:.2f} MiB  (saves {(after - inside) / 2**20:.2f} MiB, "
-        f"{100 * (after - inside) / after:.1f}%)"
+        f"demo GPT ({n_params / 1e6:.2f} M params), 2 ranks, FULL_SHARD, batch {args.batch}x{args.seq} per rank: "
+        "peak allocated per step (rank 0)"
     )
+    for compiled_step in (True, False):
+        after = spawn(measure, 2, (False, compiled_step, args.batch, args.seq, args.layers))[0]
+        inside = spawn(measure, 2, (True, compiled_step, args.batch, args.seq, args.layers))[0]
+        label = "compiled (one graph)" if compiled_step else "eager"
+        saved = after - inside
+        print(
+            f"  {label}: optimizer after backward {after / 2**20:.2f} MiB, optimizer_in_backward "
+            f"{inside / 2**20:.2f} MiB (saves {saved / 2**20:.2f} MiB, {100 * saved / after:.1f}%)"
+        )
 
 
 if __name__ == "__main__":
