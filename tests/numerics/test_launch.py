@@ -4,9 +4,8 @@ import time
 
 import pytest
 import torch.distributed as dist
-from torch.multiprocessing import ProcessRaisedException
 
-from fsdp_graph.launch import spawn
+from fsdp_graph.launch import RankFailedError, spawn
 
 
 def _fails_on_rank_1(rank: int, world: int) -> None:
@@ -25,6 +24,7 @@ def test_results_come_back_per_rank():
 
 def test_failure_on_one_rank_ends_all_with_its_traceback():
     start = time.monotonic()
-    with pytest.raises(ProcessRaisedException, match="boom on rank 1"):
+    with pytest.raises(RankFailedError, match="^rank 1 failed first:\n(.|\n)*ValueError: boom on rank 1") as info:
         spawn(_fails_on_rank_1, 2, timeout_s=60)
+    assert info.value.rank == 1
     assert time.monotonic() - start < 30
