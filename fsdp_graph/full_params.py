@@ -9,16 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fsdp_graph.checkpoint import gather_flat
 from fsdp_graph.unit import UnitState, flat_params
-
-
-def _gather(state: UnitState, local: torch.Tensor) -> torch.Tensor:
-    if state.world == 1:
-        return local.clone()
-    full = local.new_empty(state.layout.padded_numel)
-    group = dist.distributed_c10d._resolve_process_group(state.group_name)
-    dist.all_gather_single(full, local.contiguous(), group=group)
-    return full
 
 
 def _local_grad(state: UnitState) -> torch.Tensor | None:
@@ -70,14 +62,16 @@ def summon_full_params(
     swapped = []
     with torch.no_grad():
         for state in states:
-            full = _gather(state, state.flat_shard.detach())
+            full = gather_flat(state, state.flat_shard.detach())
             local_grad = _local_grad(state) if with_grads else None
             has_grad = torch.tensor([int(local_grad is not None)])
             if with_grads and state.world > 1:
                 dist.all_reduce(has_grad, group=dist.distributed_c10d._resolve_process_group(state.group_name))
             full_grad = None
             if has_grad.item():
-                full_grad = _gather(state, local_grad if local_grad is not None else torch.zeros_like(state.flat_shard))
+                full_grad = gather_flat(
+                    state, local_grad if local_grad is not None else torch.zeros_like(state.flat_shard)
+                )
             if not keep:
                 continue
             if offload_to_cpu:
