@@ -44,8 +44,7 @@ class _ReshardPass(CustomGraphPass):
 
     def __call__(self, graph: fx.Graph) -> None:
         passes.tag_reshard(graph)
-        if self.dumper.enabled:
-            self.dumper.graph("02_joint_tagged", graph)
+        self.dumper.graph("02_joint_tagged", graph)
 
     def uuid(self) -> str:
         return self._uuid
@@ -63,7 +62,8 @@ class _LowerPass(CustomGraphPass):
         self.reports.append(GraphReport(self.dumper.graph_index, self.stage, summary, gm.code.strip()))
         number = {"fw": "03", "inference": "03", "bw": "04"}[self.stage]
         self.dumper.graph(f"{number}_{self.stage}_lowered", gm, header=summary.to_text())
-        self.dumper.text("summary.txt", f"{self.stage}: {summary.to_text()}\n")
+        stage = self.stage
+        self.dumper.text("summary.txt", lambda: f"{stage}: {summary.to_text()}\n")
 
     def uuid(self) -> str:
         return self._uuid

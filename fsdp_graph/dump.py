@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,21 +31,27 @@ class GraphDumper:
         return self.directory is not None
 
     def graph(self, stage: str, graph: fx.GraphModule | fx.Graph, header: str = "") -> None:
-        if isinstance(graph, fx.GraphModule):
-            code = graph.print_readable(print_output=False, include_stride=False, include_device=False)
-        else:
-            code = graph.python_code("self").src
-        self.text(f"{stage}.py", (f'"""{header}"""\n' if header else "") + code)
+        def render() -> str:
+            if isinstance(graph, fx.GraphModule):
+                code = graph.print_readable(print_output=False, include_stride=False, include_device=False)
+            else:
+                code = graph.python_code("self").src
+            return (f'"""{header}"""\n' if header else "") + code
 
-    def text(self, filename: str, content: str) -> None:
+        self.text(f"{stage}.py", render)
+
+    def text(self, filename: str, content: str | Callable[[], str]) -> None:
+        """`content` may be a function: it is called (once) only if a dump directory is set or tlparse tracing
+        asks for the artifact, so compiles that dump nothing never format graphs."""
+        render = functools.cache(content if callable(content) else lambda: content)
         trace_structured(
             "artifact",
             metadata_fn=lambda: {"name": f"fsdp_graph_{self.graph_index}_{filename}", "encoding": "string"},
-            payload_fn=lambda: content,
+            payload_fn=render,
         )
         if self.directory is not None:
             with open(self.directory / filename, "a" if filename.endswith(".txt") else "w") as f:
-                f.write(content)
+                f.write(render())
 
 
 def no_caches_when_dumping(enabled: bool):
