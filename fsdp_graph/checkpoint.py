@@ -63,10 +63,10 @@ def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_met
         for state in root.flat_params:
             full = gather_flat(state, state.flat_shard.detach())
             for slot, value in zip(state.layout.slots, state.layout.unflatten(full)):
-                dtensor = to_dtensor(value, root)
+                entry = value if root.full_state_dict else to_dtensor(value, root)
                 for fqn in slot.fqns:
                     if prefix + fqn in state_dict:
-                        state_dict[prefix + fqn] = dtensor
+                        state_dict[prefix + fqn] = entry
 
 
 def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from fsdp_graph.unit import flat_params
 
@@ -17,11 +16,13 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu_offload: boo
     `cpu_offload`: the tensors are moved to the CPU."""
     if not flat_params(model):
         raise RuntimeError("full_state_dict: the model is not sharded; call fsdp_graph.fully_shard(model) first.")
-    result = {}
-    for key, value in model.state_dict().items():
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
-        result[key] = value.cpu() if cpu_offload else value
+    root = model.__dict__["_fsdp_root"]
+    root.full_state_dict = True  # the state-dict hook hands out the full tensors it gathers (one gather each)
+    try:
+        state = model.state_dict()
+    finally:
+        root.full_state_dict = False
+    result = {key: value.cpu() if cpu_offload else value for key, value in state.items()}
     if rank0_only and dist.get_rank() != 0:
         return {}
     return result

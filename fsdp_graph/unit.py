@@ -29,6 +29,7 @@ class RootState:
     flat_params: list[UnitState] = field(default_factory=list)
     mesh: object = None  # the DeviceMesh state dicts describe their DTensors on
     placements: tuple = ()  # DTensor placements of a parameter on `mesh` (Shard(0), with Replicate for replicas)
+    full_state_dict: bool = False  # while set, model.state_dict() returns full tensors instead of DTensors
 
 
 @dataclass(eq=False)

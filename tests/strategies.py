@@ -56,8 +56,6 @@ def meta_init_parity(rank: int, world: int) -> dict[str, float]:
     with torch.no_grad():
         for m in ref.modules():
             _deterministic_init(m)
-            if isinstance(m, nn.LayerNorm):
-                pass
     fsdp_graph.fully_shard(model, param_init_fn=_deterministic_init)
     before = max_param_diff(model, ref)
     _, loss_fn, make_batch = build("gpt")
