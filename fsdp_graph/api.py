@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_graph import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.checkpoint import install_state_dict_hooks
-from fsdp_graph.config import MixedPrecision, ShardingStrategy
+from fsdp_graph.config import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_graph.flat_param import FlatParamLayout
 from fsdp_graph.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
 from fsdp_graph.unit import (
@@ -55,6 +55,7 @@ def fully_shard(
     param_init_fn: Callable[[nn.Module], None] | None = None,
     device: torch.device | str | None = None,
     sync_module_states: bool = False,
+    cpu_offload: CPUOffload | None = None,
 ) -> nn.Module:
     """Shard `model` in place over `mesh` and return it. Create the optimizer AFTER this call.
 
@@ -70,6 +71,9 @@ def fully_shard(
     - Meta-device models: each unit's parameters are materialised on `device` (default cpu) one module at a
       time with `param_init_fn(module)` or `module.reset_parameters()`; only this rank's shard is kept.
     - `sync_module_states`: broadcast rank 0's parameters and buffers before sharding.
+    - `cpu_offload=CPUOffload(offload_params=True)`: flat shards and gradients stay in CPU memory; `device` is
+      then the compute device (default: the current CUDA device if there is one, else cpu), where gathers,
+      compute and buffers live.
     """
     groups = _resolve_groups(mesh, strategy)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -83,6 +87,9 @@ def fully_shard(
     assignment = _assign_to_units(params, uses, unit_fqns)
     reshard = _resolve_reshard(reshard_after_forward, strategy, units, unit_fqns)
     mp = mixed_precision or MixedPrecision()
+    compute_device = _offload_compute_device(cpu_offload, device)
+    if compute_device is not None:
+        device = compute_device
     if sync_module_states:
         sync_module_states_from_rank0(model, ignored)
     if mp.buffer_dtype is not None:
@@ -107,10 +114,13 @@ def fully_shard(
                 reshard[unit_fqn],
                 mp,
                 root_state,
+                compute_device,
             )
             root_state.flat_params.append(state)
         del values
     materialize_buffers(model, torch.device(device or "cpu"), param_init_fn)
+    if compute_device is not None:
+        _move_buffers(model, compute_device)
     for unit in units:
         casts = mp.cast_forward_inputs or (unit is model and mp.cast_root_forward_inputs)
         has_states = "_fsdp_states" in unit.__dict__
@@ -126,6 +136,28 @@ def fully_shard(
     model.__dict__["_fsdp_root"] = root_state
     install_state_dict_hooks(model)
     return model
+
+
+def _offload_compute_device(cpu_offload: CPUOffload | None, device) -> torch.device | None:
+    """None without parameter offload; else the device gathers and compute run on."""
+    if cpu_offload is None:
+        return None
+    if not isinstance(cpu_offload, CPUOffload):
+        raise TypeError(f"fully_shard: cpu_offload must be a fsdp_graph.CPUOffload, got {cpu_offload!r}")
+    if not cpu_offload.offload_params:
+        return None
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
 
 
 def _state_dict_mesh(mesh: DeviceMesh | None, strategy: ShardingStrategy, root_state: RootState):
@@ -323,7 +355,16 @@ def _unit_values(members, params, uses, param_init_fn, device) -> dict[int, torc
 
 
 def _shard_flat_param(
-    unit, name, params, values, param_uses, groups: _Groups, reshard: bool, mp: MixedPrecision, root_state
+    unit,
+    name,
+    params,
+    values,
+    param_uses,
+    groups: _Groups,
+    reshard: bool,
+    mp: MixedPrecision,
+    root_state,
+    compute_device: torch.device | None,
 ) -> UnitState:
     _check_flat_params(name, values, param_uses)
     layout = FlatParamLayout.build(
@@ -332,6 +373,10 @@ def _shard_flat_param(
         groups.shard_rank,
     )
     shard = layout.shard_of(values)
+    if compute_device is not None:
+        shard = shard.to("cpu")
+        if torch.cuda.is_available():  # pinned: the host-to-device copy of each gather can be asynchronous
+            shard = shard.pin_memory()
     shard.requires_grad_(params[0].requires_grad)
     index = len(unit.__dict__.get("_fsdp_states", []))
     state = UnitState(
@@ -348,6 +393,7 @@ def _shard_flat_param(
         replicate_group=groups.replicate_name,
         replicate_world=groups.replicate_world,
         grad_dtype=mp.param_dtype if mp.keep_low_precision_grads else None,
+        compute_device=compute_device,
     )
     for slot_index, (orig, slot_uses) in enumerate(zip(params, param_uses)):
         view = nn.Parameter(torch.empty(0, dtype=shard.dtype, device=shard.device), requires_grad=orig.requires_grad)

@@ -21,11 +21,14 @@ def gather_flat(state: UnitState, local: torch.Tensor) -> torch.Tensor:
     """The full padded flat tensor of which `local` is this rank's shard (collective over the shard group)."""
     if state.world == 1:
         return local.clone()
+    home = local.device
+    if state.compute_device is not None:  # CPU offload: communicate from the compute device (NCCL needs it)
+        local = local.to(state.compute_device)
     full = local.new_empty(state.layout.padded_numel)
     dist.all_gather_single(
         full, local.contiguous(), group=dist.distributed_c10d._resolve_process_group(state.group_name)
     )
-    return full
+    return full.to(home)
 
 
 def to_dtensor(full: torch.Tensor, root: RootState) -> DTensor:

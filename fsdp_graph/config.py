@@ -32,6 +32,16 @@ class ShardingStrategy(enum.Enum):
 
 
 @dataclass(frozen=True)
+class CPUOffload:
+    """FSDP1's CPU offload. `offload_params=True`: flat shards, their gradients and so the optimizer state live
+    in CPU memory (pinned when CUDA is available); each gather first copies the shard to the compute device
+    (`fully_shard(device=...)`, default: the current CUDA device, else cpu), and each reduced gradient shard
+    is copied back. The optimizer steps on the CPU."""
+
+    offload_params: bool = False
+
+
+@dataclass(frozen=True)
 class MixedPrecision:
     """FSDP1's mixed precision. Master shards stay in their dtype (fp32).
 

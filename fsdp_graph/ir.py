@@ -39,13 +39,29 @@ UNSHARD_ARGS = (
     "reshard_after_forward",
     "replicate_group",
     "replicate_world",
+    "sync",
+    "unsynced",
+    "compute_device",
 )
-REDUCE_ARGS = ("full_grad", "unit", "group", "world", "dtype", "out_dtype", "replicate_group", "replicate_world")
+REDUCE_ARGS = (
+    "full_grad",
+    "unit",
+    "group",
+    "world",
+    "dtype",
+    "out_dtype",
+    "replicate_group",
+    "replicate_world",
+    "out_device",
+)
 UNSHARD_DEFAULTS = {
     "dtype": None,
     "reduce_dtype": None,
     "reshard_after_forward": True,
     "replicate_group": "",
     "replicate_world": 1,
+    "sync": True,
+    "unsynced": None,
+    "compute_device": None,
 }
-REDUCE_DEFAULTS = {"replicate_group": "", "replicate_world": 1}
+REDUCE_DEFAULTS = {"replicate_group": "", "replicate_world": 1, "out_device": None}

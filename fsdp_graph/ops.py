@@ -27,16 +27,26 @@ def unshard(
     reshard_after_forward: bool = True,
     replicate_group: str = "",
     replicate_world: int = 1,
+    sync: bool = True,
+    unsynced: torch.Tensor | None = None,
+    compute_device: torch.device | None = None,
 ) -> torch.Tensor:
-    """The unit's full padded flat parameter: `shard` cast to `dtype`, then all-gathered over `group`
-    (`world` == 1: nothing to gather, NO_SHARD).
+    """The unit's full padded flat parameter: `shard` copied to `compute_device` (CPU offload; None: where it
+    is), cast to `dtype`, then all-gathered over `group` (`world` == 1: nothing to gather, NO_SHARD). With a
+    `compute_device` the gradient shard is copied back to the shard's device.
 
     `reduce_dtype` is the dtype its gradient is reduced in (None: the gradient's own dtype);
     `reshard_after_forward` tells the reshard pass whether the backward re-gathers (True) or the forward
     saves the gathered tensor (False); `replicate_group`/`replicate_world` name the group the gradient is
     all-reduced over after the reduce-scatter (HYBRID_SHARD, NO_SHARD; 1: none).
+
+    Gradient sync (`no_sync`) only changes the backward, through `sync` and `unsynced`:
+    - `sync=False`: `unsynced` is a full-size leaf; the unreduced gradient becomes ITS gradient (autograd
+      accumulates it over microbatches) and the shard gets none, so nothing is communicated.
+    - `sync=True` with `unsynced` (the accumulated gradient): it is added before the one reduction.
     """
-    cast = _cast(shard, dtype)
+    moved = shard if compute_device is None else shard.to(compute_device, non_blocking=True)
+    cast = _cast(moved, dtype)
     if world == 1:
         return cast.clone() if cast is shard else cast
     return _c10d.wait_tensor(_c10d.all_gather_into_tensor(cast.contiguous(), world, group))
@@ -53,8 +63,11 @@ def _unshard_fake(
     reshard_after_forward=True,
     replicate_group="",
     replicate_world=1,
+    sync=True,
+    unsynced=None,
+    compute_device=None,
 ):
-    return shard.new_empty(shard.numel() * world, dtype=dtype or shard.dtype)
+    return shard.new_empty(shard.numel() * world, dtype=dtype or shard.dtype, device=compute_device or shard.device)
 
 
 @torch.library.custom_op("fsdp::reduce_grad", mutates_args=())
@@ -67,10 +80,11 @@ def reduce_grad(
     out_dtype: torch.dtype,
     replicate_group: str = "",
     replicate_world: int = 1,
+    out_device: torch.device | None = None,
 ) -> torch.Tensor:
     """This rank's shard of the gradient averaged over all `world * replicate_world` data-parallel ranks:
     cast to `dtype`, reduce-scattered (sum) over `group`, all-reduced (sum) over `replicate_group`,
-    divided, returned in `out_dtype`.
+    divided, returned in `out_dtype` (on `out_device`, CPU offload; None: where it was computed).
 
     Sum then a division: "avg" has no autograd formula and is not supported by every process-group backend.
     """
@@ -79,21 +93,36 @@ def reduce_grad(
         grad = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, "sum", world, group))
     if replicate_world > 1:
         grad = _c10d.wait_tensor(_c10d.all_reduce(grad, "sum", replicate_group))
-    return _cast(grad / (world * replicate_world), out_dtype)
+    averaged = _cast(grad / (world * replicate_world), out_dtype)
+    return averaged if out_device is None else averaged.to(out_device, non_blocking=True)
 
 
 @reduce_grad.register_fake
-def _reduce_grad_fake(full_grad, unit, group, world, dtype, out_dtype, replicate_group="", replicate_world=1):
-    return full_grad.new_empty(full_grad.numel() // world, dtype=out_dtype)
+def _reduce_grad_fake(
+    full_grad, unit, group, world, dtype, out_dtype, replicate_group="", replicate_world=1, out_device=None
+):
+    return full_grad.new_empty(full_grad.numel() // world, dtype=out_dtype, device=out_device or full_grad.device)
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shard, unit, group, world, _dtype, reduce_dtype, _reshard, replicate_group, replicate_world = inputs
-    ctx.reduce_args = (unit, group, world, reduce_dtype, shard.dtype, replicate_group, replicate_world)
+    (shard, unit, group, world, _dtype, reduce_dtype, _reshard, replicate_group, replicate_world, sync, unsynced,
+     compute_device) = inputs  # fmt: skip
+    out_device = None if compute_device is None else shard.device
+    ctx.reduce_args = (unit, group, world, reduce_dtype, shard.dtype, replicate_group, replicate_world, out_device)
+    ctx.sync = sync
+    if unsynced is not None:
+        ctx.save_for_backward(unsynced)
 
 
 def _unshard_backward(ctx, grad: torch.Tensor):
-    return (reduce_grad(grad, *ctx.reduce_args),) + (None,) * 8
+    no_grads = (None,) * 9
+    if not ctx.sync:  # no_sync: the unreduced gradient goes to the accumulator leaf, nothing to the shard
+        (leaf,) = ctx.saved_tensors
+        return (None,) + no_grads + (grad.to(leaf.dtype), None)
+    if ctx.saved_tensors:  # the last microbatch after no_sync: one reduction of everything accumulated
+        (accumulated,) = ctx.saved_tensors
+        grad = grad.to(accumulated.dtype) + accumulated
+    return (reduce_grad(grad, *ctx.reduce_args),) + no_grads + (None, None)
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

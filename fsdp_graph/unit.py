@@ -30,6 +30,7 @@ class RootState:
     mesh: object = None  # the DeviceMesh state dicts describe their DTensors on
     placements: tuple = ()  # DTensor placements of a parameter on `mesh` (Shard(0), with Replicate for replicas)
     full_state_dict: bool = False  # while set, model.state_dict() returns full tensors instead of DTensors
+    requires_gradient_sync: bool = True  # False inside `no_sync`: backwards accumulate unreduced gradients
 
 
 @dataclass(eq=False)
@@ -51,6 +52,8 @@ class UnitState:
     views: list[nn.Parameter] = field(default_factory=list)  # one per layout slot
     after_grad: list = field(default_factory=list)  # callbacks run after each backward hands out gradients
     grad_dtype: torch.dtype | None = None  # keep_low_precision_grads: the dtype `.grad` is stored in
+    unsynced: torch.Tensor | None = None  # no_sync's full-size leaf; its `.grad` holds the unreduced gradient
+    compute_device: torch.device | None = None  # CPUOffload: the shard lives on the CPU, gathers happen here
 
     @property
     def flat_shard(self) -> torch.Tensor:
@@ -91,6 +94,13 @@ def unsharded_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
 
 
 def _call_unshard(shard: torch.Tensor, state: UnitState) -> torch.Tensor:
+    # Passed only when they matter, so a model that never uses no_sync has the plain op call in its graph.
+    sync_args = {}
+    if state.unsynced is not None and shard.requires_grad:
+        if not state.root.requires_gradient_sync:
+            sync_args = {"sync": False, "unsynced": state.unsynced}
+        elif state.unsynced.grad is not None:
+            sync_args = {"unsynced": state.unsynced.grad}
     return torch.ops.fsdp.unshard(
         shard,
         state.name,
@@ -101,6 +111,8 @@ def _call_unshard(shard: torch.Tensor, state: UnitState) -> torch.Tensor:
         state.reshard_after_forward,
         state.replicate_group,
         state.replicate_world,
+        **sync_args,
+        **({"compute_device": state.compute_device} if state.compute_device is not None else {}),
     )
 
 
@@ -139,7 +151,10 @@ def _unit_apply(self: nn.Module, fn, recurse: bool = True):
     result = self._fsdp_original_class._apply(self, fn, recurse)
     for state in self._fsdp_states:
         old = state.flat_shard
-        bind_flat_shard(state, fn(old.detach()).detach().requires_grad_(old.requires_grad))
+        new = fn(old.detach()).detach()
+        if state.compute_device is not None:  # CPU offload: dtype conversions apply, moves do not
+            new = new.to(old.device)
+        bind_flat_shard(state, new.requires_grad_(old.requires_grad))
     return result
 
 

@@ -54,11 +54,19 @@ class _Emitter:
             return node
         return self(_prims.convert_element_type.default, (node, dtype), None if val is None else val.to(dtype))
 
+    def to_device(self, node: fx.Node, device: torch.device | None) -> fx.Node:
+        """CPU offload's copies are kept even when the device is the same (a CPU-only run exercises the path)."""
+        if device is None:
+            return node
+        val = node.meta.get("val")
+        return self(_prims.device_put.default, (node, device), None if val is None else val.to(device))
+
 
 def _lower_unshard(graph: fx.Graph, node: fx.Node) -> fx.Node:
     a = _bind(node, UNSHARD_ARGS, UNSHARD_DEFAULTS)
     emit = _Emitter(graph, node, a["unit"], ROLE_UNSHARD)
-    shard = emit.cast(a["shard"], a["dtype"])
+    shard = emit.to_device(a["shard"], a["compute_device"])
+    shard = emit.cast(shard, a["dtype"])
     if a["world"] == 1:
         return shard
     out_val = node.meta.get("val")
@@ -79,16 +87,16 @@ def _lower_reduce(graph: fx.Graph, node: fx.Node) -> fx.Node:
         grad = emit(ALL_REDUCE, (grad, "sum", a["replicate_group"]), shard_val)
         grad = emit(WAIT, (grad,), shard_val)
     averaged = emit(_aten.div.Tensor, (grad, a["world"] * a["replicate_world"]), shard_val)
-    return emit.cast(averaged, a["out_dtype"])
+    return emit.to_device(emit.cast(averaged, a["out_dtype"]), a["out_device"])
 
 
 def lower_fsdp_ops(gm: fx.GraphModule) -> fx.GraphModule:
     """In place on a partitioned forward or backward graph.
 
-    Matches: `fsdp.unshard` -> [cast to dtype] + `all_gather_into_tensor` + `wait_tensor` (world 1: the cast
-    alone); `fsdp.reduce_grad` -> [cast to dtype] + [`reduce_scatter_tensor(sum)` + `wait_tensor` if world > 1]
+    Matches: `fsdp.unshard` -> [`device_put` to compute_device] + [cast to dtype] + `all_gather_into_tensor` +
+    `wait_tensor` (world 1: no gather); `fsdp.reduce_grad` -> [cast to dtype] + [`reduce_scatter_tensor(sum)` + `wait_tensor` if world > 1]
     + [`all_reduce(sum)` + `wait_tensor` over the replicate group if replicate_world > 1] + div by the
-    data-parallel size + [cast to out_dtype]. Every produced node carries `meta["fsdp_unit"]` and `meta["fsdp_role"]`.
+    data-parallel size + [cast to out_dtype] + [`device_put` to out_device]. Every produced node carries `meta["fsdp_unit"]` and `meta["fsdp_role"]`.
     Guarantees: no fsdp op is left, the collectives are the ones Inductor's bucketing and overlap passes
     recognise, and the numerics equal the ops' eager implementations. No-op when nothing matches.
     """

@@ -98,3 +98,74 @@ def optimizer_in_backward_parity(rank: int, world: int, mode: str) -> dict[str, 
 def checkpointing_parity(rank: int, world: int, model_name: str, mode: str) -> dict:
     result = run_case(Case(model_name, "adamw", mode=mode), rank, world)
     return {"diff": result.max_param_diff, "reports": [(r.stage, dict(r.collectives.counts)) for r in result.reports]}
+
+
+MICROBATCHES = 3
+
+
+def no_sync_parity(rank: int, world: int, mode: str, how: str) -> dict:
+    """Accumulate 3 microbatches with gradient sync off for the first 2, step, repeat: gradients and parameters
+    equal single-process training on the concatenated batch; the no_sync backwards communicate nothing and the
+    loop settles on a fixed set of graphs."""
+    from fsdp_graph.measure import executed_collectives
+
+    torch.manual_seed(0)
+    model, loss_fn, make_batch = build("gpt")
+    ref = copy.deepcopy(model)
+    compiled, backend = shard_and_compile(model, Case("gpt", mode=mode))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(11)
+    out = {"grad_diff": 0.0, "no_sync_reduce_scatters": 0.0}
+    graphs_after_first_step = 0
+    for step in range(3):
+        micro = [make_batch(gen, 2 * world) for _ in range(MICROBATCHES)]
+        for i, full in enumerate(micro):
+            local = tuple(t.chunk(world)[rank] for t in full)
+            last = i == MICROBATCHES - 1
+
+            def backward(local=local):
+                (loss_fn(compiled, local) / MICROBATCHES).backward()
+
+            if how == "context" and not last:
+                with fsdp_graph.no_sync(model):
+                    seen = executed_collectives(backward)
+            else:
+                fsdp_graph.set_requires_gradient_sync(model, last)
+                seen = executed_collectives(backward)
+            if not last:
+                out["no_sync_reduce_scatters"] += seen.counts["reduce_scatter"] + seen.counts["all_reduce"]
+                out["grads_before_sync"] = float(sum(p.grad is not None for p in model.parameters()))
+            else:
+                out["sync_reduce_scatters"] = float(seen.counts["reduce_scatter"])
+            (loss_fn(ref, full) / MICROBATCHES).backward()
+        grads = full_grads(model)
+        out["grad_diff"] = max(
+            out["grad_diff"], max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
+        )
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if step == 0 and backend is not None:
+            graphs_after_first_step = backend.dynamo_graphs
+    out["param_diff"] = max_param_diff(model, ref)
+    out["pending_left"] = float(
+        any(s.unsynced is not None and s.unsynced.grad is not None for s in fsdp_graph.unit.flat_params(model))
+    )
+    if backend is not None:
+        out["graphs"] = float(backend.dynamo_graphs)
+        out["graphs_after_first_step"] = float(graphs_after_first_step)
+    return out
+
+
+def offload_parity(rank: int, world: int, mode: str, mp: bool) -> dict:
+    """CPUOffload(offload_params=True) against single-process training; on a CPU-only machine the compute device
+    is the CPU too, but every copy to it and back is in the graph (and runs)."""
+    result = run_case(Case("gpt", "sgd" if mp else "adamw", mode=mode, mp=mp, offload=True), rank, world)
+    out = {"diff": result.max_param_diff, "loss_gap": max(abs(a - b) for a, b in zip(result.losses, result.ref_losses))}
+    if result.reports:
+        code = {r.stage: r.code for r in result.reports}
+        out["fw_device_puts"] = float(code["fw"].count("prims.device_put"))
+        out["bw_device_puts"] = float(code["bw"].count("prims.device_put"))
+    return out

@@ -42,6 +42,7 @@ class Case:
     freeze: tuple[str, ...] = ()  # parameters whose FQN starts with one of these are frozen (in both models)
     reshard: str = "default"  # "default", or "keep_root": reshard_after_forward={"": False}
     dynamic: bool = False  # the per-rank batch size changes every step
+    offload: bool = False  # CPUOffload(offload_params=True)
 
 
 @dataclass
@@ -155,6 +156,7 @@ def shard_and_compile(model: nn.Module, case: Case):
         strategy=strategy,
         mixed_precision=BF16 if case.mp else None,
         reshard_after_forward={"": False} if case.reshard == "keep_root" else None,
+        cpu_offload=fsdp_graph.CPUOffload(offload_params=True) if case.offload else None,
     )
     if case.mode == "eager":
         return model, None

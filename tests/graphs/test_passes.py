@@ -270,3 +270,76 @@ def test_lower_noop_without_fsdp_ops():
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     before = code(gm)
     assert code(lower_fsdp_ops(gm)) == before
+
+
+def test_lower_cpu_offload_copies_around_collectives(fake_pg):
+    model = fsdp_graph.fully_shard(
+        torch.nn.Linear(4, 2, bias=False), cpu_offload=fsdp_graph.CPUOffload(offload_params=True)
+    )
+    stages = aot_stages(model, torch.randn(3, 4), tag=tag_reshard)
+    fw, bw = lower_fsdp_ops(stages.forward), lower_fsdp_ops(stages.backward)
+    assert_expected_inline(
+        code(fw),
+        """\
+def forward(self, primals_1, primals_2):
+    device_put_default = torch.ops.prims.device_put.default(primals_2, device(type='cpu'));  primals_2 = None
+    all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(device_put_default, 4, '0');  device_put_default = None
+    wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
+    slice_1 = torch.ops.aten.slice.Tensor(wait_tensor_default, 0, 0, 8);  wait_tensor_default = None
+    view = torch.ops.aten.view.default(slice_1, [2, 4]);  slice_1 = None
+    t = torch.ops.aten.t.default(view);  view = None
+    mm = torch.ops.aten.mm.default(primals_1, t);  t = None
+    return (mm, primals_1)""",
+    )
+    assert_expected_inline(
+        code(bw),
+        """\
+def forward(self, primals_1, tangents_1):
+    t_1 = torch.ops.aten.t.default(tangents_1);  tangents_1 = None
+    mm_1 = torch.ops.aten.mm.default(t_1, primals_1);  t_1 = primals_1 = None
+    t_2 = torch.ops.aten.t.default(mm_1);  mm_1 = None
+    t_3 = torch.ops.aten.t.default(t_2);  t_2 = None
+    view_1 = torch.ops.aten.view.default(t_3, [8]);  t_3 = None
+    slice_backward = torch.ops.aten.slice_backward.default(view_1, [8], 0, 0, 8, 1);  view_1 = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(slice_backward, 'sum', 4, '0');  slice_backward = None
+    wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
+    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
+    device_put_default = torch.ops.prims.device_put.default(div_tensor, device(type='cpu'));  div_tensor = None
+    return (None, device_put_default)""",
+    )
+
+
+def test_no_sync_graphs_accumulate_then_reduce_once(fake_pg):
+    model = fsdp_graph.fully_shard(torch.nn.Linear(4, 2, bias=False))
+    fsdp_graph.set_requires_gradient_sync(model, False)
+    accumulating = aot_stages(model, torch.randn(3, 4), tag=tag_reshard).backward
+    assert_expected_inline(
+        code(lower_fsdp_ops(accumulating)),
+        """\
+def forward(self, primals_1, tangents_1):
+    t_1 = torch.ops.aten.t.default(tangents_1);  tangents_1 = None
+    mm_1 = torch.ops.aten.mm.default(t_1, primals_1);  t_1 = primals_1 = None
+    t_2 = torch.ops.aten.t.default(mm_1);  mm_1 = None
+    t_3 = torch.ops.aten.t.default(t_2);  t_2 = None
+    view_1 = torch.ops.aten.view.default(t_3, [8]);  t_3 = None
+    slice_backward = torch.ops.aten.slice_backward.default(view_1, [8], 0, 0, 8, 1);  view_1 = None
+    return (None, slice_backward, None)""",
+    )
+    fsdp_graph.set_requires_gradient_sync(model, True)
+    reducing = aot_stages(model, torch.randn(3, 4), tag=tag_reshard).backward
+    assert_expected_inline(
+        code(lower_fsdp_ops(reducing)),
+        """\
+def forward(self, primals_1, primals_3, tangents_1):
+    t_1 = torch.ops.aten.t.default(tangents_1);  tangents_1 = None
+    mm_1 = torch.ops.aten.mm.default(t_1, primals_1);  t_1 = primals_1 = None
+    t_2 = torch.ops.aten.t.default(mm_1);  mm_1 = None
+    t_3 = torch.ops.aten.t.default(t_2);  t_2 = None
+    view_1 = torch.ops.aten.view.default(t_3, [8]);  t_3 = None
+    slice_backward = torch.ops.aten.slice_backward.default(view_1, [8], 0, 0, 8, 1);  view_1 = None
+    add = torch.ops.aten.add.Tensor(slice_backward, primals_3);  slice_backward = primals_3 = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(add, 'sum', 4, '0');  add = None
+    wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
+    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
+    return (None, div_tensor, None)""",
+    )

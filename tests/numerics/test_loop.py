@@ -3,7 +3,14 @@
 import pytest
 
 from fsdp_graph.launch import spawn
-from tests.loop import checkpointing_parity, clip_matches_pytorch, optimizer_in_backward_parity, summon_checks
+from tests.loop import (
+    checkpointing_parity,
+    clip_matches_pytorch,
+    no_sync_parity,
+    offload_parity,
+    optimizer_in_backward_parity,
+    summon_checks,
+)
 
 
 @pytest.mark.parametrize("strategy, mode", [("FULL_SHARD", "aot"), ("NO_SHARD", "eager"), ("SHARD_GRAD_OP", "eager")])
@@ -41,3 +48,24 @@ def test_activation_checkpointing_composes(model_name):
             assert r["diff"] < 2e-5, (mode, r)
             if mode == "aot":  # one graph; the backward re-gathers each of the 3 units once, not twice
                 assert r["reports"] == [("fw", {"all_gather": 3}), ("bw", {"all_gather": 3, "reduce_scatter": 3})]
+
+
+@pytest.mark.parametrize("mode, how", [("aot", "context"), ("aot", "flag"), ("eager", "context")])
+def test_no_sync_accumulation(mode, how):
+    for r in spawn(no_sync_parity, 2, (mode, how)):
+        assert r["no_sync_reduce_scatters"] == 0.0 and r["sync_reduce_scatters"] == 3.0, r  # 3 units, once
+        assert r["grads_before_sync"] == 0.0 and r["pending_left"] == 0.0, r
+        assert r["grad_diff"] < 1e-6 and r["param_diff"] < 2e-5, r
+        if mode == "aot":  # the no_sync graph and the graph that reduces the accumulation; no recompile after
+            assert r["graphs"] == r["graphs_after_first_step"] == 2.0, r
+
+
+@pytest.mark.parametrize("mode, mp", [("aot", False), ("eager", False), ("aot", True)])
+def test_cpu_offload_params(mode, mp):
+    for r in spawn(offload_parity, 2, (mode, mp)):
+        if mp:  # bf16 tolerances of test_bf16_mixed_precision
+            assert r["diff"] < 2e-3 and r["loss_gap"] <= 2 * 2**-5, r
+        else:
+            assert r["diff"] < 2e-5 and r["loss_gap"] < 2e-5, r
+        if mode == "aot":  # 3 units: copy in before each gather (forward, backward re-gather), copy grads back
+            assert r["fw_device_puts"] == 3.0 and r["bw_device_puts"] == 6.0, r
