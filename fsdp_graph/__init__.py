@@ -5,6 +5,7 @@ from fsdp_graph.backend import FSDPBackend, GraphReport, fsdp_backend, make_back
 from fsdp_graph.checkpoint_io import load_checkpoint, save_checkpoint
 from fsdp_graph.clip import clip_grad_norm_
 from fsdp_graph.config import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_graph.explain import ExplainReport, explain
 from fsdp_graph.full_params import summon_full_params
 from fsdp_graph.optim import optimizer_in_backward
 from fsdp_graph.optim_state import load_optim_state_dict, optim_state_dict
@@ -14,12 +15,14 @@ from fsdp_graph.wrap import ModuleWrapPolicy, size_based_wrap_policy
 
 __all__ = [
     "CPUOffload",
+    "ExplainReport",
     "FSDPBackend",
     "GraphReport",
     "MixedPrecision",
     "ModuleWrapPolicy",
     "ShardingStrategy",
     "clip_grad_norm_",
+    "explain",
     "fsdp_backend",
     "full_state_dict",
     "fully_shard",

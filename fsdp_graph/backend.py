@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import inspect
 import itertools
+import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -21,17 +24,19 @@ from passes.inspect import CollectiveSummary
 @dataclass
 class GraphReport:
     """What one lowered graph communicates. `stage` is "fw", "bw" or "inference"; `code` is the graph's
-    Python code after lowering (before Inductor)."""
+    Python code after lowering (before Inductor); `graph` a copy of it when the backend keeps graphs."""
 
     graph_index: int
     stage: str
     collectives: CollectiveSummary
     code: str
+    graph: fx.GraphModule | None = None
 
 
 def _source_hash(options: dict) -> str:
     """Code of every pass and of the op semantics, plus options: a changed pass never reuses stale code."""
-    modules = [ops, ir, passes.dedup, passes.reshard, passes.lower, passes.inspect]
+    modules = [ops, ir, passes.dedup, passes.reshard, passes.lower, passes.bucket, passes.all_to_all, passes.schedule]
+    modules.append(passes.inspect)
     h = hashlib.sha256(repr(sorted(options.items())).encode())
     for module in modules:
         h.update(inspect.getsource(module).encode())
@@ -39,27 +44,61 @@ def _source_hash(options: dict) -> str:
 
 
 class _ReshardPass(CustomGraphPass):
-    def __init__(self, uuid: str, dumper: GraphDumper):
-        self._uuid, self.dumper = uuid, dumper
+    def __init__(self, uuid: str, dumper: GraphDumper, pass_seconds: Counter):
+        self._uuid, self.dumper, self.pass_seconds = uuid, dumper, pass_seconds
 
     def __call__(self, graph: fx.Graph) -> None:
+        start = time.perf_counter()
         passes.tag_reshard(graph)
+        self.pass_seconds["reshard"] += time.perf_counter() - start
         self.dumper.graph("02_joint_tagged", graph)
 
     def uuid(self) -> str:
         return self._uuid
 
 
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """What the forward/backward-graph passes after lowering do (see `make_backend`)."""
+
+    prefetch: bool = True
+    max_inflight_bytes: int | None = None
+    bucket_bytes: int = 0
+    reduce_scatter: str = "auto"  # "auto": all-to-all over gloo groups; "native": always reduce_scatter_tensor
+
+
 class _LowerPass(CustomGraphPass):
-    def __init__(self, uuid: str, dumper: GraphDumper, reports: list[GraphReport]):
-        self._uuid, self.dumper, self.reports = uuid, dumper, reports
+    def __init__(
+        self,
+        uuid: str,
+        dumper: GraphDumper,
+        reports: list[GraphReport],
+        options: ScheduleOptions,
+        keep_graphs: bool = False,
+        all_to_all_groups: frozenset[str] = frozenset(),
+        pass_seconds: Counter | None = None,
+    ):
+        self.pass_seconds = pass_seconds if pass_seconds is not None else Counter()
+        self._uuid, self.dumper, self.reports, self.keep_graphs = uuid, dumper, reports, keep_graphs
+        self.options, self.all_to_all_groups = options, all_to_all_groups
         self.stage = "fw"
 
     def __call__(self, graph: fx.Graph) -> None:
         gm = graph.owning_module
+        timed = self.pass_seconds
+        start = time.perf_counter()
         passes.lower_fsdp_ops(gm)
+        lowered = time.perf_counter()
+        passes.bucket_collectives(gm, self.options.bucket_bytes)
+        passes.reduce_scatter_as_all_to_all(gm, self.all_to_all_groups)
+        bucketed = time.perf_counter()
+        passes.schedule_collectives(gm, self.options.prefetch, self.options.max_inflight_bytes)
+        timed["lower"] += lowered - start
+        timed["bucket+all_to_all"] += bucketed - lowered
+        timed["schedule"] += time.perf_counter() - bucketed
         summary = passes.collective_summary(gm)
-        self.reports.append(GraphReport(self.dumper.graph_index, self.stage, summary, gm.code.strip()))
+        kept = copy.deepcopy(gm) if self.keep_graphs else None
+        self.reports.append(GraphReport(self.dumper.graph_index, self.stage, summary, gm.code.strip(), kept))
         number = {"fw": "03", "inference": "03", "bw": "04"}[self.stage]
         self.dumper.graph(f"{number}_{self.stage}_lowered", gm, header=summary.to_text())
         stage = self.stage
@@ -73,23 +112,38 @@ class FSDPBackend:
     """A torch.compile backend. `reports` lists each lowered graph's collectives; `dynamo_graphs` counts
     the Dynamo graphs compiled (graph breaks and recompiles each add one)."""
 
-    def __init__(self, *, inductor: bool = True, dump_dir: str | None = None):
+    def __init__(
+        self,
+        *,
+        inductor: bool = True,
+        dump_dir: str | None = None,
+        keep_graphs: bool = False,
+        schedule: ScheduleOptions = ScheduleOptions(),
+    ):
         self.inductor = inductor
         self.dump_dir = dump_dir
+        self.keep_graphs = keep_graphs
+        self.schedule = schedule
         self.reports: list[GraphReport] = []
         self.dynamo_graphs = 0
+        self.pass_seconds: Counter = Counter()  # wall time spent in our passes, per pass, over every compile
         self._counter = itertools.count()
-        self._uuid = _source_hash({"inductor": inductor})
+        self._uuid = _source_hash({"inductor": inductor, "schedule": repr(schedule)})
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         dumper = GraphDumper(self.dump_dir, next(self._counter))
         self.dynamo_graphs += 1
         dumper.graph("00_dynamo", gm)
         _check_sharded(gm, example_inputs)
+        start = time.perf_counter()
         passes.dedup_unshard(gm)
+        self.pass_seconds["dedup"] += time.perf_counter() - start
         dumper.graph("01_dedup", gm)
-        reshard = _ReshardPass(self._uuid, dumper)
-        lower = _LowerPass(self._uuid, dumper, self.reports)
+        all_to_all = _all_to_all_groups(gm, self.schedule.reduce_scatter)
+        # The process groups' backends decide the lowering, so they are part of the compiled code's cache key.
+        uuid = _source_hash({"base": self._uuid, "all_to_all": sorted(all_to_all)})
+        reshard = _ReshardPass(uuid, dumper, self.pass_seconds)
+        lower = _LowerPass(uuid, dumper, self.reports, self.schedule, self.keep_graphs, all_to_all, self.pass_seconds)
         with no_caches_when_dumping(dumper.enabled):
             if self.inductor:
                 return _compile_inductor(gm, example_inputs, reshard, lower, dumper.enabled)
@@ -137,6 +191,26 @@ def _compile_eager(gm, example_inputs, reshard: _ReshardPass, lower: _LowerPass)
     )(gm, example_inputs)
 
 
+def _all_to_all_groups(gm: fx.GraphModule, reduce_scatter: str) -> frozenset[str]:
+    """The shard groups of this graph whose process-group backend has no native reduce-scatter (gloo)."""
+    if reduce_scatter == "native":
+        return frozenset()
+    import torch.distributed as dist
+
+    group_index = ir.UNSHARD_ARGS.index("group")
+    names = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in ir.UNSHARD_TARGETS:
+            name = node.kwargs.get("group", node.args[group_index] if len(node.args) > group_index else "")
+            names.add(name)
+    gloo = set()
+    for name in names - {""}:
+        group = dist.distributed_c10d._resolve_process_group(name)
+        if dist.get_backend(group) == "gloo":
+            gloo.add(name)
+    return frozenset(gloo)
+
+
 def _check_sharded(gm: fx.GraphModule, example_inputs) -> None:
     if any(n.op == "call_function" and n.target in ir.UNSHARD_TARGETS for n in gm.graph.nodes):
         return
@@ -154,10 +228,28 @@ def _check_sharded(gm: fx.GraphModule, example_inputs) -> None:
         )
 
 
-def make_backend(*, inductor: bool = True, dump_dir: str | None = None) -> FSDPBackend:
+def make_backend(
+    *,
+    inductor: bool = True,
+    dump_dir: str | None = None,
+    prefetch: bool = True,
+    max_inflight_bytes: int | None = None,
+    bucket_bytes: int = 0,
+    reduce_scatter: str = "auto",
+    keep_graphs: bool = False,
+) -> FSDPBackend:
     """A new backend. `inductor=False` runs the same passes and executes with eager kernels (fast compile).
-    `dump_dir` (or env FSDP_GRAPH_DUMP) writes each stage's graph as code plus a collective summary."""
-    return FSDPBackend(inductor=inductor, dump_dir=dump_dir)
+    `dump_dir` (or env FSDP_GRAPH_DUMP) writes each stage's graph as code plus a collective summary.
+    `prefetch`: issue each gather early and sink reduce-scatter waits (`passes.schedule`), keeping the bytes of
+    gathered-but-unfreed parameters under `max_inflight_bytes` (None: one unit more than the unscheduled graph).
+    `bucket_bytes`: merge consecutive units' collectives up to this many bytes each (`passes.bucket`; 0: off).
+    `reduce_scatter`: "auto" reduces gradients over gloo groups with an all-to-all and a local sum (gloo runs a
+    reduce-scatter as an all-reduce: twice the bytes); "native" always uses `reduce_scatter_tensor`.
+    `keep_graphs`: each report keeps a copy of its lowered graph (for `explain`)."""
+    if reduce_scatter not in ("auto", "native"):
+        raise ValueError(f"make_backend: reduce_scatter must be 'auto' or 'native', got {reduce_scatter!r}")
+    options = ScheduleOptions(prefetch, max_inflight_bytes, bucket_bytes, reduce_scatter)
+    return FSDPBackend(inductor=inductor, dump_dir=dump_dir, keep_graphs=keep_graphs, schedule=options)
 
 
 fsdp_backend = make_backend()

@@ -13,7 +13,11 @@ _KINDS = {
     "_c10d_functional::all_gather_into_tensor": "all_gather",
     "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
     "_c10d_functional::all_reduce": "all_reduce",
+    "_c10d_functional::all_to_all_single": "all_to_all",
 }
+# What the process-group backend itself ran (gloo/nccl events): a functional reduce-scatter on gloo shows up as
+# `gloo:all_reduce` of the whole tensor.
+_BACKEND_PREFIXES = ("gloo:", "nccl:")
 
 
 @dataclass
@@ -26,20 +30,29 @@ class ExecutedCollectives:
     payload_bytes: Counter = field(default_factory=Counter)
     wire_bytes: Counter = field(default_factory=Counter)
     dtypes: Counter = field(default_factory=Counter)
+    backend_counts: Counter = field(default_factory=Counter)  # e.g. {"gloo:all_reduce": 5}
+    backend_wire_bytes: Counter = field(default_factory=Counter)  # ring-algorithm bytes each rank sends, per event
 
     @property
     def total_wire_bytes(self) -> float:
         return sum(self.wire_bytes.values())
 
 
-def executed_collectives(fn: Callable[[], object], group_size_of_all_reduce: int | None = None) -> ExecutedCollectives:
+def executed_collectives(
+    fn: Callable[[], object], group_size_of_all_reduce: int | None = None, group_size: int | None = None
+) -> ExecutedCollectives:
     """Run `fn()` under the profiler and count the `_c10d_functional` collectives it executed (eager, compiled
     with eager kernels or with Inductor: all of them call these ops). The profiler does not record group names,
-    so all-reduce wire bytes need `group_size_of_all_reduce` (its payload is counted regardless)."""
+    so all-reduce wire bytes need `group_size_of_all_reduce` (its payload is counted regardless).
+
+    Also counts the events of the process-group backend (`gloo:*`, `nccl:*`): what really went on the wire, with
+    ring-algorithm bytes for a group of `group_size` ranks (default: the default group's size)."""
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         fn()
     result = ExecutedCollectives()
-    for event in prof.profiler.kineto_results.events():
+    events = prof.profiler.kineto_results.events()
+    _count_backend_events(events, result, group_size)
+    for event in events:
         kind = _KINDS.get(event.name())
         if kind is None:
             continue
@@ -55,6 +68,9 @@ def executed_collectives(fn: Callable[[], object], group_size_of_all_reduce: int
         elif kind == "reduce_scatter":
             n = int(inputs[2])
             payload, wire = size, size * (n - 1) / n
+        elif kind == "all_to_all":
+            n = _default_group_size(group_size)
+            payload, wire = size, size * (n - 1) / n
         else:
             n = group_size_of_all_reduce
             payload, wire = size, (0.0 if n is None else 2 * size * (n - 1) / n)
@@ -63,6 +79,28 @@ def executed_collectives(fn: Callable[[], object], group_size_of_all_reduce: int
         result.wire_bytes[kind] += wire
         result.dtypes[(kind, dtype)] += 1
     return result
+
+
+def _default_group_size(group_size: int | None) -> int:
+    import torch.distributed as dist
+
+    return group_size or (dist.get_world_size() if dist.is_initialized() else 1)
+
+
+def _count_backend_events(events, result: ExecutedCollectives, group_size: int | None) -> None:
+    n = _default_group_size(group_size)
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "all_to_all": (n - 1) / n}
+    factor["reduce_scatter"] = (n - 1) / n
+    for event in events:
+        name = event.name()
+        if not name.startswith(_BACKEND_PREFIXES) or not event.shapes() or not event.shapes()[0]:
+            continue
+        numel = 1
+        for dim in event.shapes()[0]:
+            numel *= dim
+        size = numel * _ELEMENT_BYTES.get(event.dtypes()[0], 4)
+        result.backend_counts[name] += 1
+        result.backend_wire_bytes[name] += size * factor.get(name.split(":", 1)[1], 1.0)
 
 
 def peak_allocated_bytes(fn: Callable[[], object]) -> tuple[int, object]:

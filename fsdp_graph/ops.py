@@ -12,6 +12,12 @@ import torch
 _c10d = torch.ops._c10d_functional
 
 
+def _is_gloo(group: str) -> bool:
+    import torch.distributed as dist
+
+    return dist.get_backend(dist.distributed_c10d._resolve_process_group(group)) == "gloo"
+
+
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
@@ -89,7 +95,11 @@ def reduce_grad(
     Sum then a division: "avg" has no autograd formula and is not supported by every process-group backend.
     """
     grad = _cast(full_grad, dtype).contiguous()
-    if world > 1:
+    if world > 1 and _is_gloo(group):  # as passes.all_to_all lowers it: gloo has no native reduce-scatter
+        chunk = grad.numel() // world
+        grad = _c10d.wait_tensor(_c10d.all_to_all_single(grad, [chunk] * world, [chunk] * world, group))
+        grad = grad.view(world, chunk).sum(0)
+    elif world > 1:
         grad = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, "sum", world, group))
     if replicate_world > 1:
         grad = _c10d.wait_tensor(_c10d.all_reduce(grad, "sum", replicate_group))

@@ -1,8 +1,19 @@
 """Pure FX passes of fsdp_graph. They meet the runtime only through `fsdp_graph.ir` (DESIGN §3)."""
 
+from passes.all_to_all import reduce_scatter_as_all_to_all
+from passes.bucket import bucket_collectives
 from passes.dedup import dedup_unshard
 from passes.inspect import collective_summary
 from passes.lower import lower_fsdp_ops
 from passes.reshard import tag_reshard
+from passes.schedule import schedule_collectives
 
-__all__ = ["collective_summary", "dedup_unshard", "lower_fsdp_ops", "tag_reshard"]
+__all__ = [
+    "bucket_collectives",
+    "collective_summary",
+    "dedup_unshard",
+    "lower_fsdp_ops",
+    "reduce_scatter_as_all_to_all",
+    "schedule_collectives",
+    "tag_reshard",
+]

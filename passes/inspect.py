@@ -8,9 +8,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fsdp_graph.ir import ALL_GATHER, ALL_REDUCE, META_UNIT, REDUCE_GRAD_TARGETS, REDUCE_SCATTER, UNSHARD_TARGETS
+from fsdp_graph.ir import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    META_UNIT,
+    REDUCE_GRAD_TARGETS,
+    REDUCE_SCATTER,
+    UNSHARD_TARGETS,
+)
 
-_KIND = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
+_KIND = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce", ALL_TO_ALL: "all_to_all"}
 
 
 @dataclass
@@ -42,7 +50,7 @@ def _nbytes(node: fx.Node) -> int:
 
 
 def collective_summary(gm: fx.GraphModule) -> CollectiveSummary:
-    """Counts `_c10d_functional` collectives (bytes of the unsharded side: gather output, scatter input)
+    """Counts `_c10d_functional` collectives (bytes of the unsharded side: gather output, scatter / all-to-all input)
     and any `fsdp` op not yet lowered. Pure; changes nothing."""
     summary = CollectiveSummary()
     for node in gm.graph.nodes:

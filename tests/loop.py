@@ -134,10 +134,10 @@ def no_sync_parity(rank: int, world: int, mode: str, how: str) -> dict:
                 fsdp_graph.set_requires_gradient_sync(model, last)
                 seen = executed_collectives(backward)
             if not last:
-                out["no_sync_reduce_scatters"] += seen.counts["reduce_scatter"] + seen.counts["all_reduce"]
+                out["no_sync_reduce_scatters"] += seen.counts["all_to_all"] + seen.counts["all_reduce"]
                 out["grads_before_sync"] = float(sum(p.grad is not None for p in model.parameters()))
             else:
-                out["sync_reduce_scatters"] = float(seen.counts["reduce_scatter"])
+                out["sync_reduce_scatters"] = float(seen.counts["all_to_all"])
             (loss_fn(ref, full) / MICROBATCHES).backward()
         grads = full_grads(model)
         out["grad_diff"] = max(

@@ -101,11 +101,16 @@ def executed_bytes(rank: int, world: int, strategy: str, mp: bool) -> dict:
     loss_fn(compiled, batch).backward()  # compile outside the measurement
     states = flat_params(model)
     replicate = states[0].replicate_world
-    measured = executed_collectives(lambda: loss_fn(compiled, batch).backward(), group_size_of_all_reduce=replicate)
+    group = states[0].world if states[0].world > 1 else replicate  # every group in these runs has this size
+    measured = executed_collectives(
+        lambda: loss_fn(compiled, batch).backward(), group_size_of_all_reduce=replicate, group_size=group
+    )
     return {
         "counts": dict(measured.counts),
         "wire": dict(measured.wire_bytes),
         "dtypes": dict(measured.dtypes),
+        "backend_wire": sum(measured.backend_wire_bytes.values()),
+        "backend_counts": dict(measured.backend_counts),
         "params": sum(s.layout.numel for s in states),
         "padded": sum(s.layout.padded_numel for s in states),
         "units": len(states),

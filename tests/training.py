@@ -43,6 +43,7 @@ class Case:
     reshard: str = "default"  # "default", or "keep_root": reshard_after_forward={"": False}
     dynamic: bool = False  # the per-rank batch size changes every step
     offload: bool = False  # CPUOffload(offload_params=True)
+    bucket_bytes: int = 0  # make_backend(bucket_bytes=...): merge consecutive units' collectives
 
 
 @dataclass
@@ -160,7 +161,7 @@ def shard_and_compile(model: nn.Module, case: Case):
     )
     if case.mode == "eager":
         return model, None
-    backend = fsdp_graph.make_backend(inductor=case.mode == "inductor")
+    backend = fsdp_graph.make_backend(inductor=case.mode == "inductor", bucket_bytes=case.bucket_bytes)
     return torch.compile(model, backend=backend, fullgraph=True), backend
 
 

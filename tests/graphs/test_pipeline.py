@@ -23,12 +23,12 @@ def test_full_shard_pipeline(fake_pg, tmp_path):
     reports = _compile("FULL_SHARD", tmp_path)
     assert reports["fw"].collectives.counts == {"all_gather": 3}
     assert reports["bw"].collectives.counts == {"all_gather": 3, "reduce_scatter": 3}
-    assert reports["bw"].collectives.units == [
+    assert reports["bw"].collectives.units == [  # issue order: blocks.1's re-gather is prefetched
         ("all_gather", ""),
-        ("reduce_scatter", ""),
         ("all_gather", "blocks.1"),
-        ("reduce_scatter", "blocks.1"),
         ("all_gather", "blocks.0"),
+        ("reduce_scatter", ""),
+        ("reduce_scatter", "blocks.1"),
         ("reduce_scatter", "blocks.0"),
     ]
     assert_expected_inline(
@@ -36,6 +36,7 @@ def test_full_shard_pipeline(fake_pg, tmp_path):
         """\
 def forward(self, primals_1, primals_2, primals_3, primals_4):
     all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_2, 4, '0')
+    all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_3, 4, '0')
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
     slice_1 = torch.ops.aten.slice.Tensor(wait_tensor_default, 0, 0, 16)
     view = torch.ops.aten.view.default(slice_1, [4, 4]);  slice_1 = None
@@ -43,8 +44,8 @@ def forward(self, primals_1, primals_2, primals_3, primals_4):
     view_1 = torch.ops.aten.view.default(slice_2, [4]);  slice_2 = None
     t = torch.ops.aten.t.default(view);  view = None
     addmm = torch.ops.aten.addmm.default(view_1, primals_1, t);  view_1 = t = None
+    all_gather_into_tensor_default_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_4, 4, '0')
     relu = torch.ops.aten.relu.default(addmm);  addmm = None
-    all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_3, 4, '0')
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1);  all_gather_into_tensor_default_1 = None
     slice_3 = torch.ops.aten.slice.Tensor(wait_tensor_default_1, 0, 0, 16)
     view_2 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
@@ -53,7 +54,6 @@ def forward(self, primals_1, primals_2, primals_3, primals_4):
     t_1 = torch.ops.aten.t.default(view_2);  view_2 = None
     addmm_1 = torch.ops.aten.addmm.default(view_3, relu, t_1);  view_3 = t_1 = None
     relu_1 = torch.ops.aten.relu.default(addmm_1);  addmm_1 = None
-    all_gather_into_tensor_default_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_4, 4, '0')
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_2);  all_gather_into_tensor_default_2 = None
     slice_5 = torch.ops.aten.slice.Tensor(wait_tensor_default_2, 0, 0, 8);  wait_tensor_default_2 = None
     view_4 = torch.ops.aten.view.default(slice_5, [2, 4]);  slice_5 = None
@@ -69,22 +69,21 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     mm_1 = torch.ops.aten.mm.default(t_3, relu_1);  t_3 = None
     t_4 = torch.ops.aten.t.default(mm_1);  mm_1 = None
     all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_4, 4, '0');  primals_4 = None
+    all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_3, 4, '0');  primals_3 = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
     slice_5 = torch.ops.aten.slice.Tensor(wait_tensor_default, 0, 0, 8);  wait_tensor_default = None
     view_4 = torch.ops.aten.view.default(slice_5, [2, 4]);  slice_5 = None
     t_2 = torch.ops.aten.t.default(view_4);  view_4 = None
     t_5 = torch.ops.aten.t.default(t_2);  t_2 = None
     mm_2 = torch.ops.aten.mm.default(tangents_1, t_5);  tangents_1 = t_5 = None
+    all_gather_into_tensor_default_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_2, 4, '0');  primals_2 = None
     t_6 = torch.ops.aten.t.default(t_4);  t_4 = None
     view_5 = torch.ops.aten.view.default(t_6, [8]);  t_6 = None
     slice_backward = torch.ops.aten.slice_backward.default(view_5, [8], 0, 0, 8, 1);  view_5 = None
     reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(slice_backward, 'sum', 4, '0');  slice_backward = None
-    wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
-    all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_3, 4, '0');  primals_3 = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1);  all_gather_into_tensor_default_1 = None
     slice_3 = torch.ops.aten.slice.Tensor(wait_tensor_default_2, 0, 0, 16);  wait_tensor_default_2 = None
     view_2 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
@@ -102,13 +101,12 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_8 = torch.ops.aten.view.default(t_10, [16]);  t_10 = None
     slice_backward_2 = torch.ops.aten.slice_backward.default(view_8, [20], 0, 0, 16, 1);  view_8 = None
     add = torch.ops.aten.add.Tensor(slice_backward_1, slice_backward_2);  slice_backward_1 = slice_backward_2 = None
+    wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
+    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
     reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add, 'sum', 4, '0');  add = None
-    wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_3, 4);  wait_tensor_default_3 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
-    all_gather_into_tensor_default_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_2, 4, '0');  primals_2 = None
     wait_tensor_default_4 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_2);  all_gather_into_tensor_default_2 = None
     slice_1 = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 0, 16);  wait_tensor_default_4 = None
     view = torch.ops.aten.view.default(slice_1, [4, 4]);  slice_1 = None
@@ -126,6 +124,8 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_11 = torch.ops.aten.view.default(t_14, [16]);  t_14 = None
     slice_backward_4 = torch.ops.aten.slice_backward.default(view_11, [20], 0, 0, 16, 1);  view_11 = None
     add_1 = torch.ops.aten.add.Tensor(slice_backward_3, slice_backward_4);  slice_backward_3 = slice_backward_4 = None
+    wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_3, 4);  wait_tensor_default_3 = None
     reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add_1, 'sum', 4, '0');  add_1 = None
     wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
     div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 4);  wait_tensor_default_5 = None
@@ -163,8 +163,6 @@ def forward(self, primals_1, relu, relu_1, t_5, t_7, t_11, tangents_1):
     view_5 = torch.ops.aten.view.default(t_6, [8]);  t_6 = None
     slice_backward = torch.ops.aten.slice_backward.default(view_5, [8], 0, 0, 8, 1);  view_5 = None
     reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(slice_backward, 'sum', 4, '0');  slice_backward = None
-    wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
@@ -180,9 +178,9 @@ def forward(self, primals_1, relu, relu_1, t_5, t_7, t_11, tangents_1):
     view_8 = torch.ops.aten.view.default(t_10, [16]);  t_10 = None
     slice_backward_2 = torch.ops.aten.slice_backward.default(view_8, [20], 0, 0, 16, 1);  view_8 = None
     add = torch.ops.aten.add.Tensor(slice_backward_1, slice_backward_2);  slice_backward_1 = slice_backward_2 = None
+    wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
+    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
     reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add, 'sum', 4, '0');  add = None
-    wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -198,6 +196,8 @@ def forward(self, primals_1, relu, relu_1, t_5, t_7, t_11, tangents_1):
     view_11 = torch.ops.aten.view.default(t_14, [16]);  t_14 = None
     slice_backward_4 = torch.ops.aten.slice_backward.default(view_11, [20], 0, 0, 16, 1);  view_11 = None
     add_1 = torch.ops.aten.add.Tensor(slice_backward_3, slice_backward_4);  slice_backward_3 = slice_backward_4 = None
+    wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
     reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add_1, 'sum', 4, '0');  add_1 = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
     div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 4);  wait_tensor_default_2 = None
@@ -297,24 +297,21 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     mm_1 = torch.ops.aten.mm.default(t_3, relu_1);  t_3 = None
     t_4 = torch.ops.aten.t.default(mm_1);  mm_1 = None
     all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_4, 2, '3');  primals_4 = None
+    all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_3, 2, '3');  primals_3 = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
     slice_5 = torch.ops.aten.slice.Tensor(wait_tensor_default, 0, 0, 8);  wait_tensor_default = None
     view_4 = torch.ops.aten.view.default(slice_5, [2, 4]);  slice_5 = None
     t_2 = torch.ops.aten.t.default(view_4);  view_4 = None
     t_5 = torch.ops.aten.t.default(t_2);  t_2 = None
     mm_2 = torch.ops.aten.mm.default(tangents_1, t_5);  tangents_1 = t_5 = None
+    all_gather_into_tensor_default_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_2, 2, '3');  primals_2 = None
     t_6 = torch.ops.aten.t.default(t_4);  t_4 = None
     view_5 = torch.ops.aten.view.default(t_6, [8]);  t_6 = None
     slice_backward = torch.ops.aten.slice_backward.default(view_5, [8], 0, 0, 8, 1);  view_5 = None
     reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(slice_backward, 'sum', 2, '3');  slice_backward = None
-    wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-    all_reduce_default = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_1, 'sum', '1');  wait_tensor_default_1 = None
-    wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
-    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default_2, 4);  wait_tensor_default_2 = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
-    all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_3, 2, '3');  primals_3 = None
     wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1);  all_gather_into_tensor_default_1 = None
     slice_3 = torch.ops.aten.slice.Tensor(wait_tensor_default_3, 0, 0, 16);  wait_tensor_default_3 = None
     view_2 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
@@ -332,15 +329,14 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_8 = torch.ops.aten.view.default(t_10, [16]);  t_10 = None
     slice_backward_2 = torch.ops.aten.slice_backward.default(view_8, [20], 0, 0, 16, 1);  view_8 = None
     add = torch.ops.aten.add.Tensor(slice_backward_1, slice_backward_2);  slice_backward_1 = slice_backward_2 = None
+    wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
+    all_reduce_default = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_1, 'sum', '1');  wait_tensor_default_1 = None
+    wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
+    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default_2, 4);  wait_tensor_default_2 = None
     reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add, 'sum', 2, '3');  add = None
-    wait_tensor_default_4 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
-    all_reduce_default_1 = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_4, 'sum', '1');  wait_tensor_default_4 = None
-    wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_1);  all_reduce_default_1 = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 4);  wait_tensor_default_5 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
-    all_gather_into_tensor_default_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_2, 2, '3');  primals_2 = None
     wait_tensor_default_6 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_2);  all_gather_into_tensor_default_2 = None
     slice_1 = torch.ops.aten.slice.Tensor(wait_tensor_default_6, 0, 0, 16);  wait_tensor_default_6 = None
     view = torch.ops.aten.view.default(slice_1, [4, 4]);  slice_1 = None
@@ -358,6 +354,10 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_11 = torch.ops.aten.view.default(t_14, [16]);  t_14 = None
     slice_backward_4 = torch.ops.aten.slice_backward.default(view_11, [20], 0, 0, 16, 1);  view_11 = None
     add_1 = torch.ops.aten.add.Tensor(slice_backward_3, slice_backward_4);  slice_backward_3 = slice_backward_4 = None
+    wait_tensor_default_4 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
+    all_reduce_default_1 = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_4, 'sum', '1');  wait_tensor_default_4 = None
+    wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_1);  all_reduce_default_1 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 4);  wait_tensor_default_5 = None
     reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add_1, 'sum', 2, '3');  add_1 = None
     wait_tensor_default_7 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
     all_reduce_default_2 = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_7, 'sum', '1');  wait_tensor_default_7 = None
@@ -379,6 +379,8 @@ def forward(self, primals_1, primals_2, primals_3, primals_4):
     _to_copy = torch.ops.aten._to_copy.default(primals_1, dtype = torch.bfloat16);  primals_1 = None
     convert_element_type_default = torch.ops.prims.convert_element_type.default(primals_2, torch.bfloat16)
     all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(convert_element_type_default, 4, '0');  convert_element_type_default = None
+    convert_element_type_default_1 = torch.ops.prims.convert_element_type.default(primals_3, torch.bfloat16)
+    all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(convert_element_type_default_1, 4, '0');  convert_element_type_default_1 = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
     slice_1 = torch.ops.aten.slice.Tensor(wait_tensor_default, 0, 0, 16)
     view = torch.ops.aten.view.default(slice_1, [4, 4]);  slice_1 = None
@@ -386,9 +388,9 @@ def forward(self, primals_1, primals_2, primals_3, primals_4):
     view_1 = torch.ops.aten.view.default(slice_2, [4]);  slice_2 = None
     t = torch.ops.aten.t.default(view);  view = None
     addmm = torch.ops.aten.addmm.default(view_1, _to_copy, t);  view_1 = t = None
+    convert_element_type_default_2 = torch.ops.prims.convert_element_type.default(primals_4, torch.bfloat16)
+    all_gather_into_tensor_default_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(convert_element_type_default_2, 4, '0');  convert_element_type_default_2 = None
     relu = torch.ops.aten.relu.default(addmm);  addmm = None
-    convert_element_type_default_1 = torch.ops.prims.convert_element_type.default(primals_3, torch.bfloat16)
-    all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(convert_element_type_default_1, 4, '0');  convert_element_type_default_1 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1);  all_gather_into_tensor_default_1 = None
     slice_3 = torch.ops.aten.slice.Tensor(wait_tensor_default_1, 0, 0, 16)
     view_2 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
@@ -397,8 +399,6 @@ def forward(self, primals_1, primals_2, primals_3, primals_4):
     t_1 = torch.ops.aten.t.default(view_2);  view_2 = None
     addmm_1 = torch.ops.aten.addmm.default(view_3, relu, t_1);  view_3 = t_1 = None
     relu_1 = torch.ops.aten.relu.default(addmm_1);  addmm_1 = None
-    convert_element_type_default_2 = torch.ops.prims.convert_element_type.default(primals_4, torch.bfloat16)
-    all_gather_into_tensor_default_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(convert_element_type_default_2, 4, '0');  convert_element_type_default_2 = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_2);  all_gather_into_tensor_default_2 = None
     slice_5 = torch.ops.aten.slice.Tensor(wait_tensor_default_2, 0, 0, 8);  wait_tensor_default_2 = None
     view_4 = torch.ops.aten.view.default(slice_5, [2, 4]);  slice_5 = None
@@ -415,24 +415,24 @@ def forward(self, primals_2, primals_3, primals_4, _to_copy, relu, relu_1, tange
     t_4 = torch.ops.aten.t.default(mm_1);  mm_1 = None
     convert_element_type_default = torch.ops.prims.convert_element_type.default(primals_4, torch.bfloat16);  primals_4 = None
     all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(convert_element_type_default, 4, '0');  convert_element_type_default = None
+    convert_element_type_default_2 = torch.ops.prims.convert_element_type.default(primals_3, torch.bfloat16);  primals_3 = None
+    all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(convert_element_type_default_2, 4, '0');  convert_element_type_default_2 = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
     slice_5 = torch.ops.aten.slice.Tensor(wait_tensor_default, 0, 0, 8);  wait_tensor_default = None
     view_4 = torch.ops.aten.view.default(slice_5, [2, 4]);  slice_5 = None
     t_2 = torch.ops.aten.t.default(view_4);  view_4 = None
     t_5 = torch.ops.aten.t.default(t_2);  t_2 = None
     mm_2 = torch.ops.aten.mm.default(tangents_1, t_5);  tangents_1 = t_5 = None
+    convert_element_type_default_4 = torch.ops.prims.convert_element_type.default(primals_2, torch.bfloat16);  primals_2 = None
+    all_gather_into_tensor_default_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(convert_element_type_default_4, 4, '0');  convert_element_type_default_4 = None
     t_6 = torch.ops.aten.t.default(t_4);  t_4 = None
     view_5 = torch.ops.aten.view.default(t_6, [8]);  t_6 = None
     slice_backward = torch.ops.aten.slice_backward.default(view_5, [8], 0, 0, 8, 1);  view_5 = None
     convert_element_type_default_1 = torch.ops.prims.convert_element_type.default(slice_backward, torch.float32);  slice_backward = None
     reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(convert_element_type_default_1, 'sum', 4, '0');  convert_element_type_default_1 = None
-    wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
-    convert_element_type_default_2 = torch.ops.prims.convert_element_type.default(primals_3, torch.bfloat16);  primals_3 = None
-    all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(convert_element_type_default_2, 4, '0');  convert_element_type_default_2 = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1);  all_gather_into_tensor_default_1 = None
     slice_3 = torch.ops.aten.slice.Tensor(wait_tensor_default_2, 0, 0, 16);  wait_tensor_default_2 = None
     view_2 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
@@ -451,14 +451,12 @@ def forward(self, primals_2, primals_3, primals_4, _to_copy, relu, relu_1, tange
     slice_backward_2 = torch.ops.aten.slice_backward.default(view_8, [20], 0, 0, 16, 1);  view_8 = None
     add = torch.ops.aten.add.Tensor(slice_backward_1, slice_backward_2);  slice_backward_1 = slice_backward_2 = None
     convert_element_type_default_3 = torch.ops.prims.convert_element_type.default(add, torch.float32);  add = None
+    wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
+    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
     reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(convert_element_type_default_3, 'sum', 4, '0');  convert_element_type_default_3 = None
-    wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_3, 4);  wait_tensor_default_3 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
-    convert_element_type_default_4 = torch.ops.prims.convert_element_type.default(primals_2, torch.bfloat16);  primals_2 = None
-    all_gather_into_tensor_default_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(convert_element_type_default_4, 4, '0');  convert_element_type_default_4 = None
     wait_tensor_default_4 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_2);  all_gather_into_tensor_default_2 = None
     slice_1 = torch.ops.aten.slice.Tensor(wait_tensor_default_4, 0, 0, 16);  wait_tensor_default_4 = None
     view = torch.ops.aten.view.default(slice_1, [4, 4]);  slice_1 = None
@@ -477,9 +475,11 @@ def forward(self, primals_2, primals_3, primals_4, _to_copy, relu, relu_1, tange
     slice_backward_4 = torch.ops.aten.slice_backward.default(view_11, [20], 0, 0, 16, 1);  view_11 = None
     add_1 = torch.ops.aten.add.Tensor(slice_backward_3, slice_backward_4);  slice_backward_3 = slice_backward_4 = None
     convert_element_type_default_5 = torch.ops.prims.convert_element_type.default(add_1, torch.float32);  add_1 = None
+    wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_3, 4);  wait_tensor_default_3 = None
     reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(convert_element_type_default_5, 'sum', 4, '0');  convert_element_type_default_5 = None
+    _to_copy_1 = torch.ops.aten._to_copy.default(mm_5, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'));  mm_5 = None
     wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
     div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 4);  wait_tensor_default_5 = None
-    _to_copy_1 = torch.ops.aten._to_copy.default(mm_5, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'));  mm_5 = None
     return (_to_copy_1, div_tensor_2, div_tensor_1, div_tensor)""",
     )

@@ -47,7 +47,7 @@ def test_activation_checkpointing_composes(model_name):
         for r in spawn(checkpointing_parity, 2, (model_name, mode)):
             assert r["diff"] < 2e-5, (mode, r)
             if mode == "aot":  # one graph; the backward re-gathers each of the 3 units once, not twice
-                assert r["reports"] == [("fw", {"all_gather": 3}), ("bw", {"all_gather": 3, "reduce_scatter": 3})]
+                assert r["reports"] == [("fw", {"all_gather": 3}), ("bw", {"all_gather": 3, "all_to_all": 3})]
 
 
 @pytest.mark.parametrize("mode, how", [("aot", "context"), ("aot", "flag"), ("eager", "context")])

@@ -20,14 +20,14 @@ def test_full_shard_one_graph_and_collectives_per_unit():
         units = r["units"]
         assert units == 3
         assert (r["dynamo_graphs"], r["graph_breaks"]) == (1, 0)  # 10 steps: no recompile, no break
-        assert r["reports"] == [("fw", {"all_gather": units}), ("bw", {"all_gather": units, "reduce_scatter": units})]
+        assert r["reports"] == [("fw", {"all_gather": units}), ("bw", {"all_gather": units, "all_to_all": units})]
 
 
 def test_shard_grad_op_no_backward_gathers():
     for r in spawn(step_counts, 2, ("SHARD_GRAD_OP",)):
         units = r["units"]
         assert (r["dynamo_graphs"], r["graph_breaks"]) == (1, 0)
-        assert r["reports"] == [("fw", {"all_gather": units}), ("bw", {"reduce_scatter": units})]
+        assert r["reports"] == [("fw", {"all_gather": units}), ("bw", {"all_to_all": units})]
 
 
 @pytest.mark.parametrize("mode", ["eager", "aot"])

@@ -1,0 +1,508 @@
+"""Read-only cost model of lowered forward/backward graphs: peak memory per rank and a two-lane step timeline.
+
+`estimate_memory` computes the liveness of every tensor storage across the forward and the backward graph (saved
+activations, gathered parameters, gradients, communication buffers) and returns the predicted peak and where it
+happens. `simulate` replays one graph on a compute lane and a communication lane with a roofline cost per
+kernel and an alpha-beta (ring) cost per collective, and returns the step time and the communication the compute
+lane had to wait for (exposed communication). Both read only node targets, arguments and `meta["val"]`
+(FakeTensors; symbolic sizes count at their hints), plus the `fsdp_*` meta keys of `fsdp_graph.ir`.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
+
+from fsdp_graph.ir import META_ROLE, META_UNIT, ROLE_UNSHARD, WAIT
+
+_aten, _prims = torch.ops.aten, torch.ops.prims
+
+
+def _hint(x) -> int:
+    """A concrete int for an int or SymInt (its hint: the value the graph was traced with)."""
+    if isinstance(x, torch.SymInt):
+        node = x.node
+        return int(node.hint) if node.has_hint() else int(node.optimization_hint(fallback=1))
+    return int(x)
+
+
+def _tensor_bytes(val) -> int:
+    if not isinstance(val, torch.Tensor):
+        return 0
+    return _hint(val.numel()) * val.element_size()
+
+
+def _tensors(val) -> list[torch.Tensor]:
+    return [v for v in tree_flatten(val)[0] if isinstance(v, torch.Tensor)]
+
+
+def _val(node) -> object:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _input_nodes(node: fx.Node) -> list[fx.Node]:
+    return [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """ "all_gather", "reduce_scatter", "all_reduce", "all_to_all" or another `_c10d_functional` op's name for a
+    collective node (coalesced variants included); None for anything else, `wait_tensor` included."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target == WAIT:
+        return None
+    if target.namespace != "_c10d_functional":
+        return None
+    name = target._opname
+    for prefix, kind in (
+        ("all_gather", "all_gather"),
+        ("reduce_scatter", "reduce_scatter"),
+        ("all_reduce", "all_reduce"),
+        ("all_to_all", "all_to_all"),
+    ):
+        if name.startswith(prefix):
+            return kind
+    return name
+
+
+def _collective_of_wait(node: fx.Node) -> fx.Node | None:
+    """The collective a `wait_tensor` waits for (through `getitem` for coalesced collectives)."""
+    if node.op != "call_function" or node.target != WAIT:
+        return None
+    arg = node.args[0]
+    if isinstance(arg, fx.Node) and arg.target is operator.getitem:
+        arg = arg.args[0]
+    return arg if isinstance(arg, fx.Node) and collective_kind(arg) is not None else None
+
+
+def unit_labels(gm: fx.GraphModule) -> list[str | None]:
+    """For every node, the FSDP unit it works for: its own `fsdp_unit` (collectives, casts, waits), else the unit
+    whose gathered parameters it reads (through views of the gather), else the label of the node before it
+    (nodes before the first labelled one take that one's label). None when the graph has no FSDP unit at all."""
+    labels: list[str | None] = []
+    params: dict[fx.Node, str] = {}  # node -> the unit whose gathered buffer it is a view of
+    current = None
+    for node in gm.graph.nodes:
+        own = node.meta.get(META_UNIT)
+        if node.op == "call_function" and node.meta.get(META_ROLE) == ROLE_UNSHARD and own is not None:
+            params[node] = own
+        elif node.op == "call_function":
+            source = node.args[0] if node.target is operator.getitem else _alias_source(node)
+            if isinstance(source, fx.Node) and source in params:
+                params[node] = params[source]
+        read = next((params[a] for a in _input_nodes(node) if a in params), None)
+        current = own if own is not None else (read if read is not None else current)
+        labels.append(current)
+    first = next((label for label in labels if label is not None), None)
+    return [first if label is None else label for label in labels]
+
+
+def _first_arg_bound(node: fx.Node, name: str, default=None):
+    """Argument `name` of an OpOverload call, positional or keyword."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == name:
+            return node.args[i] if i < len(node.args) else default
+    return default
+
+
+@dataclass(eq=False)
+class _Storage:
+    nbytes: int
+    persistent: bool = False
+    alloc: int = 0
+    last_use: int = 0
+
+
+def _alias_source(node: fx.Node) -> fx.Node | None:
+    """The input whose storage `node`'s output shares, or None when the op allocates. View ops and in-place ops
+    (schema alias annotations), `_unsafe_view`, `wait_tensor` (returns the collective's buffer), a same-device
+    `device_put` and a `reshape` of a contiguous tensor allocate nothing."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    first = node.args[0] if node.args else None
+    if target in (WAIT, _aten._unsafe_view.default):
+        return first
+    if target == _prims.device_put.default:
+        val, out = _val(first), _val(node)
+        same = isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) and val.device == out.device
+        return first if same else None
+    if target.overloadpacket == _aten.reshape:
+        val = _val(first)
+        return first if isinstance(val, torch.Tensor) and val.is_contiguous() else None
+    schema = target._schema
+    if target.is_view or any(r.alias_info is not None for r in schema.returns):
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None:
+                value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+                return value if isinstance(value, fx.Node) else None
+    return None
+
+
+class _Liveness:
+    """Storages of the nodes of one or two graphs laid out on one position axis."""
+
+    def __init__(self):
+        self.storages: list[_Storage] = []
+        self.refs: dict[fx.Node, list[_Storage]] = {}  # a tensor node -> the storages it keeps alive
+        self.elems: dict[fx.Node, list[list[_Storage]]] = {}  # a tuple/list node -> per element
+
+    def new(self, nbytes: int, position: int, persistent: bool = False) -> _Storage:
+        storage = _Storage(nbytes, persistent, position, position)
+        self.storages.append(storage)
+        return storage
+
+    def allocate(self, node: fx.Node, position: int, persistent: bool = False) -> None:
+        val = _val(node)
+        if isinstance(val, (tuple, list)):
+            self.elems[node] = [
+                [self.new(_tensor_bytes(v), position, persistent)] if isinstance(v, torch.Tensor) else [] for v in val
+            ]
+            self.refs[node] = [s for elem in self.elems[node] for s in elem]
+        elif isinstance(val, torch.Tensor):
+            self.refs[node] = [self.new(_tensor_bytes(val), position, persistent)]
+        else:
+            self.refs[node] = []
+
+    def define(self, node: fx.Node, position: int) -> None:
+        if node.target is operator.getitem:
+            base, index = node.args
+            elems = self.elems.get(base)
+            self.refs[node] = elems[index] if elems is not None and index < len(elems) else self.refs.get(base, [])
+            return
+        source = _alias_source(node)
+        if source is not None:
+            self.refs[node] = self.refs.get(source, [])
+            val = _val(node)
+            if isinstance(val, (tuple, list)):  # split/unbind/chunk: every piece views the input
+                self.elems[node] = [self.refs[node]] * len(val)
+            return
+        self.allocate(node, position)
+
+    def use(self, nodes, position: int) -> None:
+        for node in nodes:
+            for storage in self.refs.get(node, ()):
+                storage.last_use = max(storage.last_use, position)
+
+
+@dataclass(frozen=True)
+class MemoryPoint:
+    """Bytes live (above the persistent baseline) while the node at `index` of the `stage` graph runs."""
+
+    stage: str
+    index: int
+    node: str
+    unit: str | None
+    bytes: int
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted memory of one rank over a forward and a backward graph.
+
+    `persistent_bytes`: the forward graph's inputs (flat shards, buffers, the batch), live before and after the
+    step. `peak_bytes`: the most bytes live on top of them, at `peak`. `curve`: one point per node, forward then
+    backward. `outputs_bytes`: what the backward leaves allocated (the gradient shards)."""
+
+    persistent_bytes: int
+    peak_bytes: int
+    peak: MemoryPoint
+    curve: list[MemoryPoint] = field(default_factory=list)
+    outputs_bytes: int = 0
+
+    @property
+    def total_peak_bytes(self) -> int:
+        return self.persistent_bytes + self.peak_bytes
+
+
+def _output_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return [a for a in tree_flatten(output.args)[0] if isinstance(a, fx.Node)]
+
+
+def estimate_memory(
+    fw: fx.GraphModule, bw: fx.GraphModule | None = None, *, release_inputs: bool = True
+) -> MemoryEstimate:
+    """Liveness of every tensor storage over `fw` then `bw` (the partitioned, lowered graphs of one compile).
+
+    A storage is allocated by the node producing it and freed after its last use; view, in-place and wait nodes
+    alias their input's storage and extend its life. A collective's inputs stay live until its wait (the work
+    holds them); a gather's output buffer is allocated when it is issued. The forward's inputs are the persistent
+    baseline. Forward outputs the backward takes as inputs (saved activations, matched by name: the partitioner
+    names backward inputs after forward nodes) stay live until their last use in the backward; other forward
+    outputs (what the user gets) are released when the forward returns, and the backward's other inputs (the
+    incoming gradients) are allocated when it starts. `release_inputs=False` models an executor that holds its
+    argument list for the whole call (the eager-kernel backend: `make_boxed_func`), so backward inputs then live
+    until the backward returns; Inductor's code frees each one at its last use."""
+    live = _Liveness()
+    graphs = [("fw", fw)] + ([("bw", bw)] if bw is not None else [])
+    positions: list[tuple[str, int, fx.Node, str | None]] = []
+    for stage, gm in graphs:
+        labels = unit_labels(gm)
+        positions += [(stage, i, node, labels[i]) for i, node in enumerate(gm.graph.nodes)]
+    fw_outputs = _output_nodes(fw)
+    fw_by_name = {node.name: node for node in fw_outputs}
+    bw_inputs = [n for n in bw.graph.nodes if n.op == "placeholder"] if bw is not None else []
+    saved = {fw_by_name[n.name] for n in bw_inputs if n.name in fw_by_name}
+    bw_output_position = len(positions) - 1
+
+    waits: dict[fx.Node, list[fx.Node]] = {}
+    for _, _, node, _ in positions:
+        collective = _collective_of_wait(node)
+        if collective is not None:
+            waits.setdefault(collective, []).append(node)
+    position_of = {node: p for p, (_, _, node, _) in enumerate(positions)}
+
+    for p, (stage, _, node, _) in enumerate(positions):
+        if node.op == "placeholder":
+            if stage == "fw":
+                live.allocate(node, p, persistent=True)
+            elif node.name in fw_by_name:
+                live.refs[node] = live.refs.get(fw_by_name[node.name], [])
+                if not release_inputs:
+                    live.use([node], bw_output_position)
+            else:
+                live.allocate(node, p)
+                if not release_inputs:
+                    live.use([node], bw_output_position)
+            continue
+        if node.op == "get_attr":
+            live.allocate(node, p, persistent=True)
+            continue
+        if node.op == "output":
+            if stage == "fw":
+                live.use([n for n in fw_outputs if n not in saved], p)
+            else:
+                live.use(_input_nodes(node), p)
+            continue
+        live.define(node, p)
+        live.use(_input_nodes(node), p)
+        if collective_kind(node) is not None:
+            last_wait = max((position_of[w] for w in waits.get(node, ())), default=p)
+            live.use(_input_nodes(node), last_wait)
+
+    delta = [0] * (len(positions) + 1)
+    persistent = 0
+    for storage in live.storages:
+        if storage.persistent:
+            persistent += storage.nbytes
+        else:
+            delta[storage.alloc] += storage.nbytes
+            delta[storage.last_use + 1] -= storage.nbytes
+    curve, running = [], 0
+    for p, (stage, index, node, unit) in enumerate(positions):
+        running += delta[p]
+        curve.append(MemoryPoint(stage, index, node.name, unit, running))
+    peak = max(curve, key=lambda point: point.bytes)
+    last_graph = graphs[-1][1]
+    outputs = {id(s): s.nbytes for n in _output_nodes(last_graph) for s in live.refs.get(n, ()) if not s.persistent}
+    return MemoryEstimate(persistent, peak.bytes, peak, curve, sum(outputs.values()))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Throughputs the simulator charges. Compute: a kernel takes max(flops / flops_per_s, bytes read and
+    written / memory_bytes_per_s). Communication: a ring collective over n ranks takes (n - 1) link latencies
+    plus the bytes each rank sends ((n - 1) / n of the unsharded size; twice that for all-reduce) over
+    `link_bytes_per_s` (per rank and direction: NCCL's "bus bandwidth")."""
+
+    name: str
+    flops_per_s: float
+    memory_bytes_per_s: float
+    link_bytes_per_s: float
+    link_latency_s: float
+
+
+# Rough, order-of-magnitude presets; every field is settable (dataclasses.replace, or a Hardware of your own).
+HARDWARE: dict[str, Hardware] = {
+    # This repository's test machine: 2 cores measured ~35 GFLOP/s fp32 matmul and a few GB/s for elementwise
+    # kernels; gloo over loopback TCP moves ~1 GB/s with ~100 us per message.
+    "cpu-gloo": Hardware("cpu-gloo", 30e9, 5e9, 1e9, 100e-6),
+    # H100 SXM: ~400 TFLOP/s effective (about 40% of the 989 TFLOP/s dense bf16 peak, what large transformer
+    # steps reach), ~3 TB/s of HBM3 (3.35 peak); NVLink 4 moves 450 GB/s per direction, NCCL reaches ~350 GB/s
+    # bus bandwidth on large messages and less on FSDP's tens of MB, so 200 GB/s; ~10 us per ring step.
+    "nvlink": Hardware("nvlink", 400e12, 3e12, 200e9, 10e-6),
+    # The same GPU across nodes: one 200 Gb/s HDR InfiniBand link per GPU, 25 GB/s, ~20 us per ring step.
+    "infiniband": Hardware("infiniband", 400e12, 3e12, 25e9, 20e-6),
+}
+
+
+@dataclass(frozen=True)
+class Event:
+    """A bar of the timeline. lane: "compute" or "comm". kind: "compute", "wait" (the compute lane blocked on
+    a collective: exposed communication) or the collective's kind. `unit`: the FSDP unit it belongs to."""
+
+    lane: str
+    kind: str
+    start: float
+    end: float
+    label: str
+    unit: str | None = None
+
+
+@dataclass
+class Simulation:
+    """One graph replayed from `start`: its bars, every node's [start, end) on the compute lane (graph order),
+    and totals in seconds. `exposed_comm` is the time the compute lane waited for collectives."""
+
+    events: list[Event]
+    node_times: list[tuple[float, float]]
+    start: float
+    end: float
+    compute_time: float
+    comm_time: float
+    exposed_comm: float
+    flops: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+def _concrete(val):
+    """A meta tensor with `val`'s concrete (hinted) shape, so flop formulas see plain ints."""
+    if isinstance(val, torch.Tensor):
+        return torch.empty([_hint(s) for s in val.shape], dtype=val.dtype, device="meta")
+    if isinstance(val, (list, tuple)):
+        return type(val)(_concrete(v) for v in val)
+    if isinstance(val, torch.SymInt):
+        return _hint(val)
+    return val
+
+
+# CPU attention kernels are missing from torch's registry; their arguments start like the CUDA ones'.
+_EXTRA_FLOPS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop,
+}
+
+
+def node_flops(node: fx.Node) -> int:
+    """Flops of one node from torch.utils.flop_counter's formulas (matmuls, convolutions, attention); 0 for
+    everything else (elementwise kernels are charged by the bytes they move instead)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return 0
+    formula = flop_registry.get(target.overloadpacket) or _EXTRA_FLOPS.get(target.overloadpacket)
+    if formula is None:
+        return 0
+    args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: _concrete(_val(n)))
+    return _hint(formula(*args, **kwargs, out_val=_concrete(_val(node))))
+
+
+def _is_free(node: fx.Node) -> bool:
+    """Views cost nothing; an in-place op aliases its input too but still moves its bytes."""
+    if node.target is operator.getitem:
+        return True
+    if _alias_source(node) is None:
+        return False
+    arguments = node.target._schema.arguments
+    return not any(a.alias_info is not None and a.alias_info.is_write for a in arguments)
+
+
+def _moved_bytes(node: fx.Node) -> int:
+    inputs = sum(_tensor_bytes(t) for n in _input_nodes(node) for t in _tensors(_val(n)))
+    return inputs + sum(_tensor_bytes(t) for t in _tensors(_val(node)))
+
+
+def collective_cost(
+    node: fx.Node, hardware: Hardware, world: int, group_sizes: Mapping[str, int] | None = None
+) -> tuple[int, int, float]:
+    """(group size, unsharded payload bytes, seconds) of a collective node under the ring alpha-beta model. The
+    group size is the op's `group_size` argument, else `group_sizes[group_name]`, else `world`."""
+    kind = collective_kind(node)
+    n = _first_arg_bound(node, "group_size")
+    if n is None:
+        n = (group_sizes or {}).get(_first_arg_bound(node, "group_name"), world)
+    n = _hint(n)
+    if kind == "all_gather":
+        payload = sum(_tensor_bytes(t) for t in _tensors(_val(node)))
+    else:
+        payload = sum(_tensor_bytes(t) for a in _input_nodes(node) for t in _tensors(_val(a)))
+    if n <= 1:
+        return n, payload, 0.0
+    rounds = 2 if kind == "all_reduce" else 1
+    seconds = rounds * (n - 1) * (hardware.link_latency_s + payload / n / hardware.link_bytes_per_s)
+    return n, payload, seconds
+
+
+def unit_name(unit: str | None) -> str:
+    """A unit label for people: "<root>" for the root's "", and so inside bucket labels ("+blocks.1")."""
+    return "-" if unit is None else "+".join(part or "<root>" for part in unit.split("+"))
+
+
+def _label(kind: str, unit: str | None) -> str:
+    return kind if unit is None else f"{kind} {unit_name(unit)}"
+
+
+def simulate(
+    gm: fx.GraphModule,
+    hardware: Hardware,
+    world: int,
+    *,
+    group_sizes: Mapping[str, int] | None = None,
+    start: float = 0.0,
+) -> Simulation:
+    """Replay `gm` in graph order on two lanes. Compute lane: each kernel costs max(flops / flops_per_s, bytes /
+    memory_bytes_per_s); views, getitem and collective issues are free. Comm lane, serial: a collective starts
+    when the compute lane reaches it and the lane is free, and lasts `collective_cost`. A wait holds the compute
+    lane until its collective ends: that holding is exposed communication. So a gather issued early overlaps the
+    compute between its issue and its wait, and one issued right before its wait is fully exposed."""
+    labels = unit_labels(gm)
+    clock = comm_free = start
+    ends: dict[fx.Node, float] = {}
+    lanes: dict[str, list[Event]] = {"compute": [], "comm": []}
+    node_times: list[tuple[float, float]] = []
+    compute = comm = exposed = flops = 0.0
+    for node, unit in zip(gm.graph.nodes, labels):
+        begin = clock
+        if node.op != "call_function":
+            pass
+        elif (kind := collective_kind(node)) is not None:
+            owner = node.meta.get(META_UNIT)
+            _, _, seconds = collective_cost(node, hardware, world, group_sizes)
+            comm_start = max(clock, comm_free)
+            comm_free = ends[node] = comm_start + seconds
+            comm += seconds
+            lanes["comm"].append(Event("comm", kind, comm_start, comm_free, _label(kind, owner), owner))
+        elif node.target == WAIT:
+            collective = _collective_of_wait(node)
+            done = ends.get(collective, clock)
+            if done > clock:
+                owner = collective.meta.get(META_UNIT)
+                label = "wait " + _label(collective_kind(collective), owner)
+                lanes["compute"].append(Event("compute", "wait", clock, done, label, owner))
+                exposed += done - clock
+                clock = done
+        elif not _is_free(node):
+            n_flops = node_flops(node)
+            seconds = max(n_flops / hardware.flops_per_s, _moved_bytes(node) / hardware.memory_bytes_per_s)
+            flops += n_flops
+            compute += seconds
+            bars = lanes["compute"]
+            if seconds > 0:
+                last = bars[-1] if bars else None
+                if last is not None and last.kind == "compute" and last.unit == unit and last.end == clock:
+                    bars[-1] = Event("compute", "compute", last.start, clock + seconds, last.label, unit)
+                else:
+                    label = "compute" if unit is None else unit_name(unit)
+                    bars.append(Event("compute", "compute", clock, clock + seconds, label, unit))
+            clock += seconds
+        node_times.append((begin, clock))
+    end = max(clock, comm_free)
+    return Simulation(lanes["compute"] + lanes["comm"], node_times, start, end, compute, comm, exposed, flops)
+
+
+def iter_collectives(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, str, str | None]]:
+    """(node, kind, fsdp unit) of every collective of `gm`, in graph order."""
+    for node in gm.graph.nodes:
+        kind = collective_kind(node)
+        if kind is not None:
+            yield node, kind, node.meta.get(META_UNIT)

@@ -1,0 +1,190 @@
+"""Forward/backward-graph pass: issue gathers early (prefetch) and wait for reduce-scatters late.
+
+Runs after lowering (and bucketing): a collective is an issue node (`all_gather_into_tensor`, `reduce_scatter_tensor`,
+...) whose result is read through `wait_tensor`. Reordering FX nodes is the whole mechanism: the eager-kernel
+backend runs nodes in graph order, and Inductor keeps the order of its collective kernels and waits (proved by the
+executed-op-stream test), so a gather issued before unrelated compute overlaps with it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fsdp_graph.ir import ALL_GATHER, ALL_TO_ALL, META_ROLE, REDUCE_SCATTER, ROLE_REDUCE, ROLE_UNSHARD, WAIT
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    numel = val.numel()
+    if isinstance(numel, torch.SymInt):
+        numel = numel.node.hint if numel.node.has_hint() else 0
+    return int(numel) * val.element_size()
+
+
+def _is_alias(node: fx.Node) -> bool:
+    """The node's output shares storage with its first input (a view, or the wait returning its collective's
+    buffer)."""
+    return node.op == "call_function" and (node.target is WAIT or getattr(node.target, "is_view", False))
+
+
+class _Gathered:
+    """The unsharded buffers a graph holds (every new tensor a lowering of `unshard` made: gather outputs, bucket
+    copies) and the interval each is alive: from its producing node to the last use of any alias of it."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.buffers = [
+            n
+            for n in graph.nodes
+            if n.op == "call_function" and n.meta.get(META_ROLE) == ROLE_UNSHARD and not _is_alias(n) and _nbytes(n)
+        ]
+
+    def intervals(self) -> tuple[dict[fx.Node, int], list[tuple[int, int, int]]]:
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        spans = []
+        for buf in self.buffers:
+            last, stack = order[buf], [buf]
+            while stack:
+                for user in stack.pop().users:
+                    last = max(last, order[user])
+                    if _is_alias(user):
+                        stack.append(user)
+            spans.append((order[buf], last, _nbytes(buf)))
+        return order, spans
+
+    @staticmethod
+    def live_curve(spans: list[tuple[int, int, int]], length: int) -> list[int]:
+        """Bytes of buffers alive at each position."""
+        delta = [0] * (length + 1)
+        for start, end, size in spans:
+            delta[start] += size
+            delta[end + 1] -= size
+        curve, running = [], 0
+        for step in delta[:length]:
+            running += step
+            curve.append(running)
+        return curve
+
+
+def _issue_chain(issue: fx.Node) -> list[fx.Node]:
+    """The gather and the nodes preparing its input (casts, device copies: `unshard`-role nodes feeding only it),
+    in graph order."""
+    chain, stack = [issue], [issue]
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if arg.op == "call_function" and arg.meta.get(META_ROLE) == ROLE_UNSHARD and set(arg.users) <= set(chain):
+                chain.append(arg)
+                stack.append(arg)
+    order = {n: i for i, n in enumerate(issue.graph.nodes)}
+    return sorted(chain, key=order.__getitem__)
+
+
+def _move_before(nodes: list[fx.Node], anchor: fx.Node) -> None:
+    for node in nodes:
+        if node is not anchor:
+            anchor.prepend(node)
+
+
+def _prefetch_gathers(graph: fx.Graph, max_inflight_bytes: int | None) -> bool:
+    """Each gather moves up to just after the previous gather's issue (so issue order is unchanged and gather k+1
+    is in flight while unit k computes), as long as the bytes of gathered buffers alive at its new position plus its
+    own stay within the budget; else to the first later position where they do."""
+    gathers = [n for n in graph.nodes if n.target is ALL_GATHER and n.meta.get(META_ROLE) == ROLE_UNSHARD]
+    if len(gathers) < 2:
+        return False
+    tracker = _Gathered(graph)
+    if max_inflight_bytes is None:  # one unit more in flight than the graph holds without scheduling
+        _, spans = tracker.intervals()
+        peak = max(tracker.live_curve(spans, len(graph.nodes)), default=0)
+        max_inflight_bytes = peak + max(_nbytes(g) for g in gathers)
+    changed = False
+    for previous, gather in zip(gathers, gathers[1:]):
+        order, spans = tracker.intervals()
+        chain = _issue_chain(gather)
+        live = tracker.live_curve([s for s in spans if s[0] != order[gather]], len(order))
+        own = _nbytes(gather)
+        earliest = max(
+            [order[previous] + 1] + [order[a] + 1 for n in chain for a in n.all_input_nodes if a not in chain]
+        )
+        # Issued at p, the buffer is alive over [p, its first use]: the busiest point of that range must fit.
+        target, busiest = order[chain[0]], 0
+        for position in range(order[gather], earliest - 1, -1):
+            busiest = max(busiest, live[position])
+            if busiest + own > max_inflight_bytes:
+                break
+            target = min(target, position)
+        if target < order[chain[0]]:
+            _move_before(chain, list(graph.nodes)[target])
+            changed = True
+    return changed
+
+
+def _wait_chain(wait: fx.Node) -> list[fx.Node] | None:
+    """The wait and everything downstream of it made by the same reduction (all-reduce, scale, casts, copies),
+    when those feed only the graph's output; None if something else reads them (then the wait stays)."""
+    chain, stack = [wait], [wait]
+    while stack:
+        for user in stack.pop().users:
+            if user.op == "output" or user in chain:
+                continue
+            if user.meta.get(META_ROLE) != ROLE_REDUCE:
+                return None
+            chain.append(user)
+            stack.append(user)
+    order = {n: i for i, n in enumerate(wait.graph.nodes)}
+    return sorted(chain, key=order.__getitem__)
+
+
+def _sink_reduce_waits(graph: fx.Graph) -> bool:
+    """Each reduce-scatter's wait (and the reduction's tail) moves down to just before the next reduce-scatter is
+    issued, so one reduction is in flight while the next unit's backward computes; the last one waits just before
+    the output. At most two full-size gradients are held by reductions at any time."""
+    scatters = [
+        n for n in graph.nodes if n.target in (REDUCE_SCATTER, ALL_TO_ALL) and n.meta.get(META_ROLE) == ROLE_REDUCE
+    ]
+    output = next(n for n in graph.nodes if n.op == "output")
+    changed = False
+    for i, scatter in enumerate(scatters):
+        waits = [u for u in scatter.users if u.target is WAIT]
+        if len(waits) != 1:
+            continue
+        chain = _wait_chain(waits[0])
+        if chain is None:
+            continue
+        anchor = scatters[i + 1] if i + 1 < len(scatters) else output
+        order = {n: k for k, n in enumerate(graph.nodes)}
+        if order[anchor] > order[chain[-1]]:
+            # The next issue's input preparation (casts) stays before the anchor; we go right before the issue.
+            _move_before(chain, anchor)
+            changed = True
+    return changed
+
+
+def schedule_collectives(
+    gm: fx.GraphModule, prefetch: bool = True, max_inflight_bytes: int | None = None
+) -> fx.GraphModule:
+    """In place on a lowered forward or backward graph.
+
+    Matches: `all_gather_into_tensor` nodes of role "unshard" (`fsdp_role` meta) and `reduce_scatter_tensor` (or
+    its `all_to_all_single` form) nodes of role "reduce_grad" with their `wait_tensor`. With `prefetch`:
+    - every gather after the first is issued right after the previous gather's issue (gather k+1 in flight while
+      unit k computes), unless the bytes of gathered buffers alive there plus its own would exceed
+      `max_inflight_bytes` (None: the unscheduled graph's peak plus its largest gather, i.e. one unit more in
+      flight than without scheduling); then at the first later point where they fit;
+    - every reduce-scatter's wait, with the scale/cast/copy nodes after it, moves to just before the next
+      reduce-scatter's issue (the last one: before the output).
+    Guarantees: only node order changes (same nodes, same values), issue order of collectives is unchanged (every
+    rank issues the same sequence), the graph stays topologically valid. No-op when `prefetch` is False or nothing
+    matches.
+    """
+    if not prefetch:
+        return gm
+    changed = _prefetch_gathers(gm.graph, max_inflight_bytes)
+    changed |= _sink_reduce_waits(gm.graph)
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm

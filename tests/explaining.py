@@ -1,0 +1,77 @@
+"""explain()'s predicted peak memory against the measured one (run inside each gloo rank; also benchmarks/explain.py)."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+import fsdp_graph
+from fsdp_graph.demo import DEMO_CONFIG
+from fsdp_graph.measure import peak_allocated_bytes
+from fsdp_graph.models import GPT
+from tests.training import build
+
+
+def _build(name: str):
+    """(model, make_batch(generator, batch_size)): tests.training's models, plus "demo" (the demo's 4-layer GPT)."""
+    if name == "demo":
+        cfg = DEMO_CONFIG
+        return GPT(cfg), lambda g, b: tuple(torch.randint(0, cfg.vocab, (b, cfg.seq), generator=g) for _ in range(2))
+    model, _, make_batch = build(name)
+    return model, make_batch
+
+
+def inputs_and_loss(name: str, batch: tuple) -> tuple[tuple, object]:
+    """The model's inputs and its loss as a function of its output (explain's `loss_fn`; None: the model
+    returns its loss)."""
+    inputs, target = batch[0], batch[1]
+    if name in ("gpt", "demo"):
+        return (inputs,), lambda logits: F.cross_entropy(logits.flatten(0, 1), target.flatten())
+    if name == "hf":
+        return (inputs, target), None
+    return (inputs,), lambda out: F.mse_loss(out, target)
+
+
+def _train_step(model, loss_fn, inputs):
+    out = model(*inputs)
+    return loss_fn(out) if loss_fn is not None else out["loss"]
+
+
+def predicted_vs_measured(rank: int, world: int, name: str, batch_size: int, repeats: int = 3) -> dict[str, float]:
+    """Peak bytes one forward + backward allocates above the step's starting point: predicted by `explain`
+    (eager-kernel executor) and measured (profiler memory events, median of `repeats` steps after a warm-up step
+    that compiles), both for the model and its loss compiled as one graph with `make_backend(inductor=False)`."""
+    torch.manual_seed(0)
+    model, make_batch = _build(name)
+    fsdp_graph.fully_shard(model)
+    batch = make_batch(torch.Generator().manual_seed(100 + rank), batch_size)
+    inputs, loss_fn = inputs_and_loss(name, batch)
+    report = fsdp_graph.explain(model, *inputs, loss_fn=loss_fn, inductor=False)
+
+    compiled = torch.compile(_train_step, backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
+
+    def step():
+        compiled(model, loss_fn, inputs).backward()
+
+    def clear_grads():
+        for p in model.parameters():
+            p.grad = None
+
+    step()  # compiles: its allocations are not the step's
+    clear_grads()
+    peaks = []
+    for _ in range(repeats):
+        peak, _ = peak_allocated_bytes(step)
+        clear_grads()
+        peaks.append(peak)
+    measured = statistics.median(peaks)
+    predicted = report.memory.peak_bytes
+    return {
+        "predicted": float(predicted),
+        "measured": float(measured),
+        "error": predicted / measured - 1,
+        "persistent": float(report.memory.persistent_bytes),
+        "spread": (max(peaks) - min(peaks)) / measured,
+    }

@@ -1,0 +1,158 @@
+"""Snapshots of the scheduling passes (fake process group, world 4): the order of the nodes is the spec."""
+
+import torch
+from expecttest import assert_expected_inline
+
+import fsdp_graph
+from fsdp_graph.ir import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER, WAIT
+from passes import lower_fsdp_ops, reduce_scatter_as_all_to_all, schedule_collectives, tag_reshard
+from tests.graphs.capture import TwoBlock, aot_stages, code
+
+
+def _lowered(strategy=fsdp_graph.ShardingStrategy.FULL_SHARD):
+    torch.manual_seed(0)
+    model = fsdp_graph.fully_shard(TwoBlock(), strategy=strategy)
+    stages = aot_stages(model, torch.randn(2, 4), tag=tag_reshard)
+    return lower_fsdp_ops(stages.forward), lower_fsdp_ops(stages.backward)
+
+
+def _collective_order(gm) -> str:
+    """Issue and wait nodes in graph order, with the unit and, for waits, the collective waited on."""
+    names = {ALL_GATHER: "gather", REDUCE_SCATTER: "scatter", ALL_TO_ALL: "all_to_all"}
+    lines = []
+    for node in gm.graph.nodes:
+        if node.target in names:
+            lines.append(f"{names[node.target]}({node.meta['fsdp_unit'] or '<root>'})")
+        elif node.target is WAIT:
+            lines.append(f"  wait({node.meta['fsdp_unit'] or '<root>'})")
+        elif node.op == "call_function" and node.target in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
+            lines.append(f"    {node.name}")
+    return "\n".join(lines)
+
+
+def test_schedule_forward_prefetches_within_two_units(fake_pg):
+    fw, _ = _lowered()
+    assert_expected_inline(
+        _collective_order(fw),
+        """\
+gather(blocks.0)
+  wait(blocks.0)
+    addmm
+gather(blocks.1)
+  wait(blocks.1)
+    addmm_1
+gather(<root>)
+  wait(<root>)
+    mm""",
+    )
+    schedule_collectives(fw)
+    # blocks.1's gather is issued before blocks.0's wait; the root's waits for blocks.0's buffer to be freed
+    # (the default budget: one unit more in flight than the unscheduled graph's 80 bytes).
+    assert_expected_inline(
+        _collective_order(fw),
+        """\
+gather(blocks.0)
+gather(blocks.1)
+  wait(blocks.0)
+    addmm
+gather(<root>)
+  wait(blocks.1)
+    addmm_1
+  wait(<root>)
+    mm""",
+    )
+
+
+def test_schedule_backward_prefetches_and_sinks_reduce_waits(fake_pg):
+    _, bw = _lowered()
+    assert_expected_inline(_collective_order(bw), """\
+    mm_1
+gather(<root>)
+  wait(<root>)
+    mm_2
+scatter(<root>)
+  wait(<root>)
+gather(blocks.1)
+  wait(blocks.1)
+    mm_3
+    mm_4
+scatter(blocks.1)
+  wait(blocks.1)
+    mm_5
+scatter(blocks.0)
+  wait(blocks.0)""")
+    schedule_collectives(bw)
+    assert_expected_inline(_collective_order(bw), """\
+    mm_1
+gather(<root>)
+gather(blocks.1)
+  wait(<root>)
+    mm_2
+scatter(<root>)
+  wait(blocks.1)
+    mm_3
+    mm_4
+  wait(<root>)
+scatter(blocks.1)
+    mm_5
+  wait(blocks.1)
+scatter(blocks.0)
+  wait(blocks.0)""")
+
+
+def test_schedule_respects_max_inflight_bytes(fake_pg):
+    fw, _ = _lowered()
+    before = _collective_order(fw)
+    schedule_collectives(fw, max_inflight_bytes=80)  # one block's 80 bytes: no room to prefetch anything
+    assert _collective_order(fw) == before
+    fw, _ = _lowered()
+    schedule_collectives(fw, max_inflight_bytes=10**9)  # no limit: every gather issued up front
+    assert _collective_order(fw).splitlines()[:3] == ["gather(blocks.0)", "gather(blocks.1)", "gather(<root>)"]
+
+
+def test_schedule_off_and_noop(fake_pg):
+    fw, _ = _lowered()
+    before = code(fw)
+    assert code(schedule_collectives(fw, prefetch=False)) == before
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    before = code(gm)
+    assert code(schedule_collectives(gm)) == before
+
+
+def test_schedule_changes_only_order(fake_pg):
+    fw, bw = _lowered()
+    for gm in (fw, bw):
+        nodes = {n.name for n in gm.graph.nodes}
+        schedule_collectives(gm)
+        assert {n.name for n in gm.graph.nodes} == nodes
+        gm.graph.lint()
+
+
+def test_reduce_scatter_as_all_to_all(fake_pg):
+    _, bw = _lowered(fsdp_graph.ShardingStrategy.SHARD_GRAD_OP)
+    reduce_scatter_as_all_to_all(bw, {"0"})
+    assert_expected_inline(
+        "\n".join(line for line in code(bw).splitlines() if "div" in line or "_c10d" in line or "sum" in line),
+        """\
+    all_to_all_single_default = torch.ops._c10d_functional.all_to_all_single.default(slice_backward, [2, 2, 2, 2], [2, 2, 2, 2], '0');  slice_backward = None
+    wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_default);  all_to_all_single_default = None
+    sum_dim_int_list = torch.ops.aten.sum.dim_IntList(view_default, [0]);  view_default = None
+    div_tensor = torch.ops.aten.div.Tensor(sum_dim_int_list, 4);  sum_dim_int_list = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True);  threshold_backward = None
+    view_6 = torch.ops.aten.view.default(sum_1, [4]);  sum_1 = None
+    all_to_all_single_default_1 = torch.ops._c10d_functional.all_to_all_single.default(add, [5, 5, 5, 5], [5, 5, 5, 5], '0');  add = None
+    wait_tensor_default_4 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_default_1);  all_to_all_single_default_1 = None
+    sum_dim_int_list_1 = torch.ops.aten.sum.dim_IntList(view_default_1, [0]);  view_default_1 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(sum_dim_int_list_1, 4);  sum_dim_int_list_1 = None
+    sum_2 = torch.ops.aten.sum.dim_IntList(threshold_backward_1, [0], True);  threshold_backward_1 = None
+    view_9 = torch.ops.aten.view.default(sum_2, [4]);  sum_2 = None
+    all_to_all_single_default_2 = torch.ops._c10d_functional.all_to_all_single.default(add_1, [5, 5, 5, 5], [5, 5, 5, 5], '0');  add_1 = None
+    wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_default_2);  all_to_all_single_default_2 = None
+    sum_dim_int_list_2 = torch.ops.aten.sum.dim_IntList(view_default_2, [0]);  view_default_2 = None
+    div_tensor_2 = torch.ops.aten.div.Tensor(sum_dim_int_list_2, 4);  sum_dim_int_list_2 = None
+    return (None, div_tensor_2, div_tensor_1, div_tensor)""",
+    )
+    assert not any(n.target is REDUCE_SCATTER for n in bw.graph.nodes)
+    _, bw = _lowered(fsdp_graph.ShardingStrategy.SHARD_GRAD_OP)
+    before = code(bw)
+    assert code(reduce_scatter_as_all_to_all(bw, {"some other group"})) == before

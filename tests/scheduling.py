@@ -1,0 +1,58 @@
+"""Rank-side workers for the scheduling passes (issue 4): what actually executes, read from the profiler."""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import fsdp_graph
+from fsdp_graph.measure import executed_collectives
+from tests.training import build
+
+
+def _gathers_issued_before_each_wait(fn) -> list[int]:
+    """Run `fn` under the profiler; for each `wait_tensor` in execution order, how many all-gathers had started."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = sorted(
+        (e.start_ns(), e.name())
+        for e in prof.profiler.kineto_results.events()
+        if e.name().startswith(("_c10d_functional::all_gather_into_tensor", "_c10d_functional::wait_tensor"))
+    )
+    counts, issued = [], 0
+    for _, name in events:
+        if name.startswith("_c10d_functional::all_gather_into_tensor"):
+            issued += 1
+        else:
+            counts.append(issued)
+    return counts
+
+
+def forward_op_stream(rank: int, world: int, inductor: bool, prefetch: bool) -> list[int]:
+    """Gathers issued before each wait in the second compiled forward of the test GPT (the first compiles)."""
+    torch.manual_seed(0)
+    model, _, make_batch = build("gpt")
+    fsdp_graph.fully_shard(model)
+    backend = fsdp_graph.make_backend(inductor=inductor, prefetch=prefetch)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    idx, _ = make_batch(torch.Generator().manual_seed(rank), 2)
+    compiled(idx).sum().backward()
+    return _gathers_issued_before_each_wait(lambda: compiled(idx))
+
+
+def reduce_scatter_bytes(rank: int, world: int, reduce_scatter: str) -> dict:
+    """What gloo puts on the wire per step for the gradients, with reduce-scatter as gloo runs it (an all-reduce)
+    or as an all-to-all, and the resulting gradients (they must agree)."""
+    torch.manual_seed(0)
+    model, loss_fn, make_batch = build("gpt")
+    fsdp_graph.fully_shard(model)
+    compiled = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False, reduce_scatter=reduce_scatter))
+    batch = make_batch(torch.Generator().manual_seed(rank), 2)
+    loss_fn(compiled, batch).backward()
+    model.zero_grad()
+    seen = executed_collectives(lambda: loss_fn(compiled, batch).backward())
+    return {
+        "backend_counts": dict(seen.backend_counts),
+        "backend_wire_bytes": dict(seen.backend_wire_bytes),
+        "grads": [p.grad.clone() for p in model.parameters()],
+    }
