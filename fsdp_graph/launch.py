@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import multiprocessing.connection
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import time
@@ -15,16 +17,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
 
 _HOST = "127.0.0.1"
+# After the first rank fails, how long its peers get to fail on their own (their errors then follow the root
+# cause in the report) before the launcher ends them.
+_GRACE_S = 2.0
+_STARTUP = datetime.timedelta(minutes=10)  # how long ranks may take to start and meet
 
 
 def _entry(rank: int, fn: Callable, world: int, port: int, timeout_s: float, out_dir: str, args: tuple) -> None:
     # As torchrun does: ranks sharing a machine split its cores instead of oversubscribing them.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(_HOST, port, is_master=False, timeout=timeout)
+    store = dist.TCPStore(_HOST, port, is_master=False, timeout=max(timeout, _STARTUP))
+    # Start-up (imports on a busy machine) must not count against the collective timeout: meet every rank first.
+    # A rank that dies before arriving ends the others through the parent, not through this wait.
+    store.set(f"fsdp_graph_launch/ready/{rank}", "1")
+    store.wait([f"fsdp_graph_launch/ready/{r}" for r in range(world)])
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         result = fn(rank, world, *args)
@@ -47,33 +56,106 @@ def _entry(rank: int, fn: Callable, world: int, port: int, timeout_s: float, out
 
 
 class RankFailedError(RuntimeError):
-    """A rank raised. The message starts with the rank that failed first (the root cause) and its traceback;
-    ranks that failed after it (typically a peer's collective breaking) follow."""
+    """A rank raised, or died without raising (killed by a signal, e.g. SIGKILL from the OOM killer or
+    `kill -9`). The message starts with the rank that failed first (the root cause) and its traceback or exit
+    status; the ranks that failed after it (typically a peer's collective breaking) follow with their last line,
+    then the ranks the launcher had to end. `rank` is the root cause's rank, `signal` the signal's name when one
+    killed it, `failures` every failed rank's (time, rank, full text), root cause first."""
 
-    def __init__(self, failures: list[tuple[float, int, str]]):
+    def __init__(self, failures: list[tuple[float, int, str]], ended: tuple[int, ...] = (), signal: str | None = None):
         self.rank = failures[0][1]
+        self.failures, self.ended, self.signal = failures, ended, signal
         first = f"rank {self.rank} failed first:\n{failures[0][2]}"
-        later = "".join(f"\nthen rank {rank} failed:\n{text}" for _, rank, text in failures[1:])
-        super().__init__(first + later)
+        later = "".join(f"\nthen rank {rank} failed: {_last_line(text)}" for _, rank, text in failures[1:])
+        tail = "".join(
+            f"\nrank {rank} was still running {_GRACE_S:g} s after the first failure; the launcher ended it."
+            for rank in ended
+        )
+        super().__init__(first + later + tail)
 
 
-def _failures(out_dir: str, world: int) -> list[tuple[float, int, str]]:
-    failures = []
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no message)"
+
+
+def _exit_status(exitcode: int) -> tuple[str, str | None]:
+    """A sentence for a rank that ended without a Python traceback, and the signal's name if one killed it."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return (
+            f"the process was killed by {name} without raising an exception (killed from outside, e.g. by the "
+            "OOM killer or `kill -9`, or crashed in native code).\n",
+            name,
+        )
+    return f"the process exited with code {exitcode} without a Python traceback.\n", None
+
+
+def _failures(
+    out_dir: str, world: int, exits: dict[int, tuple[float, int]]
+) -> tuple[list[tuple[float, int, str]], str | None]:
+    """(failures with the root cause first, the signal that killed the root cause). A rank that vanished without
+    a traceback comes before ranks that raised: a peer's death makes the others raise (a broken collective), never
+    vanish, and the parent notices a death later than the peers do."""
+    raised, vanished, signals = [], [], {}
     for rank in range(world):
         path = os.path.join(out_dir, f"rank{rank}.err")
         if os.path.exists(path):
             with open(path) as f:
                 stamp, _, text = f.read().partition("\n")
-            failures.append((float(stamp), rank, text))
-    return sorted(failures)
+            raised.append((float(stamp), rank, text))
+        elif rank in exits and exits[rank][1] != 0:
+            text, signals[rank] = _exit_status(exits[rank][1])
+            vanished.append((exits[rank][0], rank, text))
+    failures = sorted(vanished) + sorted(raised)
+    return failures, (signals.get(failures[0][1]) if failures else None)
+
+
+def _end(processes: list, ranks: list[int]) -> None:
+    """SIGTERM, then SIGKILL whatever is still alive a few seconds later (a rank stuck in native code)."""
+    for rank in ranks:
+        if processes[rank].is_alive():
+            processes[rank].terminate()
+    deadline = time.monotonic() + 5.0
+    for rank in ranks:
+        processes[rank].join(max(0.0, deadline - time.monotonic()))
+        if processes[rank].is_alive():
+            processes[rank].kill()
+        processes[rank].join()
+
+
+def _watch(processes: list, out_dir: str) -> tuple[dict[int, tuple[float, int]], list[int]]:
+    """Wait for every rank. From the first failure on, the rest get `_GRACE_S` to end on their own. Returns
+    {rank: (when the parent saw it exit, exit code)} and the ranks still running when the grace ran out."""
+    sentinels = {p.sentinel: rank for rank, p in enumerate(processes)}
+    exits: dict[int, tuple[float, int]] = {}
+    failed_at = None
+    while sentinels:
+        timeout = None if failed_at is None else max(0.0, failed_at + _GRACE_S - time.monotonic())
+        ready = multiprocessing.connection.wait(list(sentinels), timeout)
+        if not ready:
+            break
+        for sentinel in ready:
+            rank = sentinels.pop(sentinel)
+            processes[rank].join()
+            exits[rank] = (time.time(), processes[rank].exitcode)
+            # An interrupted rank exits 0 (torch's wrapper swallows KeyboardInterrupt) but leaves its error.
+            failed = exits[rank][1] != 0 or os.path.exists(os.path.join(out_dir, f"rank{rank}.err"))
+            if failed and failed_at is None:
+                failed_at = time.monotonic()
+    return exits, sorted(sentinels.values())
 
 
 def spawn(fn: Callable[..., Any], world: int = 2, args: tuple = (), timeout_s: float = 300.0) -> list[Any]:
     """Run `fn(rank, world, *args)` on `world` gloo ranks on 127.0.0.1 and return each rank's result.
 
-    A rank that raises ends every rank (torch.multiprocessing terminates the rest) and `RankFailedError` names the
-    rank that failed first, with its traceback; collectives time out after `timeout_s` so nothing hangs forever.
-    `fn` must be importable (a module-level function) and its result picklable.
+    A rank that raises or dies (a signal, e.g. SIGKILL) ends every rank: its peers get a moment to fail on their
+    own, then the launcher terminates them. `RankFailedError` names the rank that failed first, with its traceback
+    or the signal that killed it. Collectives time out after `timeout_s`, so a rank that hangs ends the run too,
+    by its peers' timeout errors. `fn` must be importable (a module-level function) and its result picklable.
     """
     # The parent owns the rendezvous store, bound to a port the OS picks and held for the whole run: no window in
     # which another process could take the port between choosing and binding it.
@@ -81,19 +163,23 @@ def spawn(fn: Callable[..., Any], world: int = 2, args: tuple = (), timeout_s: f
         _HOST, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
     )
     with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(
+            _entry,
+            args=(fn, world, store.port, timeout_s, out_dir, args),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
         try:
-            mp.start_processes(
-                _entry,
-                args=(fn, world, store.port, timeout_s, out_dir, args),
-                nprocs=world,
-                join=True,
-                start_method="spawn",
-            )
-        except ProcessException as e:
-            failures = _failures(out_dir, world)
-            if not failures:
-                raise
-            raise RankFailedError(failures) from e
+            exits, running = _watch(context.processes, out_dir)
+        finally:  # also on KeyboardInterrupt in the parent: no rank outlives the call
+            _end(context.processes, list(range(world)))
+            for path in context.error_files:  # torch's own copy of a traceback; ours is in out_dir
+                if os.path.exists(path):
+                    os.unlink(path)
+        failures, killed_by = _failures(out_dir, world, exits)
+        if failures:
+            raise RankFailedError(failures, ended=tuple(running), signal=killed_by)
         results = []
         for rank in range(world):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:

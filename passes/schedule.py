@@ -8,6 +8,8 @@ executed-op-stream test), so a gather issued before unrelated compute overlaps w
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 import torch.fx as fx
 
@@ -96,10 +98,12 @@ def _prefetch_gathers(graph: fx.Graph, max_inflight_bytes: int | None) -> bool:
     if len(gathers) < 2:
         return False
     tracker = _Gathered(graph)
-    if max_inflight_bytes is None:  # one unit more in flight than the graph holds without scheduling
+    if max_inflight_bytes is None:
+        # One typical unit more in flight than the graph holds without scheduling. The median, not the largest:
+        # a big root (embedding + head) must not let every block's gather start at once.
         _, spans = tracker.intervals()
         peak = max(tracker.live_curve(spans, len(graph.nodes)), default=0)
-        max_inflight_bytes = peak + max(_nbytes(g) for g in gathers)
+        max_inflight_bytes = peak + statistics.median_low(_nbytes(g) for g in gathers)
     changed = False
     for previous, gather in zip(gathers, gathers[1:]):
         order, spans = tracker.intervals()
@@ -172,8 +176,8 @@ def schedule_collectives(
     its `all_to_all_single` form) nodes of role "reduce_grad" with their `wait_tensor`. With `prefetch`:
     - every gather after the first is issued right after the previous gather's issue (gather k+1 in flight while
       unit k computes), unless the bytes of gathered buffers alive there plus its own would exceed
-      `max_inflight_bytes` (None: the unscheduled graph's peak plus its largest gather, i.e. one unit more in
-      flight than without scheduling); then at the first later point where they fit;
+      `max_inflight_bytes` (None: the unscheduled graph's peak plus its median gather, i.e. one typical unit more
+      in flight than without scheduling); then at the first later point where they fit;
     - every reduce-scatter's wait, with the scale/cast/copy nodes after it, moves to just before the next
       reduce-scatter's issue (the last one: before the output).
     Guarantees: only node order changes (same nodes, same values), issue order of collectives is unchanged (every

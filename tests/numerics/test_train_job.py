@@ -1,0 +1,109 @@
+"""The main job (`python -m fsdp_graph train`): its Llama model's parity with single-process training, the CLI end
+to end with checkpoint and resume, and failures on one rank ending every rank with a message naming it."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fsdp_graph import train
+from fsdp_graph.launch import RankFailedError, spawn
+from tests.train_job import llama_checks
+
+# Small and fast: eager kernels (no Inductor codegen), short sequences.
+FAST = ["--preset", "tiny", "--batch", "2", "--seq", "32", "--backend-mode", "aot"]
+
+
+def test_llama_sharded_and_compiled_matches_single_process():
+    for result in spawn(llama_checks, 2):
+        for name in ("tied_full_shard", "untied_shard_grad_op"):
+            r = result[name]
+            assert r["loss_drop"] > 0.1 and r["param_change"] > 1e-2, (name, r)  # the comparison is not vacuous
+            assert r["loss_diff"] < 1e-5, (name, r)
+            assert r["param_diff"] < 1e-5, (name, r)
+            assert r["dynamo_graphs"] == 1 and r["units"] == 3, (name, r)  # 2 blocks + root, one graph
+        assert result["tied_full_shard"]["still_tied"]
+        # Per unit: a forward gather, a backward re-gather under FULL_SHARD only, one gradient reduction (an
+        # all_to_all: gloo has no native reduce-scatter).
+        for name, bw_gathers in (("tied_full_shard", 3), ("untied_shard_grad_op", 0)):
+            (fw_stage, fw), (bw_stage, bw) = result[name]["collectives"]
+            assert (fw_stage, bw_stage, fw) == ("fw", "bw", {"all_gather": 3}), result[name]["collectives"]
+            assert bw.get("all_gather", 0) == bw_gathers, result[name]["collectives"]
+            assert bw.get("all_to_all", 0) == 3 and "reduce_scatter" not in bw, result[name]["collectives"]
+        meta = result["meta"]
+        assert meta["finite"] and meta["norms_one"], meta
+        assert 0.015 < meta["wq_std"] < 0.025 and 0.005 < meta["wo_std"] < 0.0125, meta  # 0.02, 0.02/sqrt(2*2)
+        assert meta["rope_diff"] == 0.0 and meta["logits_diff"] < 1e-5, meta
+
+
+def test_cli_end_to_end_then_resume_continues_exactly(tmp_path, capfd):
+    ckpt = tmp_path / "ckpt"
+    args = [*FAST, "--steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--keep", "2"]
+    straight = train.main(args)
+    out = capfd.readouterr().out
+    for row in ("loss", "median step time", "tokens/s", "peak memory per rank", "collectives per step", "compile time"):
+        assert f"\n{row} " in out, out
+    assert "10 all_gather, 5 all_to_all" in out  # 4 blocks + root, FULL_SHARD: forward and backward gathers
+    assert straight["steps_run"] == 6 and straight["last_loss"] < straight["first_loss"] - 0.5
+    assert len(straight["peak_memory_bytes"]) == 2 and min(straight["peak_memory_bytes"]) > 0
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000003", "step_000006"]
+    if _has_matplotlib():
+        assert straight["plot"] == str(ckpt / "loss.png")
+        assert (ckpt / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+    # Resume from the middle checkpoint: same data order, weights and optimizer state, so steps 4-6 repeat the
+    # uninterrupted run's losses, and the loss history carries over.
+    resumed = train.main([*FAST, "--steps", "6", "--resume", str(ckpt / "step_000003"), "--plot", "none"])
+    assert resumed["start_step"] == 3 and resumed["steps_run"] == 3
+    assert [s for s, _ in resumed["history"]] == [1, 2, 3, 4, 5, 6]
+    for (_, a), (_, b) in zip(resumed["history"], straight["history"]):
+        assert abs(a - b) < 1e-6, (resumed["history"], straight["history"])
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000006"]  # --keep 1 (default): the newest only
+
+
+def test_exception_on_one_rank_ends_the_run_naming_it(monkeypatch):
+    monkeypatch.setenv("FSDP_GRAPH_FAIL_AT_STEP", "1:1")
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="^rank 1 failed first:\n(.|\n)*injected failure on rank 1") as info:
+        train.main([*FAST, "--no-compile", "--steps", "3", "--timeout", "20", "--plot", "none"])
+    assert info.value.rank == 1 and info.value.signal is None
+    assert time.monotonic() - start < 60
+
+
+def test_killed_rank_ends_every_rank_with_a_clear_message(tmp_path):
+    """SIGKILL leaves no traceback; its peer sees a broken collective. The CLI must blame the killed rank, end the
+    survivor, and exit non-zero well within the process group timeout."""
+    env = {**os.environ, "FSDP_GRAPH_FAIL_AT_STEP": "1:2:kill"}
+    args = [*FAST, "--no-compile", "--steps", "4", "--timeout", "20", "--plot", "none"]
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_graph", "train", *args], env=env, capture_output=True, text=True, timeout=120
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "fsdp-graph train FAILED: rank 1 failed first:\nthe process was killed by SIGKILL" in proc.stderr, (
+        proc.stderr
+    )
+    assert "summary" not in proc.stdout
+    assert elapsed < 60, elapsed
+
+
+def test_hung_rank_ends_every_rank_within_the_timeout(monkeypatch):
+    """A rank that stops without dying: its peer's collective times out after --timeout, and the launcher ends the
+    hung rank instead of waiting for it."""
+    monkeypatch.setenv("FSDP_GRAPH_FAIL_AT_STEP", "1:1:hang")
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="(?s)^rank 0 failed first:.*rank 1 was still running") as info:
+        train.main([*FAST, "--no-compile", "--steps", "3", "--timeout", "5", "--plot", "none"])
+    assert info.value.ended == (1,)
+    assert time.monotonic() - start < 45
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
