@@ -56,6 +56,7 @@ def _add_accumulator(state: UnitState) -> None:
     device = state.compute_device or shard.device  # where the unreduced gradients are computed
     leaf = torch.zeros((), dtype=shard.dtype, device=device).expand(state.layout.padded_numel)
     state.unsynced = leaf.requires_grad_()
+    torch._dynamo.mark_static(leaf)  # fixed size, like the flat shards
 
     def drop_reduced() -> None:
         if state.root.requires_gradient_sync:

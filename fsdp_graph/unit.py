@@ -136,6 +136,10 @@ def bind_flat_shard(state: UnitState, flat_shard: torch.Tensor) -> None:
     base = flat_shard.detach()
     for view, (lo, hi) in zip(state.views, ranges):
         view.data = base[lo:hi]
+    # A flat shard's size never changes. Without this, compiling a second model of the same class in one process
+    # (other sizes) makes Dynamo's automatic-dynamic mark the shards dynamic: symbolic collective sizes, which the
+    # passes then cannot bucket, convert or schedule by size.
+    torch._dynamo.mark_static(flat_shard)
     shards = state.module.__dict__.setdefault("_fsdp_flat_shards", [])
     if state.index == len(shards):
         shards.append(flat_shard)
