@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ class _Groups:
     shard_rank: int
     replicate_name: str = ""
     replicate_world: int = 1
+    reduce_name: str = ""  # a second group over the shard group's ranks for gradient reductions ("": the same)
 
 
 def fully_shard(
@@ -56,6 +58,7 @@ def fully_shard(
     device: torch.device | str | None = None,
     sync_module_states: bool = False,
     cpu_offload: CPUOffload | None = None,
+    separate_reduce_group: bool | None = None,
 ) -> nn.Module:
     """Shard `model` in place over `mesh` and return it. Create the optimizer AFTER this call.
 
@@ -74,8 +77,11 @@ def fully_shard(
     - `cpu_offload=CPUOffload(offload_params=True)`: flat shards and gradients stay in CPU memory; `device` is
       then the compute device (default: the current CUDA device if there is one, else cpu), where gathers,
       compute and buffers live.
+    - `separate_reduce_group`: reduce gradients over a second process group with the shard group's ranks, so a
+      reduce-scatter and a prefetched all-gather can run at the same time (NCCL runs one stream per group).
+      None: on for NCCL, off otherwise (gloo runs a group's collectives on a thread pool already).
     """
-    groups = _resolve_groups(mesh, strategy)
+    groups = _with_reduce_group(_resolve_groups(mesh, strategy), mesh, separate_reduce_group)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(f"fully_shard: mixed_precision must be a fsdp_graph.MixedPrecision, got {mixed_precision!r}")
     _check_not_sharded(model)
@@ -136,6 +142,28 @@ def fully_shard(
     model.__dict__["_fsdp_root"] = root_state
     install_state_dict_hooks(model)
     return model
+
+
+def _with_reduce_group(groups: _Groups, mesh: DeviceMesh | None, separate: bool | None) -> _Groups:
+    """`groups` plus, if asked (None: for NCCL), a duplicate of the shard group for gradient reductions. Every rank
+    creates every duplicate (dist.new_group is collective), in the same order, and keeps its own."""
+    if groups.shard_world == 1:
+        return groups
+    shard_pg = dist.distributed_c10d._resolve_process_group(groups.shard_name)
+    if separate is None:
+        separate = dist.get_backend(shard_pg) == "nccl"
+    if not separate:
+        return groups
+    if mesh is None or mesh.ndim == 1:
+        rank_lists = [dist.get_process_group_ranks(shard_pg)]
+    else:  # HYBRID: one shard group per replica, along the mesh's last dim
+        rank_lists = mesh.mesh.reshape(-1, mesh.mesh.size(-1)).tolist()
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return dataclasses.replace(groups, reduce_name=mine.group_name)
 
 
 def _offload_compute_device(cpu_offload: CPUOffload | None, device) -> torch.device | None:
@@ -391,6 +419,7 @@ def _shard_flat_param(
         param_dtype=mp.param_dtype if mp.param_dtype != shard.dtype else None,
         reduce_dtype=mp.effective_reduce_dtype,
         replicate_group=groups.replicate_name,
+        reduce_group=groups.reduce_name,
         replicate_world=groups.replicate_world,
         grad_dtype=mp.param_dtype if mp.keep_low_precision_grads else None,
         compute_device=compute_device,

@@ -197,12 +197,12 @@ def _all_to_all_groups(gm: fx.GraphModule, reduce_scatter: str) -> frozenset[str
         return frozenset()
     import torch.distributed as dist
 
-    group_index = ir.UNSHARD_ARGS.index("group")
     names = set()
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in ir.UNSHARD_TARGETS:
-            name = node.kwargs.get("group", node.args[group_index] if len(node.args) > group_index else "")
-            names.add(name)
+            for arg in ("group", "reduce_group"):
+                index = ir.UNSHARD_ARGS.index(arg)
+                names.add(node.kwargs.get(arg, node.args[index] if len(node.args) > index else ""))
     gloo = set()
     for name in names - {""}:
         group = dist.distributed_c10d._resolve_process_group(name)

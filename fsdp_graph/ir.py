@@ -46,6 +46,7 @@ UNSHARD_ARGS = (
     "sync",
     "unsynced",
     "compute_device",
+    "reduce_group",
 )
 REDUCE_ARGS = (
     "full_grad",
@@ -67,5 +68,6 @@ UNSHARD_DEFAULTS = {
     "sync": True,
     "unsynced": None,
     "compute_device": None,
+    "reduce_group": "",
 }
 REDUCE_DEFAULTS = {"replicate_group": "", "replicate_world": 1, "out_device": None}

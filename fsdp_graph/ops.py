@@ -36,10 +36,12 @@ def unshard(
     sync: bool = True,
     unsynced: torch.Tensor | None = None,
     compute_device: torch.device | None = None,
+    reduce_group: str = "",
 ) -> torch.Tensor:
     """The unit's full padded flat parameter: `shard` copied to `compute_device` (CPU offload; None: where it
     is), cast to `dtype`, then all-gathered over `group` (`world` == 1: nothing to gather, NO_SHARD). With a
-    `compute_device` the gradient shard is copied back to the shard's device.
+    `compute_device` the gradient shard is copied back to the shard's device. `reduce_group` (same ranks as
+    `group`; "": `group` itself) is where the gradient is reduce-scattered.
 
     `reduce_dtype` is the dtype its gradient is reduced in (None: the gradient's own dtype);
     `reshard_after_forward` tells the reshard pass whether the backward re-gathers (True) or the forward
@@ -72,6 +74,7 @@ def _unshard_fake(
     sync=True,
     unsynced=None,
     compute_device=None,
+    reduce_group="",
 ):
     return shard.new_empty(shard.numel() * world, dtype=dtype or shard.dtype, device=compute_device or shard.device)
 
@@ -116,9 +119,11 @@ def _reduce_grad_fake(
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
     (shard, unit, group, world, _dtype, reduce_dtype, _reshard, replicate_group, replicate_world, sync, unsynced,
-     compute_device) = inputs  # fmt: skip
+     compute_device, reduce_group) = inputs  # fmt: skip
     out_device = None if compute_device is None else shard.device
-    ctx.reduce_args = (unit, group, world, reduce_dtype, shard.dtype, replicate_group, replicate_world, out_device)
+    ctx.reduce_args = (
+        unit, reduce_group or group, world, reduce_dtype, shard.dtype, replicate_group, replicate_world, out_device
+    )  # fmt: skip
     ctx.sync = sync
     if unsynced is not None:
         ctx.save_for_backward(unsynced)
@@ -128,11 +133,11 @@ def _unshard_backward(ctx, grad: torch.Tensor):
     no_grads = (None,) * 9
     if not ctx.sync:  # no_sync: the unreduced gradient goes to the accumulator leaf, nothing to the shard
         (leaf,) = ctx.saved_tensors
-        return (None,) + no_grads + (grad.to(leaf.dtype), None)
+        return (None,) + no_grads + (grad.to(leaf.dtype), None, None)
     if ctx.saved_tensors:  # the last microbatch after no_sync: one reduction of everything accumulated
         (accumulated,) = ctx.saved_tensors
         grad = grad.to(accumulated.dtype) + accumulated
-    return (reduce_grad(grad, *ctx.reduce_args),) + no_grads + (None, None)
+    return (reduce_grad(grad, *ctx.reduce_args),) + no_grads + (None, None, None)
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

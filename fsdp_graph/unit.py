@@ -54,6 +54,7 @@ class UnitState:
     grad_dtype: torch.dtype | None = None  # keep_low_precision_grads: the dtype `.grad` is stored in
     unsynced: torch.Tensor | None = None  # no_sync's full-size leaf; its `.grad` holds the unreduced gradient
     compute_device: torch.device | None = None  # CPUOffload: the shard lives on the CPU, gathers happen here
+    reduce_group: str = ""  # the group gradients are reduced over, when not `group_name` (separate_reduce_group)
 
     @property
     def flat_shard(self) -> torch.Tensor:
@@ -113,6 +114,7 @@ def _call_unshard(shard: torch.Tensor, state: UnitState) -> torch.Tensor:
         state.replicate_world,
         **sync_args,
         **({"compute_device": state.compute_device} if state.compute_device is not None else {}),
+        **({"reduce_group": state.reduce_group} if state.reduce_group else {}),
     )
 
 

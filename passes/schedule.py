@@ -8,6 +8,7 @@ executed-op-stream test), so a gather issued before unrelated compute overlaps w
 
 from __future__ import annotations
 
+import itertools
 import statistics
 
 import torch
@@ -32,46 +33,24 @@ def _is_alias(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target is WAIT or getattr(node.target, "is_view", False))
 
 
-class _Gathered:
+def _live_spans(nodes: list[fx.Node], order: dict[fx.Node, int]) -> dict[fx.Node, tuple[int, int, int]]:
     """The unsharded buffers a graph holds (every new tensor a lowering of `unshard` made: gather outputs, bucket
-    copies) and the interval each is alive: from its producing node to the last use of any alias of it."""
-
-    def __init__(self, graph: fx.Graph):
-        self.graph = graph
-        self.buffers = [
-            n
-            for n in graph.nodes
-            if n.op == "call_function" and n.meta.get(META_ROLE) == ROLE_UNSHARD and not _is_alias(n) and _nbytes(n)
-        ]
-
-    def intervals(self) -> tuple[dict[fx.Node, int], list[tuple[int, int, int]]]:
-        order = {n: i for i, n in enumerate(self.graph.nodes)}
-        spans = []
-        for buf in self.buffers:
-            last, stack = order[buf], [buf]
-            while stack:
-                for user in stack.pop().users:
-                    last = max(last, order[user])
-                    if _is_alias(user):
-                        stack.append(user)
-            spans.append((order[buf], last, _nbytes(buf)))
-        return order, spans
-
-    @staticmethod
-    def live_curve(spans: list[tuple[int, int, int]], length: int) -> list[int]:
-        """Bytes of buffers alive at each position."""
-        delta = [0] * (length + 1)
-        for start, end, size in spans:
-            delta[start] += size
-            delta[end + 1] -= size
-        curve, running = [], 0
-        for step in delta[:length]:
-            running += step
-            curve.append(running)
-        return curve
+    copies) -> (start, end, bytes): alive from the node that makes it to the last use of anything aliasing it."""
+    spans = {}
+    for buf in nodes:
+        if buf.op != "call_function" or buf.meta.get(META_ROLE) != ROLE_UNSHARD or _is_alias(buf) or not _nbytes(buf):
+            continue
+        last, stack = order[buf], [buf]
+        while stack:
+            for user in stack.pop().users:
+                last = max(last, order[user])
+                if _is_alias(user):
+                    stack.append(user)
+        spans[buf] = (order[buf], last, _nbytes(buf))
+    return spans
 
 
-def _issue_chain(issue: fx.Node) -> list[fx.Node]:
+def _issue_chain(issue: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
     """The gather and the nodes preparing its input (casts, device copies: `unshard`-role nodes feeding only it),
     in graph order."""
     chain, stack = [issue], [issue]
@@ -80,7 +59,6 @@ def _issue_chain(issue: fx.Node) -> list[fx.Node]:
             if arg.op == "call_function" and arg.meta.get(META_ROLE) == ROLE_UNSHARD and set(arg.users) <= set(chain):
                 chain.append(arg)
                 stack.append(arg)
-    order = {n: i for i, n in enumerate(issue.graph.nodes)}
     return sorted(chain, key=order.__getitem__)
 
 
@@ -93,40 +71,53 @@ def _move_before(nodes: list[fx.Node], anchor: fx.Node) -> None:
 def _prefetch_gathers(graph: fx.Graph, max_inflight_bytes: int | None) -> bool:
     """Each gather moves up to just after the previous gather's issue (so issue order is unchanged and gather k+1
     is in flight while unit k computes), as long as the bytes of gathered buffers alive at its new position plus its
-    own stay within the budget; else to the first later position where they do."""
-    gathers = [n for n in graph.nodes if n.target is ALL_GATHER and n.meta.get(META_ROLE) == ROLE_UNSHARD]
+    own stay within the budget; else to the first later position where they do.
+
+    Positions are the ORIGINAL node indices throughout: a chain moves in front of the node that held its target
+    index, and the live-bytes curve is updated in place for the moved span, so the pass is linear in the graph."""
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    gathers = [n for n in nodes if n.target is ALL_GATHER and n.meta.get(META_ROLE) == ROLE_UNSHARD]
     if len(gathers) < 2:
         return False
-    tracker = _Gathered(graph)
+    spans = _live_spans(nodes, order)
+    delta = [0] * (len(nodes) + 1)
+    for start, end, size in spans.values():
+        delta[start] += size
+        delta[end + 1] -= size
+    live = list(itertools.accumulate(delta[:-1]))
     if max_inflight_bytes is None:
         # One typical unit more in flight than the graph holds without scheduling. The median, not the largest:
         # a big root (embedding + head) must not let every block's gather start at once.
-        _, spans = tracker.intervals()
-        peak = max(tracker.live_curve(spans, len(graph.nodes)), default=0)
-        max_inflight_bytes = peak + statistics.median_low(_nbytes(g) for g in gathers)
+        max_inflight_bytes = max(live, default=0) + statistics.median_low(_nbytes(g) for g in gathers)
     changed = False
-    for previous, gather in zip(gathers, gathers[1:]):
-        order, spans = tracker.intervals()
-        chain = _issue_chain(gather)
-        live = tracker.live_curve([s for s in spans if s[0] != order[gather]], len(order))
-        own = _nbytes(gather)
-        earliest = max(
-            [order[previous] + 1] + [order[a] + 1 for n in chain for a in n.all_input_nodes if a not in chain]
-        )
+    # Chains placed before the same anchor keep their order, so the floor is the previous gather's anchor if it
+    # moved, else the index right after it.
+    floor = order[gathers[0]] + 1
+    for gather in gathers[1:]:
+        chain = _issue_chain(gather, order)
+        first, own = order[chain[0]], _nbytes(gather)
+        start, end, _ = spans.get(gather, (order[gather], order[gather], 0))
+        for p in range(start, end + 1):  # the curve without this buffer
+            live[p] -= own
+        earliest = max([floor] + [order[a] + 1 for n in chain for a in n.all_input_nodes if a not in chain])
         # Issued at p, the buffer is alive over [p, its first use]: the busiest point of that range must fit.
-        target, busiest = order[chain[0]], 0
+        target, busiest = first, 0
         for position in range(order[gather], earliest - 1, -1):
             busiest = max(busiest, live[position])
             if busiest + own > max_inflight_bytes:
                 break
             target = min(target, position)
-        if target < order[chain[0]]:
-            _move_before(chain, list(graph.nodes)[target])
+        for p in range(target, end + 1):
+            live[p] += own
+        if target < first:
+            _move_before(chain, nodes[target])
             changed = True
+        floor = target if target < first else order[gather] + 1
     return changed
 
 
-def _wait_chain(wait: fx.Node) -> list[fx.Node] | None:
+def _wait_chain(wait: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node] | None:
     """The wait and everything downstream of it made by the same reduction (all-reduce, scale, casts, copies),
     when those feed only the graph's output; None if something else reads them (then the wait stays)."""
     chain, stack = [wait], [wait]
@@ -138,7 +129,6 @@ def _wait_chain(wait: fx.Node) -> list[fx.Node] | None:
                 return None
             chain.append(user)
             stack.append(user)
-    order = {n: i for i, n in enumerate(wait.graph.nodes)}
     return sorted(chain, key=order.__getitem__)
 
 
@@ -150,16 +140,16 @@ def _sink_reduce_waits(graph: fx.Graph) -> bool:
         n for n in graph.nodes if n.target in (REDUCE_SCATTER, ALL_TO_ALL) and n.meta.get(META_ROLE) == ROLE_REDUCE
     ]
     output = next(n for n in graph.nodes if n.op == "output")
+    order = {n: k for k, n in enumerate(graph.nodes)}  # original order: chains only move down, anchors stay
     changed = False
     for i, scatter in enumerate(scatters):
         waits = [u for u in scatter.users if u.target is WAIT]
         if len(waits) != 1:
             continue
-        chain = _wait_chain(waits[0])
+        chain = _wait_chain(waits[0], order)
         if chain is None:
             continue
         anchor = scatters[i + 1] if i + 1 < len(scatters) else output
-        order = {n: k for k, n in enumerate(graph.nodes)}
         if order[anchor] > order[chain[-1]]:
             # The next issue's input preparation (casts) stays before the anchor; we go right before the issue.
             _move_before(chain, anchor)

@@ -56,3 +56,23 @@ def reduce_scatter_bytes(rank: int, world: int, reduce_scatter: str) -> dict:
         "backend_wire_bytes": dict(seen.backend_wire_bytes),
         "grads": [p.grad.clone() for p in model.parameters()],
     }
+
+
+def separate_reduce_group_parity(rank: int, world: int, strategy: str) -> dict:
+    """Gradients reduced over a second process group (what NCCL needs to overlap a reduce-scatter with a gather):
+    the numerics are unchanged and the backward's reductions name a group other than the gathers'."""
+    import re
+
+    from tests.training import Case, run_case
+
+    result = run_case(Case("gpt", "adamw", strategy=strategy, separate_reduce_group=True), rank, world)
+    bw = next(r for r in result.reports if r.stage == "bw")
+    groups = {
+        kind: set(re.findall(rf"{kind}\.default\(.*'([^']+)'\)", bw.code))
+        for kind in ("all_gather_into_tensor", "all_to_all_single")
+    }
+    return {
+        "diff": result.max_param_diff,
+        "gather_groups": sorted(groups["all_gather_into_tensor"]),
+        "reduce_groups": sorted(groups["all_to_all_single"]),
+    }

@@ -43,6 +43,7 @@ class Case:
     reshard: str = "default"  # "default", or "keep_root": reshard_after_forward={"": False}
     dynamic: bool = False  # the per-rank batch size changes every step
     offload: bool = False  # CPUOffload(offload_params=True)
+    separate_reduce_group: bool | None = None  # fully_shard's option (None: its default, off on gloo)
     bucket_bytes: int = 0  # make_backend(bucket_bytes=...): merge consecutive units' collectives
 
 
@@ -158,6 +159,7 @@ def shard_and_compile(model: nn.Module, case: Case):
         mixed_precision=BF16 if case.mp else None,
         reshard_after_forward={"": False} if case.reshard == "keep_root" else None,
         cpu_offload=fsdp_graph.CPUOffload(offload_params=True) if case.offload else None,
+        separate_reduce_group=case.separate_reduce_group,
     )
     if case.mode == "eager":
         return model, None

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fsdp_graph.launch import spawn
-from tests.scheduling import forward_op_stream, reduce_scatter_bytes
+from tests.scheduling import forward_op_stream, reduce_scatter_bytes, separate_reduce_group_parity
 
 
 @pytest.mark.parametrize("inductor", [False, True])
@@ -31,3 +31,11 @@ def test_gloo_reduce_scatter_as_all_to_all_halves_the_bytes():
         assert ratio == 0.5, ratio
         for ga, gn in zip(a["grads"], n["grads"]):
             torch.testing.assert_close(ga, gn, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("strategy, world", [("FULL_SHARD", 2), ("HYBRID_SHARD", 4)])
+def test_separate_reduce_group(strategy, world):
+    for r in spawn(separate_reduce_group_parity, world, (strategy,)):
+        assert r["diff"] < 2e-5, r
+        assert len(r["gather_groups"]) == len(r["reduce_groups"]) == 1, r
+        assert r["gather_groups"] != r["reduce_groups"], r
