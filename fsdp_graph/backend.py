@@ -36,7 +36,7 @@ class GraphReport:
 def _source_hash(options: dict) -> str:
     """Code of every pass and of the op semantics, plus options: a changed pass never reuses stale code."""
     modules = [ops, ir, passes.dedup, passes.reshard, passes.lower, passes.bucket, passes.all_to_all, passes.schedule]
-    modules.append(passes.inspect)
+    modules += [passes.inspect, passes.flat_grad]
     h = hashlib.sha256(repr(sorted(options.items())).encode())
     for module in modules:
         h.update(inspect.getsource(module).encode())
@@ -87,6 +87,7 @@ class _LowerPass(CustomGraphPass):
         gm = graph.owning_module
         timed = self.pass_seconds
         start = time.perf_counter()
+        passes.cat_flat_grads(gm)
         passes.lower_fsdp_ops(gm)
         lowered = time.perf_counter()
         passes.bucket_collectives(gm, self.options.bucket_bytes)

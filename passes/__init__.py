@@ -3,6 +3,7 @@
 from passes.all_to_all import reduce_scatter_as_all_to_all
 from passes.bucket import bucket_collectives
 from passes.dedup import dedup_unshard
+from passes.flat_grad import cat_flat_grads
 from passes.inspect import collective_summary
 from passes.lower import lower_fsdp_ops
 from passes.reshard import tag_reshard
@@ -10,6 +11,7 @@ from passes.schedule import schedule_collectives
 
 __all__ = [
     "bucket_collectives",
+    "cat_flat_grads",
     "collective_summary",
     "dedup_unshard",
     "lower_fsdp_ops",

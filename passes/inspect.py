@@ -38,7 +38,7 @@ class CollectiveSummary:
         return "; ".join(parts)
 
 
-def _nbytes(node: fx.Node) -> int:
+def node_nbytes(node: fx.Node) -> int:
     """Bytes of the node's value; a symbolic size (dynamic shapes) counts at its current hint."""
     val = node.meta.get("val")
     if val is None:
@@ -62,6 +62,6 @@ def collective_summary(gm: fx.GraphModule) -> CollectiveSummary:
         if kind is None:
             continue
         summary.counts[kind] += 1
-        summary.bytes[kind] += _nbytes(node if kind == "all_gather" else node.args[0])
+        summary.bytes[kind] += node_nbytes(node if kind == "all_gather" else node.args[0])
         summary.units.append((kind, node.meta.get(META_UNIT, "?")))
     return summary

@@ -11,20 +11,10 @@ from __future__ import annotations
 import itertools
 import statistics
 
-import torch
 import torch.fx as fx
 
 from fsdp_graph.ir import ALL_GATHER, ALL_TO_ALL, META_ROLE, REDUCE_SCATTER, ROLE_REDUCE, ROLE_UNSHARD, WAIT
-
-
-def _nbytes(node: fx.Node) -> int:
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return 0
-    numel = val.numel()
-    if isinstance(numel, torch.SymInt):
-        numel = numel.node.hint if numel.node.has_hint() else 0
-    return int(numel) * val.element_size()
+from passes.inspect import node_nbytes
 
 
 def _is_alias(node: fx.Node) -> bool:
@@ -38,7 +28,12 @@ def _live_spans(nodes: list[fx.Node], order: dict[fx.Node, int]) -> dict[fx.Node
     copies) -> (start, end, bytes): alive from the node that makes it to the last use of anything aliasing it."""
     spans = {}
     for buf in nodes:
-        if buf.op != "call_function" or buf.meta.get(META_ROLE) != ROLE_UNSHARD or _is_alias(buf) or not _nbytes(buf):
+        if (
+            buf.op != "call_function"
+            or buf.meta.get(META_ROLE) != ROLE_UNSHARD
+            or _is_alias(buf)
+            or not node_nbytes(buf)
+        ):
             continue
         last, stack = order[buf], [buf]
         while stack:
@@ -46,7 +41,7 @@ def _live_spans(nodes: list[fx.Node], order: dict[fx.Node, int]) -> dict[fx.Node
                 last = max(last, order[user])
                 if _is_alias(user):
                     stack.append(user)
-        spans[buf] = (order[buf], last, _nbytes(buf))
+        spans[buf] = (order[buf], last, node_nbytes(buf))
     return spans
 
 
@@ -89,14 +84,14 @@ def _prefetch_gathers(graph: fx.Graph, max_inflight_bytes: int | None) -> bool:
     if max_inflight_bytes is None:
         # One typical unit more in flight than the graph holds without scheduling. The median, not the largest:
         # a big root (embedding + head) must not let every block's gather start at once.
-        max_inflight_bytes = max(live, default=0) + statistics.median_low(_nbytes(g) for g in gathers)
+        max_inflight_bytes = max(live, default=0) + statistics.median_low(node_nbytes(g) for g in gathers)
     changed = False
     # Chains placed before the same anchor keep their order, so the floor is the previous gather's anchor if it
     # moved, else the index right after it.
     floor = order[gathers[0]] + 1
     for gather in gathers[1:]:
         chain = _issue_chain(gather, order)
-        first, own = order[chain[0]], _nbytes(gather)
+        first, own = order[chain[0]], node_nbytes(gather)
         start, end, _ = spans.get(gather, (order[gather], order[gather], 0))
         for p in range(start, end + 1):  # the curve without this buffer
             live[p] -= own

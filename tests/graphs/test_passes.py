@@ -343,3 +343,38 @@ def forward(self, primals_1, primals_3, tangents_1):
     div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
     return (None, div_tensor, None)""",
     )
+
+
+def test_cat_flat_grads_replaces_padded_sums():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from passes import cat_flat_grads
+
+    aten = torch.ops.aten
+
+    def flat_grad(w, b, w_again):  # slot [0, 4) read twice, slot [5, 8) in Inductor's decomposed form, padding
+        full = aten.full.default([10], 0, dtype=torch.float32, layout=torch.strided, device="cpu", pin_memory=False)
+        return (
+            aten.slice_backward.default(w, [10], 0, 0, 4, 1)
+            + aten.slice_scatter.default(full, b, 0, 5, 8)
+            + aten.slice_backward.default(w_again, [10], 0, 0, 4, 1)
+        )
+
+    inputs = (torch.randn(4), torch.randn(3), torch.randn(4))
+    gm = make_fx(flat_grad, tracing_mode="fake")(*inputs)
+    expected = gm(*inputs)
+    cat_flat_grads(gm)
+    assert_expected_inline(code(gm), """\
+def forward(self, w_1, b_1, w_again_1):
+    add_tensor = torch.ops.aten.add.Tensor(w_again_1, w_1);  w_again_1 = w_1 = None
+    full_default = torch.ops.aten.full.default([1], 0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
+    full_default_1 = torch.ops.aten.full.default([2], 0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
+    cat_default = torch.ops.aten.cat.default([add_tensor, full_default, b_1, full_default_1]);  add_tensor = full_default = b_1 = full_default_1 = None
+    return cat_default""")
+    torch.testing.assert_close(gm(*inputs), expected, rtol=0, atol=0)
+    overlapping = make_fx(
+        lambda a, b: aten.slice_backward.default(a, [6], 0, 0, 4, 1) + aten.slice_backward.default(b, [6], 0, 2, 6, 1),
+        tracing_mode="fake",
+    )(torch.randn(4), torch.randn(4))
+    before = code(overlapping)
+    assert code(cat_flat_grads(overlapping)) == before  # slots overlap: left alone

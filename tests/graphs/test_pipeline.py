@@ -97,13 +97,11 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_6 = torch.ops.aten.view.default(sum_1, [4]);  sum_1 = None
     t_10 = torch.ops.aten.t.default(t_9);  t_9 = None
     view_7 = torch.ops.aten.view.default(view_6, [4]);  view_6 = None
-    slice_backward_1 = torch.ops.aten.slice_backward.default(view_7, [20], 0, 16, 20, 1);  view_7 = None
     view_8 = torch.ops.aten.view.default(t_10, [16]);  t_10 = None
-    slice_backward_2 = torch.ops.aten.slice_backward.default(view_8, [20], 0, 0, 16, 1);  view_8 = None
-    add = torch.ops.aten.add.Tensor(slice_backward_1, slice_backward_2);  slice_backward_1 = slice_backward_2 = None
+    cat_default_1 = torch.ops.aten.cat.default([view_8, view_7]);  view_8 = view_7 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
     div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
-    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add, 'sum', 4, '0');  add = None
+    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(cat_default_1, 'sum', 4, '0');  cat_default_1 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -120,13 +118,11 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_9 = torch.ops.aten.view.default(sum_2, [4]);  sum_2 = None
     t_14 = torch.ops.aten.t.default(t_13);  t_13 = None
     view_10 = torch.ops.aten.view.default(view_9, [4]);  view_9 = None
-    slice_backward_3 = torch.ops.aten.slice_backward.default(view_10, [20], 0, 16, 20, 1);  view_10 = None
     view_11 = torch.ops.aten.view.default(t_14, [16]);  t_14 = None
-    slice_backward_4 = torch.ops.aten.slice_backward.default(view_11, [20], 0, 0, 16, 1);  view_11 = None
-    add_1 = torch.ops.aten.add.Tensor(slice_backward_3, slice_backward_4);  slice_backward_3 = slice_backward_4 = None
+    cat_default = torch.ops.aten.cat.default([view_11, view_10]);  view_11 = view_10 = None
     wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
     div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_3, 4);  wait_tensor_default_3 = None
-    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add_1, 'sum', 4, '0');  add_1 = None
+    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(cat_default, 'sum', 4, '0');  cat_default = None
     wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
     div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 4);  wait_tensor_default_5 = None
     return (mm_5, div_tensor_2, div_tensor_1, div_tensor)""",
@@ -174,13 +170,11 @@ def forward(self, primals_1, relu, relu_1, t_5, t_7, t_11, tangents_1):
     view_6 = torch.ops.aten.view.default(sum_1, [4]);  sum_1 = None
     t_10 = torch.ops.aten.t.default(t_9);  t_9 = None
     view_7 = torch.ops.aten.view.default(view_6, [4]);  view_6 = None
-    slice_backward_1 = torch.ops.aten.slice_backward.default(view_7, [20], 0, 16, 20, 1);  view_7 = None
     view_8 = torch.ops.aten.view.default(t_10, [16]);  t_10 = None
-    slice_backward_2 = torch.ops.aten.slice_backward.default(view_8, [20], 0, 0, 16, 1);  view_8 = None
-    add = torch.ops.aten.add.Tensor(slice_backward_1, slice_backward_2);  slice_backward_1 = slice_backward_2 = None
+    cat_default_1 = torch.ops.aten.cat.default([view_8, view_7]);  view_8 = view_7 = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
     div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
-    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add, 'sum', 4, '0');  add = None
+    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(cat_default_1, 'sum', 4, '0');  cat_default_1 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -192,13 +186,11 @@ def forward(self, primals_1, relu, relu_1, t_5, t_7, t_11, tangents_1):
     view_9 = torch.ops.aten.view.default(sum_2, [4]);  sum_2 = None
     t_14 = torch.ops.aten.t.default(t_13);  t_13 = None
     view_10 = torch.ops.aten.view.default(view_9, [4]);  view_9 = None
-    slice_backward_3 = torch.ops.aten.slice_backward.default(view_10, [20], 0, 16, 20, 1);  view_10 = None
     view_11 = torch.ops.aten.view.default(t_14, [16]);  t_14 = None
-    slice_backward_4 = torch.ops.aten.slice_backward.default(view_11, [20], 0, 0, 16, 1);  view_11 = None
-    add_1 = torch.ops.aten.add.Tensor(slice_backward_3, slice_backward_4);  slice_backward_3 = slice_backward_4 = None
+    cat_default = torch.ops.aten.cat.default([view_11, view_10]);  view_11 = view_10 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
     div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
-    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add_1, 'sum', 4, '0');  add_1 = None
+    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(cat_default, 'sum', 4, '0');  cat_default = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
     div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 4);  wait_tensor_default_2 = None
     return (mm_5, div_tensor_2, div_tensor_1, div_tensor)""",
@@ -249,11 +241,9 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_6 = torch.ops.aten.view.default(sum_1, [4]);  sum_1 = None
     t_10 = torch.ops.aten.t.default(t_9);  t_9 = None
     view_7 = torch.ops.aten.view.default(view_6, [4]);  view_6 = None
-    slice_backward_1 = torch.ops.aten.slice_backward.default(view_7, [20], 0, 16, 20, 1);  view_7 = None
     view_8 = torch.ops.aten.view.default(t_10, [16]);  t_10 = None
-    slice_backward_2 = torch.ops.aten.slice_backward.default(view_8, [20], 0, 0, 16, 1);  view_8 = None
-    add = torch.ops.aten.add.Tensor(slice_backward_1, slice_backward_2);  slice_backward_1 = slice_backward_2 = None
-    all_reduce_default_1 = torch.ops._c10d_functional.all_reduce.default(add, 'sum', '0');  add = None
+    cat_default_1 = torch.ops.aten.cat.default([view_8, view_7]);  view_8 = view_7 = None
+    all_reduce_default_1 = torch.ops._c10d_functional.all_reduce.default(cat_default_1, 'sum', '0');  cat_default_1 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_1);  all_reduce_default_1 = None
     div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
@@ -271,11 +261,9 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_9 = torch.ops.aten.view.default(sum_2, [4]);  sum_2 = None
     t_14 = torch.ops.aten.t.default(t_13);  t_13 = None
     view_10 = torch.ops.aten.view.default(view_9, [4]);  view_9 = None
-    slice_backward_3 = torch.ops.aten.slice_backward.default(view_10, [20], 0, 16, 20, 1);  view_10 = None
     view_11 = torch.ops.aten.view.default(t_14, [16]);  t_14 = None
-    slice_backward_4 = torch.ops.aten.slice_backward.default(view_11, [20], 0, 0, 16, 1);  view_11 = None
-    add_1 = torch.ops.aten.add.Tensor(slice_backward_3, slice_backward_4);  slice_backward_3 = slice_backward_4 = None
-    all_reduce_default_2 = torch.ops._c10d_functional.all_reduce.default(add_1, 'sum', '0');  add_1 = None
+    cat_default = torch.ops.aten.cat.default([view_11, view_10]);  view_11 = view_10 = None
+    all_reduce_default_2 = torch.ops._c10d_functional.all_reduce.default(cat_default, 'sum', '0');  cat_default = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_2);  all_reduce_default_2 = None
     div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 4);  wait_tensor_default_2 = None
     return (mm_5, div_tensor_2, div_tensor_1, div_tensor)""",
@@ -325,15 +313,13 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_6 = torch.ops.aten.view.default(sum_1, [4]);  sum_1 = None
     t_10 = torch.ops.aten.t.default(t_9);  t_9 = None
     view_7 = torch.ops.aten.view.default(view_6, [4]);  view_6 = None
-    slice_backward_1 = torch.ops.aten.slice_backward.default(view_7, [20], 0, 16, 20, 1);  view_7 = None
     view_8 = torch.ops.aten.view.default(t_10, [16]);  t_10 = None
-    slice_backward_2 = torch.ops.aten.slice_backward.default(view_8, [20], 0, 0, 16, 1);  view_8 = None
-    add = torch.ops.aten.add.Tensor(slice_backward_1, slice_backward_2);  slice_backward_1 = slice_backward_2 = None
+    cat_default_1 = torch.ops.aten.cat.default([view_8, view_7]);  view_8 = view_7 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
     all_reduce_default = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_1, 'sum', '1');  wait_tensor_default_1 = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
     div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default_2, 4);  wait_tensor_default_2 = None
-    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add, 'sum', 2, '3');  add = None
+    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(cat_default_1, 'sum', 2, '3');  cat_default_1 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -350,15 +336,13 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_9 = torch.ops.aten.view.default(sum_2, [4]);  sum_2 = None
     t_14 = torch.ops.aten.t.default(t_13);  t_13 = None
     view_10 = torch.ops.aten.view.default(view_9, [4]);  view_9 = None
-    slice_backward_3 = torch.ops.aten.slice_backward.default(view_10, [20], 0, 16, 20, 1);  view_10 = None
     view_11 = torch.ops.aten.view.default(t_14, [16]);  t_14 = None
-    slice_backward_4 = torch.ops.aten.slice_backward.default(view_11, [20], 0, 0, 16, 1);  view_11 = None
-    add_1 = torch.ops.aten.add.Tensor(slice_backward_3, slice_backward_4);  slice_backward_3 = slice_backward_4 = None
+    cat_default = torch.ops.aten.cat.default([view_11, view_10]);  view_11 = view_10 = None
     wait_tensor_default_4 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
     all_reduce_default_1 = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_4, 'sum', '1');  wait_tensor_default_4 = None
     wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_1);  all_reduce_default_1 = None
     div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 4);  wait_tensor_default_5 = None
-    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add_1, 'sum', 2, '3');  add_1 = None
+    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(cat_default, 'sum', 2, '3');  cat_default = None
     wait_tensor_default_7 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
     all_reduce_default_2 = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_7, 'sum', '1');  wait_tensor_default_7 = None
     wait_tensor_default_8 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_2);  all_reduce_default_2 = None
@@ -446,11 +430,9 @@ def forward(self, primals_2, primals_3, primals_4, _to_copy, relu, relu_1, tange
     view_6 = torch.ops.aten.view.default(sum_1, [4]);  sum_1 = None
     t_10 = torch.ops.aten.t.default(t_9);  t_9 = None
     view_7 = torch.ops.aten.view.default(view_6, [4]);  view_6 = None
-    slice_backward_1 = torch.ops.aten.slice_backward.default(view_7, [20], 0, 16, 20, 1);  view_7 = None
     view_8 = torch.ops.aten.view.default(t_10, [16]);  t_10 = None
-    slice_backward_2 = torch.ops.aten.slice_backward.default(view_8, [20], 0, 0, 16, 1);  view_8 = None
-    add = torch.ops.aten.add.Tensor(slice_backward_1, slice_backward_2);  slice_backward_1 = slice_backward_2 = None
-    convert_element_type_default_3 = torch.ops.prims.convert_element_type.default(add, torch.float32);  add = None
+    cat_default_1 = torch.ops.aten.cat.default([view_8, view_7]);  view_8 = view_7 = None
+    convert_element_type_default_3 = torch.ops.prims.convert_element_type.default(cat_default_1, torch.float32);  cat_default_1 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
     div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
     reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(convert_element_type_default_3, 'sum', 4, '0');  convert_element_type_default_3 = None
@@ -470,11 +452,9 @@ def forward(self, primals_2, primals_3, primals_4, _to_copy, relu, relu_1, tange
     view_9 = torch.ops.aten.view.default(sum_2, [4]);  sum_2 = None
     t_14 = torch.ops.aten.t.default(t_13);  t_13 = None
     view_10 = torch.ops.aten.view.default(view_9, [4]);  view_9 = None
-    slice_backward_3 = torch.ops.aten.slice_backward.default(view_10, [20], 0, 16, 20, 1);  view_10 = None
     view_11 = torch.ops.aten.view.default(t_14, [16]);  t_14 = None
-    slice_backward_4 = torch.ops.aten.slice_backward.default(view_11, [20], 0, 0, 16, 1);  view_11 = None
-    add_1 = torch.ops.aten.add.Tensor(slice_backward_3, slice_backward_4);  slice_backward_3 = slice_backward_4 = None
-    convert_element_type_default_5 = torch.ops.prims.convert_element_type.default(add_1, torch.float32);  add_1 = None
+    cat_default = torch.ops.aten.cat.default([view_11, view_10]);  view_11 = view_10 = None
+    convert_element_type_default_5 = torch.ops.prims.convert_element_type.default(cat_default, torch.float32);  cat_default = None
     wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
     div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_3, 4);  wait_tensor_default_3 = None
     reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(convert_element_type_default_5, 'sum', 4, '0');  convert_element_type_default_5 = None
