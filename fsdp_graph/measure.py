@@ -68,8 +68,8 @@ def executed_collectives(
         elif kind == "reduce_scatter":
             n = int(inputs[2])
             payload, wire = size, size * (n - 1) / n
-        elif kind == "all_to_all":
-            n = _default_group_size(group_size)
+        elif kind == "all_to_all":  # the split sizes list has one entry per rank of the group
+            n = len(inputs[1]) if isinstance(inputs[1], list) else _default_group_size(group_size)
             payload, wire = size, size * (n - 1) / n
         else:
             n = group_size_of_all_reduce
