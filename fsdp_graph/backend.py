@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+import torch._functorch.config as functorch_config
 import torch.fx as fx
 import torch.nn as nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -65,6 +66,7 @@ class ScheduleOptions:
     max_inflight_bytes: int | None = None
     bucket_bytes: int = 0
     reduce_scatter: str = "auto"  # "auto": all-to-all over gloo groups; "native": always reduce_scatter_tensor
+    activation_memory_budget: float | None = None  # the partitioner's budget (None: torch's default, 1.0)
 
 
 class _LowerPass(CustomGraphPass):
@@ -145,7 +147,9 @@ class FSDPBackend:
         uuid = _source_hash({"base": self._uuid, "all_to_all": sorted(all_to_all)})
         reshard = _ReshardPass(uuid, dumper, self.pass_seconds)
         lower = _LowerPass(uuid, dumper, self.reports, self.schedule, self.keep_graphs, all_to_all, self.pass_seconds)
-        with no_caches_when_dumping(dumper.enabled):
+        budget = self.schedule.activation_memory_budget
+        partitioner = {} if budget is None else {"activation_memory_budget": budget}
+        with no_caches_when_dumping(dumper.enabled), functorch_config.patch(partitioner):
             if self.inductor:
                 return _compile_inductor(gm, example_inputs, reshard, lower, dumper.enabled)
             return _compile_eager(gm, example_inputs, reshard, lower)
@@ -237,6 +241,7 @@ def make_backend(
     max_inflight_bytes: int | None = None,
     bucket_bytes: int = 0,
     reduce_scatter: str = "auto",
+    activation_memory_budget: float | None = None,
     keep_graphs: bool = False,
 ) -> FSDPBackend:
     """A new backend. `inductor=False` runs the same passes and executes with eager kernels (fast compile).
@@ -246,10 +251,14 @@ def make_backend(
     `bucket_bytes`: merge consecutive units' collectives up to this many bytes each (`passes.bucket`; 0: off).
     `reduce_scatter`: "auto" reduces gradients over gloo groups with an all-to-all and a local sum (gloo runs a
     reduce-scatter as an all-reduce: twice the bytes); "native" always uses `reduce_scatter_tensor`.
+    `activation_memory_budget`: the share (0-1] of the activations the partitioner may save for backward; below 1 it
+    recomputes the cheapest others (torch._functorch's solver), trading compute for peak memory. None: 1.0.
     `keep_graphs`: each report keeps a copy of its lowered graph (for `explain`)."""
     if reduce_scatter not in ("auto", "native"):
         raise ValueError(f"make_backend: reduce_scatter must be 'auto' or 'native', got {reduce_scatter!r}")
-    options = ScheduleOptions(prefetch, max_inflight_bytes, bucket_bytes, reduce_scatter)
+    if activation_memory_budget is not None and not 0 < activation_memory_budget <= 1:
+        raise ValueError(f"make_backend: activation_memory_budget must be in (0, 1], got {activation_memory_budget}")
+    options = ScheduleOptions(prefetch, max_inflight_bytes, bucket_bytes, reduce_scatter, activation_memory_budget)
     return FSDPBackend(inductor=inductor, dump_dir=dump_dir, keep_graphs=keep_graphs, schedule=options)
 
 

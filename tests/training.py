@@ -44,6 +44,7 @@ class Case:
     dynamic: bool = False  # the per-rank batch size changes every step
     offload: bool = False  # CPUOffload(offload_params=True)
     separate_reduce_group: bool | None = None  # fully_shard's option (None: its default, off on gloo)
+    activation_memory_budget: float | None = None  # make_backend's option
     bucket_bytes: int = 0  # make_backend(bucket_bytes=...): merge consecutive units' collectives
 
 
@@ -163,7 +164,11 @@ def shard_and_compile(model: nn.Module, case: Case):
     )
     if case.mode == "eager":
         return model, None
-    backend = fsdp_graph.make_backend(inductor=case.mode == "inductor", bucket_bytes=case.bucket_bytes)
+    backend = fsdp_graph.make_backend(
+        inductor=case.mode == "inductor",
+        bucket_bytes=case.bucket_bytes,
+        activation_memory_budget=case.activation_memory_budget,
+    )
     return torch.compile(model, backend=backend, fullgraph=True), backend
 
 

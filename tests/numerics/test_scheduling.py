@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from fsdp_graph.launch import spawn
-from tests.scheduling import forward_op_stream, reduce_scatter_bytes, separate_reduce_group_parity
+from tests.scheduling import (
+    activation_budget,
+    forward_op_stream,
+    reduce_scatter_bytes,
+    separate_reduce_group_parity,
+)
 
 
 @pytest.mark.parametrize("inductor", [False, True])
@@ -39,3 +44,9 @@ def test_separate_reduce_group(strategy, world):
         assert r["diff"] < 2e-5, r
         assert len(r["gather_groups"]) == len(r["reduce_groups"]) == 1, r
         assert r["gather_groups"] != r["reduce_groups"], r
+
+
+def test_activation_memory_budget():
+    for r in spawn(activation_budget, 2):
+        assert r["diff"] < 2e-5, r
+        assert r["saved_budget"] < 0.8 * r["saved_default"], r
