@@ -144,7 +144,7 @@ class FSDPBackend:
         dumper.graph("01_dedup", gm)
         all_to_all = _all_to_all_groups(gm, self.schedule.reduce_scatter)
         # The process groups' backends decide the lowering, so they are part of the compiled code's cache key.
-        uuid = _source_hash({"base": self._uuid, "all_to_all": sorted(all_to_all)})
+        uuid = hashlib.sha256(f"{self._uuid}{sorted(all_to_all)}".encode()).hexdigest()
         reshard = _ReshardPass(uuid, dumper, self.pass_seconds)
         lower = _LowerPass(uuid, dumper, self.reports, self.schedule, self.keep_graphs, all_to_all, self.pass_seconds)
         budget = self.schedule.activation_memory_budget
@@ -200,20 +200,13 @@ def _all_to_all_groups(gm: fx.GraphModule, reduce_scatter: str) -> frozenset[str
     """The shard groups of this graph whose process-group backend has no native reduce-scatter (gloo)."""
     if reduce_scatter == "native":
         return frozenset()
-    import torch.distributed as dist
-
     names = set()
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in ir.UNSHARD_TARGETS:
             for arg in ("group", "reduce_group"):
                 index = ir.UNSHARD_ARGS.index(arg)
                 names.add(node.kwargs.get(arg, node.args[index] if len(node.args) > index else ""))
-    gloo = set()
-    for name in names - {""}:
-        group = dist.distributed_c10d._resolve_process_group(name)
-        if dist.get_backend(group) == "gloo":
-            gloo.add(name)
-    return frozenset(gloo)
+    return frozenset(name for name in names - {""} if ops.is_gloo_group(name))
 
 
 def _check_sharded(gm: fx.GraphModule, example_inputs) -> None:

@@ -86,11 +86,11 @@ def cat_flat_grads(gm: fx.GraphModule) -> fx.GraphModule:
         if tree is None or len(tree[1]) < 2:
             continue
         adds, leaves = tree
+        placed = [_padded_slot(leaf) for leaf in leaves]
         slots = {}
-        for leaf in leaves:
-            grad, size, start, end = _padded_slot(leaf)
+        for grad, _, start, end in placed:
             slots.setdefault((start, end), []).append(grad)
-        sizes = {_padded_slot(leaf)[1] for leaf in leaves}
+        sizes = {size for _, size, _, _ in placed}
         ordered = sorted(slots)
         if len(sizes) != 1 or any(a[1] > b[0] for a, b in zip(ordered, ordered[1:])):
             continue
