@@ -37,7 +37,7 @@ class GraphReport:
 def _source_hash(options: dict) -> str:
     """Code of every pass and of the op semantics, plus options: a changed pass never reuses stale code."""
     modules = [ops, ir, passes.dedup, passes.reshard, passes.lower, passes.bucket, passes.all_to_all, passes.schedule]
-    modules += [passes.inspect, passes.flat_grad]
+    modules += [passes.inspect, passes.flat_grad, passes.verify]
     h = hashlib.sha256(repr(sorted(options.items())).encode())
     for module in modules:
         h.update(inspect.getsource(module).encode())
@@ -79,10 +79,11 @@ class _LowerPass(CustomGraphPass):
         keep_graphs: bool = False,
         all_to_all_groups: frozenset[str] = frozenset(),
         pass_seconds: Counter | None = None,
+        serial_groups: frozenset[str] = frozenset(),
     ):
         self.pass_seconds = pass_seconds if pass_seconds is not None else Counter()
         self._uuid, self.dumper, self.reports, self.keep_graphs = uuid, dumper, reports, keep_graphs
-        self.options, self.all_to_all_groups = options, all_to_all_groups
+        self.options, self.all_to_all_groups, self.serial_groups = options, all_to_all_groups, serial_groups
         self.stage = "fw"
 
     def __call__(self, graph: fx.Graph) -> None:
@@ -95,7 +96,8 @@ class _LowerPass(CustomGraphPass):
         passes.bucket_collectives(gm, self.options.bucket_bytes)
         passes.reduce_scatter_as_all_to_all(gm, self.all_to_all_groups)
         bucketed = time.perf_counter()
-        passes.schedule_collectives(gm, self.options.prefetch, self.options.max_inflight_bytes)
+        passes.schedule_collectives(gm, self.options.prefetch, self.options.max_inflight_bytes, self.serial_groups)
+        passes.check_collectives(gm, self.serial_groups)
         timed["lower"] += lowered - start
         timed["bucket+all_to_all"] += bucketed - lowered
         timed["schedule"] += time.perf_counter() - bucketed
@@ -142,11 +144,14 @@ class FSDPBackend:
         passes.dedup_unshard(gm)
         self.pass_seconds["dedup"] += time.perf_counter() - start
         dumper.graph("01_dedup", gm)
-        all_to_all = _all_to_all_groups(gm, self.schedule.reduce_scatter)
+        gloo = _gloo_groups(gm)
+        all_to_all = frozenset() if self.schedule.reduce_scatter == "native" else gloo
         # The process groups' backends decide the lowering, so they are part of the compiled code's cache key.
-        uuid = hashlib.sha256(f"{self._uuid}{sorted(all_to_all)}".encode()).hexdigest()
+        uuid = hashlib.sha256(f"{self._uuid}{sorted(all_to_all)}{sorted(gloo)}".encode()).hexdigest()
         reshard = _ReshardPass(uuid, dumper, self.pass_seconds)
-        lower = _LowerPass(uuid, dumper, self.reports, self.schedule, self.keep_graphs, all_to_all, self.pass_seconds)
+        lower = _LowerPass(
+            uuid, dumper, self.reports, self.schedule, self.keep_graphs, all_to_all, self.pass_seconds, gloo
+        )
         budget = self.schedule.activation_memory_budget
         partitioner = {} if budget is None else {"activation_memory_budget": budget}
         with no_caches_when_dumping(dumper.enabled), functorch_config.patch(partitioner):
@@ -196,14 +201,14 @@ def _compile_eager(gm, example_inputs, reshard: _ReshardPass, lower: _LowerPass)
     )(gm, example_inputs)
 
 
-def _all_to_all_groups(gm: fx.GraphModule, reduce_scatter: str) -> frozenset[str]:
-    """The shard groups of this graph whose process-group backend has no native reduce-scatter (gloo)."""
-    if reduce_scatter == "native":
-        return frozenset()
+def _gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
+    """The process groups of this graph that run on gloo. They reduce by all-to-all (no native reduce-scatter), and
+    they are serial: the schedule never has two collectives in flight on one of them (ProcessGroupGloo's worker
+    threads corrupt the heap when two collectives finish together; docs/design-notes.md)."""
     names = set()
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in ir.UNSHARD_TARGETS:
-            for arg in ("group", "reduce_group"):
+            for arg in ("group", "reduce_group", "replicate_group"):
                 index = ir.UNSHARD_ARGS.index(arg)
                 names.add(node.kwargs.get(arg, node.args[index] if len(node.args) > index else ""))
     return frozenset(name for name in names - {""} if ops.is_gloo_group(name))

@@ -8,10 +8,12 @@ from passes.inspect import collective_summary
 from passes.lower import lower_fsdp_ops
 from passes.reshard import tag_reshard
 from passes.schedule import schedule_collectives
+from passes.verify import check_collectives
 
 __all__ = [
     "bucket_collectives",
     "cat_flat_grads",
+    "check_collectives",
     "collective_summary",
     "dedup_unshard",
     "lower_fsdp_ops",

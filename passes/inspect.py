@@ -49,6 +49,14 @@ def node_nbytes(node: fx.Node) -> int:
     return int(numel) * val.element_size()
 
 
+def collective_group(node: fx.Node) -> str | None:
+    """The process-group name a `_c10d_functional` collective issue node runs on (its last argument), else None."""
+    if node.op != "call_function" or node.target not in _KIND:
+        return None
+    group = node.kwargs.get("group_name", node.args[-1] if node.args else None)
+    return group if isinstance(group, str) else None
+
+
 def collective_summary(gm: fx.GraphModule) -> CollectiveSummary:
     """Counts `_c10d_functional` collectives (bytes of the unsharded side: gather output, scatter / all-to-all input)
     and any `fsdp` op not yet lowered. Pure; changes nothing."""

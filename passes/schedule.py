@@ -13,8 +13,16 @@ import statistics
 
 import torch.fx as fx
 
-from fsdp_graph.ir import ALL_GATHER, ALL_TO_ALL, META_ROLE, REDUCE_SCATTER, ROLE_REDUCE, ROLE_UNSHARD, WAIT
-from passes.inspect import node_nbytes
+from fsdp_graph.ir import (
+    ALL_GATHER,
+    ALL_TO_ALL,
+    META_ROLE,
+    REDUCE_SCATTER,
+    ROLE_REDUCE,
+    ROLE_UNSHARD,
+    WAIT,
+)
+from passes.inspect import collective_group, node_nbytes
 
 
 def _is_alias(node: fx.Node) -> bool:
@@ -63,7 +71,29 @@ def _move_before(nodes: list[fx.Node], anchor: fx.Node) -> None:
             anchor.prepend(node)
 
 
-def _prefetch_gathers(graph: fx.Graph, max_inflight_bytes: int | None) -> bool:
+def _same_group_neighbours(
+    nodes: list[fx.Node], serial_groups: frozenset[str]
+) -> tuple[dict[fx.Node, fx.Node], dict[fx.Node, fx.Node]]:
+    """For every collective issue on a serial group: the one issued before it and the one after it on the same
+    group, in the order of `nodes` (one sweep)."""
+    previous: dict[fx.Node, fx.Node] = {}
+    following: dict[fx.Node, fx.Node] = {}
+    last: dict[str, fx.Node] = {}
+    for node in nodes:
+        group = collective_group(node)
+        if group not in serial_groups:
+            continue
+        if group in last:
+            previous[node], following[last[group]] = last[group], node
+        last[group] = node
+    return previous, following
+
+
+def _wait_position(issue: fx.Node, order: dict[fx.Node, int]) -> int:
+    return max((order[u] for u in issue.users if u.target is WAIT), default=order[issue])
+
+
+def _prefetch_gathers(graph: fx.Graph, max_inflight_bytes: int | None, serial_groups: frozenset[str]) -> bool:
     """Each gather moves up to just after the previous gather's issue (so issue order is unchanged and gather k+1
     is in flight while unit k computes), as long as the bytes of gathered buffers alive at its new position plus its
     own stay within the budget; else to the first later position where they do.
@@ -89,13 +119,19 @@ def _prefetch_gathers(graph: fx.Graph, max_inflight_bytes: int | None) -> bool:
     # Chains placed before the same anchor keep their order, so the floor is the previous gather's anchor if it
     # moved, else the index right after it.
     floor = order[gathers[0]] + 1
+    # On a serial group a gather may not be issued before the previous collective there has been waited for.
+    previous_on_group, _ = _same_group_neighbours(nodes, serial_groups)
     for gather in gathers[1:]:
         chain = _issue_chain(gather, order)
         first, own = order[chain[0]], node_nbytes(gather)
         start, end, _ = spans.get(gather, (order[gather], order[gather], 0))
         for p in range(start, end + 1):  # the curve without this buffer
             live[p] -= own
-        earliest = max([floor] + [order[a] + 1 for n in chain for a in n.all_input_nodes if a not in chain])
+        earliest = max(
+            [floor]
+            + ([_wait_position(previous_on_group[gather], order) + 1] if gather in previous_on_group else [])
+            + [order[a] + 1 for n in chain for a in n.all_input_nodes if a not in chain]
+        )
         # Issued at p, the buffer is alive over [p, its first use]: the busiest point of that range must fit.
         target, busiest = first, 0
         for position in range(order[gather], earliest - 1, -1):
@@ -127,15 +163,17 @@ def _wait_chain(wait: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node] | Non
     return sorted(chain, key=order.__getitem__)
 
 
-def _sink_reduce_waits(graph: fx.Graph) -> bool:
+def _sink_reduce_waits(graph: fx.Graph, serial_groups: frozenset[str]) -> bool:
     """Each reduce-scatter's wait (and the reduction's tail) moves down to just before the next reduce-scatter is
     issued, so one reduction is in flight while the next unit's backward computes; the last one waits just before
-    the output. At most two full-size gradients are held by reductions at any time."""
+    the output. At most two full-size gradients are held by reductions at any time. On a serial group the wait
+    stops before the next collective of any kind on that group."""
     scatters = [
         n for n in graph.nodes if n.target in (REDUCE_SCATTER, ALL_TO_ALL) and n.meta.get(META_ROLE) == ROLE_REDUCE
     ]
     output = next(n for n in graph.nodes if n.op == "output")
     order = {n: k for k, n in enumerate(graph.nodes)}  # original order: chains only move down, anchors stay
+    _, next_on_group = _same_group_neighbours(list(graph.nodes), serial_groups)
     changed = False
     for i, scatter in enumerate(scatters):
         waits = [u for u in scatter.users if u.target is WAIT]
@@ -145,6 +183,9 @@ def _sink_reduce_waits(graph: fx.Graph) -> bool:
         if chain is None:
             continue
         anchor = scatters[i + 1] if i + 1 < len(scatters) else output
+        following = next_on_group.get(scatter)
+        if following is not None and order[following] < order[anchor]:
+            anchor = following
         if order[anchor] > order[chain[-1]]:
             # The next issue's input preparation (casts) stays before the anchor; we go right before the issue.
             _move_before(chain, anchor)
@@ -152,8 +193,40 @@ def _sink_reduce_waits(graph: fx.Graph) -> bool:
     return changed
 
 
+def _serialize_groups(graph: fx.Graph, serial_groups: frozenset[str]) -> bool:
+    """On each serial group, a collective issued while another one is in flight gets the earlier one's wait moved
+    up to just before it (always legal: a wait reads only its issue). Afterwards at most one collective per serial
+    group is in flight at any point of the graph."""
+    if not serial_groups:
+        return False
+    changed = False
+    in_flight: dict[str, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is WAIT:
+            issue = node.args[0]
+            group = collective_group(issue) if isinstance(issue, fx.Node) else None
+            if group is not None and in_flight.get(group) is issue:
+                del in_flight[group]
+            continue
+        group = collective_group(node)
+        if group not in serial_groups:
+            continue
+        earlier = in_flight.pop(group, None)
+        if earlier is not None:
+            for wait in [u for u in earlier.users if u.target is WAIT]:
+                node.prepend(wait)
+            changed = True
+        in_flight[group] = node
+    return changed
+
+
 def schedule_collectives(
-    gm: fx.GraphModule, prefetch: bool = True, max_inflight_bytes: int | None = None
+    gm: fx.GraphModule,
+    prefetch: bool = True,
+    max_inflight_bytes: int | None = None,
+    serial_groups: frozenset[str] | set[str] = frozenset(),
 ) -> fx.GraphModule:
     """In place on a lowered forward or backward graph.
 
@@ -165,14 +238,21 @@ def schedule_collectives(
       in flight than without scheduling); then at the first later point where they fit;
     - every reduce-scatter's wait, with the scale/cast/copy nodes after it, moves to just before the next
       reduce-scatter's issue (the last one: before the output).
+    `serial_groups` are process groups that must never run two collectives at once (gloo: torch's
+    ProcessGroupGloo corrupts its heap when two collectives finish together on its two worker threads; see
+    docs/design-notes.md). On them a gather is prefetched no earlier than the previous collective's wait, a reduce
+    wait sinks no further than the next collective's issue, and any remaining overlap is removed by moving the
+    earlier collective's wait up, even with `prefetch` off.
     Guarantees: only node order changes (same nodes, same values), issue order of collectives is unchanged (every
-    rank issues the same sequence), the graph stays topologically valid. No-op when `prefetch` is False or nothing
-    matches.
+    rank issues the same sequence), at most one collective in flight per serial group, the graph stays
+    topologically valid. No-op when nothing matches.
     """
-    if not prefetch:
-        return gm
-    changed = _prefetch_gathers(gm.graph, max_inflight_bytes)
-    changed |= _sink_reduce_waits(gm.graph)
+    serial = frozenset(serial_groups)
+    changed = False
+    if prefetch:
+        changed |= _prefetch_gathers(gm.graph, max_inflight_bytes, serial)
+        changed |= _sink_reduce_waits(gm.graph, serial)
+    changed |= _serialize_groups(gm.graph, serial)
     if changed:
         gm.graph.lint()
         gm.recompile()

@@ -9,27 +9,26 @@ import fsdp_graph
 from fsdp_graph.measure import executed_collectives
 from tests.training import build
 
+_MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::_scaled_dot_product")
 
-def _gathers_issued_before_each_wait(fn) -> list[int]:
-    """Run `fn` under the profiler; for each `wait_tensor` in execution order, how many all-gathers had started."""
+
+def _op_stream(fn) -> list[str]:
+    """Run `fn` under the profiler: "gather", "wait" and "matmul" in execution order."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    events = sorted(
-        (e.start_ns(), e.name())
-        for e in prof.profiler.kineto_results.events()
-        if e.name().startswith(("_c10d_functional::all_gather_into_tensor", "_c10d_functional::wait_tensor"))
-    )
-    counts, issued = [], 0
-    for _, name in events:
+    kinds = []
+    for _, name in sorted((e.start_ns(), e.name()) for e in prof.profiler.kineto_results.events()):
         if name.startswith("_c10d_functional::all_gather_into_tensor"):
-            issued += 1
-        else:
-            counts.append(issued)
-    return counts
+            kinds.append("gather")
+        elif name.startswith("_c10d_functional::wait_tensor"):
+            kinds.append("wait")
+        elif name.startswith(_MATMULS):
+            kinds.append("matmul")
+    return kinds
 
 
-def forward_op_stream(rank: int, world: int, inductor: bool, prefetch: bool) -> list[int]:
-    """Gathers issued before each wait in the second compiled forward of the test GPT (the first compiles)."""
+def forward_op_stream(rank: int, world: int, inductor: bool, prefetch: bool) -> list[str]:
+    """The gathers, waits and matmuls of the second compiled forward of the test GPT (the first compiles)."""
     torch.manual_seed(0)
     model, _, make_batch = build("gpt")
     fsdp_graph.fully_shard(model)
@@ -37,7 +36,7 @@ def forward_op_stream(rank: int, world: int, inductor: bool, prefetch: bool) -> 
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     idx, _ = make_batch(torch.Generator().manual_seed(rank), 2)
     compiled(idx).sum().backward()
-    return _gathers_issued_before_each_wait(lambda: compiled(idx))
+    return _op_stream(lambda: compiled(idx))
 
 
 def reduce_scatter_bytes(rank: int, world: int, reduce_scatter: str) -> dict:

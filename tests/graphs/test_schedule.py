@@ -1,9 +1,11 @@
 """Snapshots of the scheduling passes (fake process group, world 4): the order of the nodes is the spec."""
 
+import pytest
 import torch
 from expecttest import assert_expected_inline
 
 import fsdp_graph
+import passes
 from fsdp_graph.ir import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER, WAIT
 from passes import lower_fsdp_ops, reduce_scatter_as_all_to_all, schedule_collectives, tag_reshard
 from tests.graphs.capture import TwoBlock, aot_stages, code
@@ -156,3 +158,42 @@ def test_reduce_scatter_as_all_to_all(fake_pg):
     _, bw = _lowered(fsdp_graph.ShardingStrategy.SHARD_GRAD_OP)
     before = code(bw)
     assert code(reduce_scatter_as_all_to_all(bw, {"some other group"})) == before
+
+
+def test_schedule_serial_group_keeps_one_collective_in_flight(fake_pg):
+    """A serial group (gloo) never has two collectives in flight: each gather is issued right after the previous
+    wait, before the unit computes, and a reduce wait sinks only to the next collective on the group."""
+    group = fake_pg.group_name
+    fw, bw = _lowered()
+    schedule_collectives(fw, max_inflight_bytes=10**9, serial_groups={group})
+    assert_expected_inline(
+        _collective_order(fw),
+        """\
+gather(blocks.0)
+  wait(blocks.0)
+gather(blocks.1)
+    addmm
+  wait(blocks.1)
+gather(<root>)
+    addmm_1
+  wait(<root>)
+    mm""",
+    )
+    reduce_scatter_as_all_to_all(bw, {group})
+    schedule_collectives(bw, serial_groups={group})
+    for gm in (fw, bw):
+        passes.check_collectives(gm, {group})
+        gm.graph.lint()
+
+
+def test_serialize_repairs_any_overlap_even_without_prefetch(fake_pg):
+    """With prefetch on but no serial group, three gathers fly at once; the checker rejects that on a serial group,
+    and scheduling the same graph for that group (prefetch off too) leaves at most one in flight."""
+    group = fake_pg.group_name
+    fw, _ = _lowered()
+    schedule_collectives(fw, max_inflight_bytes=10**9)
+    with pytest.raises(RuntimeError, match="still in flight there"):
+        passes.check_collectives(fw, {group})
+    schedule_collectives(fw, prefetch=False, serial_groups={group})
+    passes.check_collectives(fw, {group})
+    assert _collective_order(fw).splitlines()[:3] == ["gather(blocks.0)", "  wait(blocks.0)", "gather(blocks.1)"]
