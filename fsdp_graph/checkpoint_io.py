@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from fsdp_graph.optim_state import init_optimizer_state, load_optim_state_dict, optim_state_dict
+from fsdp_graph.optim_state import load_optim_state_dict, optim_state_dict
 
 _DONE = ".metadata"  # DCP's coordinator writes it last: a directory without it is not a checkpoint
 
@@ -18,7 +18,6 @@ _DONE = ".metadata"  # DCP's coordinator writes it last: a directory without it 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
     state = {"model": model.state_dict()}
     if optimizer is not None:
-        init_optimizer_state(optimizer)
         state["optim"] = optim_state_dict(model, optimizer)
     return state
 

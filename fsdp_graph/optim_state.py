@@ -29,7 +29,12 @@ def _is_per_element(value, param: torch.Tensor) -> bool:
 def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """`{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}` where every per-element
     state of a sharded parameter (Adam's exp_avg, ...) is a DTensor of the parameter's full shape, as torch's
-    `get_optimizer_state_dict` returns for FSDP2. Collective: every rank must call it."""
+    `get_optimizer_state_dict` returns for FSDP2. Collective: every rank must call it.
+
+    A fresh optimizer (no state yet) is given its state first, as torch's `get_optimizer_state_dict` does, so the
+    standard DCP recipe (`sd = optim_state_dict(...)`, `dcp.load(sd, ...)`, `load_optim_state_dict(...)`) has
+    tensors for DCP to load into instead of silently loading nothing."""
+    init_optimizer_state(optimizer)
     root = model.__dict__["_fsdp_root"]
     fqns, slots = _fqns(model), _slots(model)
     state_out: dict[str, dict] = {}

@@ -43,15 +43,24 @@ def _full_optim_state(model, optimizer) -> dict[str, torch.Tensor]:
 
 def resume_phase(rank: int, world: int, phase: str, path: str) -> dict:
     """ "straight": 6 steps. "first": 3 steps then save. "resume": a differently initialised model loads the
-    checkpoint and trains steps 3..5."""
+    checkpoint and trains steps 3..5. "resume_dcp": the same with torch's plain DCP recipe (a fresh optimizer's
+    `optim_state_dict`, `dcp.load` into it, `load_optim_state_dict`) instead of `load_checkpoint`."""
     model, compiled, optimizer, loss_fn, make_batch = _model_and_optimizer(seed=0 if phase != "resume" else 99)
     if phase == "straight":
         losses = _train(compiled, optimizer, loss_fn, make_batch, range(6), rank, world)
     elif phase == "first":
         losses = _train(compiled, optimizer, loss_fn, make_batch, range(3), rank, world)
         fsdp_graph.save_checkpoint(path, model, optimizer)
-    else:
+    elif phase == "resume":
         fsdp_graph.load_checkpoint(path, model, optimizer)
+        losses = _train(compiled, optimizer, loss_fn, make_batch, range(3, 6), rank, world)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": model.state_dict(), "optim": fsdp_graph.optim_state_dict(model, optimizer)}
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+        fsdp_graph.load_optim_state_dict(model, optimizer, state["optim"])
         losses = _train(compiled, optimizer, loss_fn, make_batch, range(3, 6), rank, world)
     return {"losses": losses, "params": fsdp_graph.full_state_dict(model), "optim": _full_optim_state(model, optimizer)}
 

@@ -12,13 +12,16 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 def test_resume_in_fresh_processes_is_bit_exact(tmp_path):
+    """`load_checkpoint`, and torch's plain DCP recipe with a fresh optimizer (issue 13: its state dict used to have
+    no state entries, so DCP loaded nothing into it and the run went on with fresh AdamW moments, silently)."""
     path = str(tmp_path / "ckpt")
     straight = spawn(resume_phase, 2, ("straight", path))[0]
     first = spawn(resume_phase, 2, ("first", path))[0]
-    resumed = spawn(resume_phase, 2, ("resume", path))[0]
-    assert first["losses"] + resumed["losses"] == straight["losses"]
-    assert _max_diff(resumed["params"], straight["params"]) == 0.0
-    assert _max_diff(resumed["optim"], straight["optim"]) == 0.0
+    for phase in ("resume", "resume_dcp"):
+        resumed = spawn(resume_phase, 2, (phase, path))[0]
+        assert first["losses"] + resumed["losses"] == straight["losses"], phase
+        assert _max_diff(resumed["params"], straight["params"]) == 0.0, phase
+        assert _max_diff(resumed["optim"], straight["optim"]) == 0.0, phase
 
 
 def test_load_at_other_world_sizes(tmp_path):
