@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import inspect
 import itertools
@@ -34,11 +35,13 @@ class GraphReport:
     graph: fx.GraphModule | None = None
 
 
-def _source_hash(options: dict) -> str:
-    """Code of every pass and of the op semantics, plus options: a changed pass never reuses stale code."""
+@functools.cache
+def _code_hash() -> str:
+    """Code of every pass and of the op semantics: a changed pass never reuses stale code. Computed at the first
+    compile, not at import: `import passes` imports this package (for `fsdp_graph.ir`) before `passes` is whole."""
     modules = [ops, ir, passes.dedup, passes.reshard, passes.lower, passes.bucket, passes.all_to_all, passes.schedule]
     modules += [passes.inspect, passes.flat_grad, passes.verify]
-    h = hashlib.sha256(repr(sorted(options.items())).encode())
+    h = hashlib.sha256()
     for module in modules:
         h.update(inspect.getsource(module).encode())
     return h.hexdigest()
@@ -133,7 +136,7 @@ class FSDPBackend:
         self.dynamo_graphs = 0
         self.pass_seconds: Counter = Counter()  # wall time spent in our passes, per pass, over every compile
         self._counter = itertools.count()
-        self._uuid = _source_hash({"inductor": inductor, "schedule": repr(schedule)})
+        self._uuid: str | None = None  # `_cache_key()`, made at the first compile
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         dumper = GraphDumper(self.dump_dir, next(self._counter))
@@ -147,7 +150,7 @@ class FSDPBackend:
         gloo = _gloo_groups(gm)
         all_to_all = frozenset() if self.schedule.reduce_scatter == "native" else gloo
         # The process groups' backends decide the lowering, so they are part of the compiled code's cache key.
-        uuid = hashlib.sha256(f"{self._uuid}{sorted(all_to_all)}{sorted(gloo)}".encode()).hexdigest()
+        uuid = hashlib.sha256(f"{self._cache_key()}{sorted(all_to_all)}{sorted(gloo)}".encode()).hexdigest()
         reshard = _ReshardPass(uuid, dumper, self.pass_seconds)
         lower = _LowerPass(
             uuid, dumper, self.reports, self.schedule, self.keep_graphs, all_to_all, self.pass_seconds, gloo
@@ -158,6 +161,13 @@ class FSDPBackend:
             if self.inductor:
                 return _compile_inductor(gm, example_inputs, reshard, lower, dumper.enabled)
             return _compile_eager(gm, example_inputs, reshard, lower)
+
+    def _cache_key(self) -> str:
+        """The passes' code and this backend's options: what every compiled graph's cache key includes."""
+        if self._uuid is None:
+            options = repr(sorted({"inductor": self.inductor, "schedule": repr(self.schedule)}.items()))
+            self._uuid = hashlib.sha256(f"{_code_hash()}{options}".encode()).hexdigest()
+        return self._uuid
 
     def __repr__(self) -> str:
         return f"fsdp_backend(inductor={self.inductor}, dump_dir={self.dump_dir!r})"

@@ -37,5 +37,14 @@ def test_changed_pass_never_reuses_cached_code(fake_pg, monkeypatch, tmp_path):
 
 
 def test_pass_uuid_tracks_options_and_is_stable():
-    assert fsdp_graph.make_backend()._uuid == fsdp_graph.make_backend()._uuid
-    assert fsdp_graph.make_backend()._uuid != fsdp_graph.make_backend(inductor=False)._uuid
+    assert fsdp_graph.make_backend()._cache_key() == fsdp_graph.make_backend()._cache_key()
+    assert fsdp_graph.make_backend()._cache_key() != fsdp_graph.make_backend(inductor=False)._cache_key()
+
+
+def test_import_passes_before_fsdp_graph():
+    """`import passes` first used to fail with a circular import (issue 12)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import passes; import fsdp_graph"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
