@@ -5,7 +5,7 @@
     python benchmarks/explain.py                    # both
 
 memory: each model and its loss compiled as one graph with make_backend(inductor=False); measured = peak bytes
-allocated above the step's start (profiler memory events, median of 3 steps after a compiling one), predicted =
+allocated above the step's start (profiler memory events, least of 5 steps after a compiling one), predicted =
 explain(..., inductor=False).memory.peak_bytes; rank 0 shown (rank 1 is the same within gloo's buffers).
 plan: GPT(vocab 50304, dim 768, 12 heads, 12 layers, seq 1024; 124 M params, fp32) built on the meta device, so no
 kernel runs and nothing is allocated; fake process group of 8 ranks; batch 8 x 1024 tokens per rank; FULL_SHARD.

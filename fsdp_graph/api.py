@@ -16,6 +16,7 @@ from fsdp_graph import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.checkpoint import install_state_dict_hooks
 from fsdp_graph.config import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_graph.flat_param import FlatParamLayout
+from fsdp_graph.gloo import is_gloo, single_thread_gloo_group
 from fsdp_graph.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
 from fsdp_graph.unit import (
     RootState,
@@ -158,6 +159,8 @@ def _with_reduce_group(groups: _Groups, mesh: DeviceMesh | None, separate: bool 
         rank_lists = [dist.get_process_group_ranks(shard_pg)]
     else:  # HYBRID: one shard group per replica, along the mesh's last dim
         rank_lists = mesh.mesh.reshape(-1, mesh.mesh.size(-1)).tolist()
+    if is_gloo(shard_pg):
+        return dataclasses.replace(groups, reduce_name=single_thread_gloo_group(rank_lists, "reduce").group_name)
     mine = None
     for ranks in rank_lists:
         group = dist.new_group(ranks)
@@ -226,7 +229,8 @@ def _resolve_groups(mesh: DeviceMesh | None, strategy: ShardingStrategy) -> _Gro
                 "init_device_mesh('cuda', (num_nodes, gpus_per_node)); got "
                 f"{'no mesh' if mesh is None else f'a {mesh.ndim}-D mesh'}."
             )
-        shard, replicate = mesh.get_group(1), mesh.get_group(0)
+        shard = _single_thread_if_gloo(mesh.get_group(1), _mesh_dim_ranks(mesh, 1), "shard")
+        replicate = _single_thread_if_gloo(mesh.get_group(0), _mesh_dim_ranks(mesh, 0), "replicate")
         return _Groups(shard.group_name, shard.size(), shard.rank(), replicate.group_name, replicate.size())
     if mesh is not None and mesh.ndim != 1:
         raise ValueError(
@@ -234,9 +238,23 @@ def _resolve_groups(mesh: DeviceMesh | None, strategy: ShardingStrategy) -> _Gro
             "_HYBRID_SHARD_ZERO2); pass a 1-D mesh or mesh=None for other strategies."
         )
     group = dist.group.WORLD if mesh is None else mesh.get_group()
+    group = _single_thread_if_gloo(group, [dist.get_process_group_ranks(group)], "world")
     if strategy is ShardingStrategy.NO_SHARD:
         return _Groups("", 1, 0, group.group_name if group.size() > 1 else "", group.size())
     return _Groups(group.group_name, group.size(), group.rank())
+
+
+def _mesh_dim_ranks(mesh: DeviceMesh, dim: int) -> list[list[int]]:
+    """Every group along mesh dimension `dim` (as mesh.get_group(dim) is this rank's one), as rank lists."""
+    return mesh.mesh.movedim(dim, -1).reshape(-1, mesh.mesh.size(dim)).tolist()
+
+
+def _single_thread_if_gloo(group: dist.ProcessGroup, rank_lists: list[list[int]], purpose: str) -> dist.ProcessGroup:
+    """The graph's collectives on a gloo group run on a single-thread copy of it (`fsdp_graph.gloo`: gloo's worker
+    threads race on shared state when two collectives of one group finish together)."""
+    if group.size() == 1 or dist.get_backend(group) != "gloo":
+        return group
+    return single_thread_gloo_group(rank_lists, purpose)
 
 
 def _check_not_sharded(model: nn.Module) -> None:

@@ -13,10 +13,13 @@ _c10d = torch.ops._c10d_functional
 
 
 def is_gloo_group(group: str) -> bool:
-    """gloo has no native reduce-scatter (it runs one as a full all-reduce): such groups reduce by all-to-all."""
+    """gloo has no native reduce-scatter (it runs one as a full all-reduce): such groups reduce by all-to-all.
+    Both the user's gloo groups and fully_shard's single-thread copies of them (`fsdp_graph.gloo`) count."""
     import torch.distributed as dist
 
-    return dist.get_backend(dist.distributed_c10d._resolve_process_group(group)) == "gloo"
+    from fsdp_graph.gloo import is_gloo
+
+    return is_gloo(dist.distributed_c10d._resolve_process_group(group))
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

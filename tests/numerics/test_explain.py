@@ -5,8 +5,9 @@ import pytest
 from fsdp_graph.launch import spawn
 from tests.explaining import predicted_vs_measured
 
-# Both came within 0.01% (README "Planning with explain()"); gloo's own buffers add up to ~1.5% noise on rank 0.
-TOLERANCE = 0.10
+# Both came within 0.01% (README "Planning with explain()"). The measurement is the least of a few steps: a step
+# that allocates while gloo's worker thread still holds a finished collective's tensors peaks up to 12% higher.
+TOLERANCE = 0.05
 
 
 @pytest.mark.parametrize("name, batch_size", [("gpt", 8), ("hf", 64)])

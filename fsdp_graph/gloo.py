@@ -1,0 +1,67 @@
+"""gloo groups with one worker thread for the graph's collectives (issue 10: the heap corruption).
+
+torch's `ProcessGroupGloo` runs collectives on a pool of worker threads (2 by default). After a worker marks a
+collective complete, it writes the collective's name into a `std::string` the group shares
+(`pgStatus_->lastCompletedWorkName`) without holding a lock. When a second worker finishes the next collective of
+the same group before the first one's write ends, both write the string at once, and names longer than the small
+string buffer ("ALLGATHER_COALESCED", the functional all-gather) corrupt the heap. Keeping at most one collective
+in flight per group (`passes.schedule`'s serial groups) narrows that window but cannot close it: the wait returns
+before the write, and the next collective may start and finish on the other worker while the first one is
+preempted. Seen: 1 crash in 16 runs of 1,000 steps on the 2-core machine with the serial schedule alone. A group
+with a single worker thread runs its collectives and their bookkeeping one at a time, so the race cannot happen.
+
+`torch.distributed.new_group` ignores `pg_options` for gloo, so the single-thread group is a registered backend
+(`Backend.register_backend`, torch's public extension point) that builds a `ProcessGroupGloo` with `_threads=1`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch.distributed as dist
+
+SINGLE_THREAD_GLOO = "fsdp_gloo"
+GLOO_BACKENDS = frozenset({"gloo", SINGLE_THREAD_GLOO})
+
+# (world group, purpose, ranks) -> the group (NON_GROUP_MEMBER where this rank is not in it). The world group is
+# part of the key, so a re-initialised default group never reuses a destroyed one's groups.
+_groups: dict[tuple[object, str, tuple[int, ...]], object] = {}
+
+
+def _create_single_thread_gloo(store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
+    options = dist.ProcessGroupGloo._Options()
+    options._threads = 1
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def _register() -> None:
+    if SINGLE_THREAD_GLOO.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(SINGLE_THREAD_GLOO, _create_single_thread_gloo, devices=["cpu"])
+
+
+def is_gloo(group: dist.ProcessGroup) -> bool:
+    return dist.get_backend(group) in GLOO_BACKENDS
+
+
+def single_thread_gloo_group(rank_lists: Sequence[Sequence[int]], purpose: str) -> dist.ProcessGroup:
+    """This rank's group among `rank_lists` (every group of one mesh dimension), as a single-thread gloo group.
+
+    Collective like `dist.new_group`: every rank of the world calls it with the same `rank_lists` and `purpose`, in
+    the same order. Each (ranks, purpose) is created once per default group and then reused, so sharding many
+    models does not open new connections each time. `purpose` keeps groups that must stay distinct apart (the
+    gradient-reduction duplicate of a shard group)."""
+    _register()
+    world = dist.group.WORLD
+    mine = None
+    for ranks in rank_lists:
+        key = (world, purpose, tuple(int(r) for r in ranks))
+        if key not in _groups:
+            _groups[key] = dist.new_group(list(key[2]), backend=SINGLE_THREAD_GLOO)
+        if dist.get_rank() in key[2]:
+            mine = _groups[key]
+    if mine is None:
+        raise ValueError(f"rank {dist.get_rank()} is in none of the groups {[list(r) for r in rank_lists]}")
+    return mine
