@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_graph import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.checkpoint import install_state_dict_hooks
 from fsdp_graph.config import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_graph.devices import backends_of
 from fsdp_graph.flat_param import FlatParamLayout
 from fsdp_graph.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
 from fsdp_graph.unit import (
@@ -138,7 +139,7 @@ def fully_shard(
             is_unit=has_states,
             cast_inputs_to=mp.param_dtype if casts else None,
         )
-    root_state.mesh, root_state.placements = _state_dict_mesh(mesh, strategy, root_state)
+    root_state.mesh, root_state.placements = mesh, _state_dict_placements(strategy)
     model.__dict__["_fsdp_root"] = root_state
     install_state_dict_hooks(model)
     return model
@@ -150,8 +151,8 @@ def _with_reduce_group(groups: _Groups, mesh: DeviceMesh | None, separate: bool 
     if groups.shard_world == 1:
         return groups
     shard_pg = dist.distributed_c10d._resolve_process_group(groups.shard_name)
-    if separate is None:
-        separate = dist.get_backend(shard_pg) == "nccl"
+    if separate is None:  # a mixed cpu:gloo,cuda:nccl group counts as NCCL
+        separate = "nccl" in backends_of(dist.get_backend_config(shard_pg)).values()
     if not separate:
         return groups
     if mesh is None or mesh.ndim == 1:
@@ -188,19 +189,17 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
                 module._buffers[name] = buf.to(device)
 
 
-def _state_dict_mesh(mesh: DeviceMesh | None, strategy: ShardingStrategy, root_state: RootState):
-    """The mesh and placements that describe a parameter as FSDP2 would: Shard(0) over the shard dim,
-    Replicate over replicas (NO_SHARD: Replicate only)."""
+def _state_dict_placements(strategy: ShardingStrategy) -> tuple:
+    """The placements that describe a parameter as FSDP2 would: Shard(0) over the shard dim, Replicate over
+    replicas (NO_SHARD: Replicate only). Without a mesh, the world's is made when a state dict is (its device
+    type is the one the flat shards' collectives use then: `.cuda()` may move the model after this call)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    if mesh is None:
-        device = root_state.flat_params[0].flat_shard.device.type if root_state.flat_params else "cpu"
-        mesh = DeviceMesh.from_group(dist.group.WORLD, device)
     if strategy is ShardingStrategy.NO_SHARD:
-        return mesh, (Replicate(),)
+        return (Replicate(),)
     if strategy.is_hybrid:
-        return mesh, (Replicate(), Shard(0))
-    return mesh, (Shard(0),)
+        return (Replicate(), Shard(0))
+    return (Shard(0),)
 
 
 def _resolve_groups(mesh: DeviceMesh | None, strategy: ShardingStrategy) -> _Groups:

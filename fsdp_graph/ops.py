@@ -12,11 +12,15 @@ import torch
 _c10d = torch.ops._c10d_functional
 
 
-def is_gloo_group(group: str) -> bool:
-    """gloo has no native reduce-scatter (it runs one as a full all-reduce): such groups reduce by all-to-all."""
+def is_gloo_group(group: str, device: torch.device | str = "cpu") -> bool:
+    """Whether `group` runs collectives on `device`'s tensors with gloo (a mixed `cpu:gloo,cuda:nccl` group does for
+    CPU tensors only). gloo has no native reduce-scatter (it runs one as a full all-reduce): such groups reduce by
+    all-to-all."""
     import torch.distributed as dist
 
-    return dist.get_backend(dist.distributed_c10d._resolve_process_group(group)) == "gloo"
+    from fsdp_graph.devices import backend_for
+
+    return backend_for(dist.distributed_c10d._resolve_process_group(group), device) == "gloo"
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -99,7 +103,7 @@ def reduce_grad(
     Sum then a division: "avg" has no autograd formula and is not supported by every process-group backend.
     """
     grad = _cast(full_grad, dtype).contiguous()
-    if world > 1 and is_gloo_group(group):  # as passes.all_to_all lowers it: gloo has no native reduce-scatter
+    if world > 1 and is_gloo_group(group, grad.device):  # as passes.all_to_all lowers it: gloo has no native reduce-scatter
         chunk = grad.numel() // world
         grad = _c10d.wait_tensor(_c10d.all_to_all_single(grad, [chunk] * world, [chunk] * world, group))
         grad = grad.view(world, chunk).sum(0)

@@ -27,7 +27,8 @@ class RootState:
     gathered: dict[str, torch.Tensor] = field(default_factory=dict)
     recompute_task: int = -1  # the autograd graph task whose activation-checkpoint recompute `gathered` serves
     flat_params: list[UnitState] = field(default_factory=list)
-    mesh: object = None  # the DeviceMesh state dicts describe their DTensors on
+    mesh: object = None  # the DeviceMesh given to fully_shard (None: the world's, see checkpoint.state_dict_mesh)
+    world_meshes: dict = field(default_factory=dict)  # device type -> the world's DeviceMesh on it
     placements: tuple = ()  # DTensor placements of a parameter on `mesh` (Shard(0), with Replicate for replicas)
     full_state_dict: bool = False  # while set, model.state_dict() returns full tensors instead of DTensors
     requires_gradient_sync: bool = True  # False inside `no_sync`: backwards accumulate unreduced gradients

@@ -6,8 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fsdp_graph
 from fsdp_graph import devices
 from fsdp_graph.devices import backend_for, choose_device, collective_device
+from fsdp_graph.unit import flat_params
+from tests.graphs.capture import TwoBlock
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 
@@ -80,3 +83,28 @@ def test_collective_device_of_a_mixed_nccl_group(monkeypatch, fake_pg):
     assert collective_device(fake_pg, CPU) == CPU
     assert backend_for(fake_pg, "cuda:1") == "nccl" and backend_for(fake_pg, "cpu") == "gloo"
     assert backend_for(fake_pg, "meta") == ""
+
+
+def _mixed_nccl(monkeypatch) -> None:
+    """What dist reports for a `cpu:gloo,cuda:nccl` group (its name is the config)."""
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+
+
+def test_mixed_group_runs_cpu_tensors_on_gloo(monkeypatch, fake_pg):
+    """gloo's rules (all-to-all reductions, one collective in flight) hold for a mixed group's CPU collectives."""
+    from fsdp_graph import ops
+    from fsdp_graph.backend import _gloo_groups
+    from tests.graphs.capture import dynamo_graph
+
+    _mixed_nccl(monkeypatch)
+    assert ops.is_gloo_group(fake_pg.group_name, "cpu")
+    assert not ops.is_gloo_group(fake_pg.group_name, torch.device("cuda", 0))
+    model = fsdp_graph.fully_shard(TwoBlock(), separate_reduce_group=False)
+    assert _gloo_groups(dynamo_graph(model, torch.randn(2, 4))) == {fake_pg.group_name}
+
+
+def test_mixed_nccl_group_gets_a_separate_reduce_group(monkeypatch, fake_pg):
+    _mixed_nccl(monkeypatch)
+    model = fsdp_graph.fully_shard(TwoBlock())
+    assert all(state.reduce_group not in ("", fake_pg.group_name) for state in flat_params(model))
