@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp_graph import offload
 from fsdp_graph import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.checkpoint import install_state_dict_hooks
 from fsdp_graph.config import CPUOffload, MixedPrecision, ShardingStrategy
@@ -400,10 +401,8 @@ def _shard_flat_param(
         groups.shard_rank,
     )
     shard = layout.shard_of(values)
-    if compute_device is not None:
-        shard = shard.to("cpu")
-        if torch.cuda.is_available():  # pinned: the host-to-device copy of each gather can be asynchronous
-            shard = shard.pin_memory()
+    if compute_device is not None:  # pinned: the host-to-device copy of each gather can be asynchronous
+        shard = offload.pinned(shard.to("cpu"))
     shard.requires_grad_(params[0].requires_grad)
     index = len(unit.__dict__.get("_fsdp_states", []))
     state = UnitState(
