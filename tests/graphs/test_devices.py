@@ -102,6 +102,10 @@ def test_mixed_group_runs_cpu_tensors_on_gloo(monkeypatch, fake_pg):
     assert not ops.is_gloo_group(fake_pg.group_name, torch.device("cuda", 0))
     model = fsdp_graph.fully_shard(TwoBlock(), separate_reduce_group=False)
     assert _gloo_groups(dynamo_graph(model, torch.randn(2, 4))) == {fake_pg.group_name}
+    with torch.device("meta"):  # shards off the CPU: not gloo's
+        model = TwoBlock()
+    fsdp_graph.fully_shard(model, device="meta", separate_reduce_group=False)
+    assert _gloo_groups(dynamo_graph(model, torch.randn(2, 4, device="meta"))) == frozenset()
 
 
 def test_mixed_nccl_group_gets_a_separate_reduce_group(monkeypatch, fake_pg):
