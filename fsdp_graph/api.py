@@ -12,9 +12,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp_graph import offload
 from fsdp_graph import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.checkpoint import install_state_dict_hooks
 from fsdp_graph.config import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_graph.devices import backends_of
 from fsdp_graph.flat_param import FlatParamLayout
 from fsdp_graph.gloo import is_gloo, single_thread_gloo_group
 from fsdp_graph.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
@@ -139,7 +141,7 @@ def fully_shard(
             is_unit=has_states,
             cast_inputs_to=mp.param_dtype if casts else None,
         )
-    root_state.mesh, root_state.placements = _state_dict_mesh(mesh, strategy, root_state)
+    root_state.mesh, root_state.placements = mesh, _state_dict_placements(strategy)
     model.__dict__["_fsdp_root"] = root_state
     install_state_dict_hooks(model)
     return model
@@ -151,8 +153,8 @@ def _with_reduce_group(groups: _Groups, mesh: DeviceMesh | None, separate: bool 
     if groups.shard_world == 1:
         return groups
     shard_pg = dist.distributed_c10d._resolve_process_group(groups.shard_name)
-    if separate is None:
-        separate = dist.get_backend(shard_pg) == "nccl"
+    if separate is None:  # a mixed cpu:gloo,cuda:nccl group counts as NCCL
+        separate = "nccl" in backends_of(dist.get_backend_config(shard_pg)).values()
     if not separate:
         return groups
     if mesh is None or mesh.ndim == 1:
@@ -191,19 +193,17 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
                 module._buffers[name] = buf.to(device)
 
 
-def _state_dict_mesh(mesh: DeviceMesh | None, strategy: ShardingStrategy, root_state: RootState):
-    """The mesh and placements that describe a parameter as FSDP2 would: Shard(0) over the shard dim,
-    Replicate over replicas (NO_SHARD: Replicate only)."""
+def _state_dict_placements(strategy: ShardingStrategy) -> tuple:
+    """The placements that describe a parameter as FSDP2 would: Shard(0) over the shard dim, Replicate over
+    replicas (NO_SHARD: Replicate only). Without a mesh, the world's is made when a state dict is (its device
+    type is the one the flat shards' collectives use then: `.cuda()` may move the model after this call)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    if mesh is None:
-        device = root_state.flat_params[0].flat_shard.device.type if root_state.flat_params else "cpu"
-        mesh = DeviceMesh.from_group(dist.group.WORLD, device)
     if strategy is ShardingStrategy.NO_SHARD:
-        return mesh, (Replicate(),)
+        return (Replicate(),)
     if strategy.is_hybrid:
-        return mesh, (Replicate(), Shard(0))
-    return mesh, (Shard(0),)
+        return (Replicate(), Shard(0))
+    return (Shard(0),)
 
 
 def _resolve_groups(mesh: DeviceMesh | None, strategy: ShardingStrategy) -> _Groups:
@@ -419,10 +419,8 @@ def _shard_flat_param(
         groups.shard_rank,
     )
     shard = layout.shard_of(values)
-    if compute_device is not None:
-        shard = shard.to("cpu")
-        if torch.cuda.is_available():  # pinned: the host-to-device copy of each gather can be asynchronous
-            shard = shard.pin_memory()
+    if compute_device is not None:  # pinned: the host-to-device copy of each gather can be asynchronous
+        shard = offload.pinned(shard.to("cpu"))
     shard.requires_grad_(params[0].requires_grad)
     index = len(unit.__dict__.get("_fsdp_states", []))
     state = UnitState(

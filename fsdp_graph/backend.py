@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+import torch
 import torch._functorch.config as functorch_config
 import torch.fx as fx
 import torch.nn as nn
@@ -218,10 +219,18 @@ def _gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
     names = set()
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in ir.UNSHARD_TARGETS:
+            device = _unshard_arg(node, "compute_device")
+            if device is None:  # gathers and reductions run where the shard is
+                shard = node.args[0].meta.get("example_value") if isinstance(node.args[0], fx.Node) else None
+                device = shard.device if isinstance(shard, torch.Tensor) else torch.device("cpu")
             for arg in ("group", "reduce_group", "replicate_group"):
-                index = ir.UNSHARD_ARGS.index(arg)
-                names.add(node.kwargs.get(arg, node.args[index] if len(node.args) > index else ""))
-    return frozenset(name for name in names - {""} if ops.is_gloo_group(name))
+                names.add((_unshard_arg(node, arg) or "", device))
+    return frozenset(name for name, device in names if name and ops.is_gloo_group(name, device))
+
+
+def _unshard_arg(node: fx.Node, name: str):
+    index = ir.UNSHARD_ARGS.index(name)
+    return node.kwargs.get(name, node.args[index] if len(node.args) > index else ir.UNSHARD_DEFAULTS.get(name))
 
 
 def _check_sharded(gm: fx.GraphModule, example_inputs) -> None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fsdp_graph.devices import collective_device
 from fsdp_graph.unit import RootState, UnitState, flat_params
 
 
@@ -22,27 +24,38 @@ def gather_flat(state: UnitState, local: torch.Tensor) -> torch.Tensor:
     if state.world == 1:
         return local.clone()
     home = local.device
-    if state.compute_device is not None:  # CPU offload: communicate from the compute device (NCCL needs it)
-        local = local.to(state.compute_device)
+    group = dist.distributed_c10d._resolve_process_group(state.group_name)
+    # CPU offload prefers the compute device: a mixed cpu:gloo,cuda:nccl group then gathers over NCCL.
+    local = local.to(collective_device(group, state.compute_device or local.device))
     full = local.new_empty(state.layout.padded_numel)
-    dist.all_gather_single(
-        full, local.contiguous(), group=dist.distributed_c10d._resolve_process_group(state.group_name)
-    )
+    dist.all_gather_single(full, local.contiguous(), group=group)
     return full.to(home)
+
+
+def state_dict_mesh(root: RootState) -> DeviceMesh:
+    """The mesh state-dict DTensors live on: the one given to fully_shard, else the world's, on the device type
+    the world's collectives use for the flat shards where they are NOW (a model moved by `.cuda()` after
+    fully_shard must not get a CPU mesh over NCCL)."""
+    if root.mesh is not None:
+        return root.mesh
+    shard_device = root.flat_params[0].flat_shard.device if root.flat_params else torch.device("cpu")
+    device_type = collective_device(None, shard_device).type
+    if device_type not in root.world_meshes:
+        root.world_meshes[device_type] = DeviceMesh.from_group(dist.group.WORLD, device_type)
+    return root.world_meshes[device_type]
 
 
 def to_dtensor(full: torch.Tensor, root: RootState) -> DTensor:
     """`full` (identical on every rank) as a DTensor on the model's mesh, this rank holding its dim-0 chunk."""
+    mesh = state_dict_mesh(root)
     placements = root.placements if full.dim() > 0 else tuple(Replicate() for _ in root.placements)
     local = full
     for dim, placement in enumerate(placements):
         if isinstance(placement, Shard):
-            n, coordinate = root.mesh.size(dim), root.mesh.get_local_rank(dim)
+            n, coordinate = mesh.size(dim), mesh.get_local_rank(dim)
             chunks = local.chunk(n, dim=0)
             local = chunks[coordinate] if coordinate < len(chunks) else local.new_empty((0, *local.shape[1:]))
-    return DTensor.from_local(
-        local.clone(), root.mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
-    )
+    return DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
 def local_range_of(value: torch.Tensor, state: UnitState, slot_index: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from fsdp_graph.devices import collective_device
 from fsdp_graph.optim_state import load_optim_state_dict, optim_state_dict
 
 _DONE = ".metadata"  # DCP's coordinator writes it last: a directory without it is not a checkpoint
@@ -51,7 +52,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
             _publish(staging, path)
         except Exception as e:  # every rank must learn it, or the others would wait in the next collective
             error = e
-    failed = torch.tensor([int(error is not None)])
+    failed = torch.tensor([int(error is not None)], device=collective_device(None, torch.device("cpu")))
     dist.broadcast(failed, src=0)
     if error is not None:
         raise error

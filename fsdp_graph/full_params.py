@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_graph.checkpoint import gather_flat
+from fsdp_graph.devices import collective_device
 from fsdp_graph.unit import UnitState, flat_params
 
 
@@ -66,7 +67,9 @@ def summon_full_params(
             local_grad = _local_grad(state) if with_grads else None
             has_grad = torch.tensor([int(local_grad is not None)])
             if with_grads and state.world > 1:
-                dist.all_reduce(has_grad, group=dist.distributed_c10d._resolve_process_group(state.group_name))
+                group = dist.distributed_c10d._resolve_process_group(state.group_name)
+                has_grad = has_grad.to(collective_device(group, state.flat_shard.device))
+                dist.all_reduce(has_grad, group=group)
             full_grad = None
             if has_grad.item():
                 full_grad = gather_flat(

@@ -7,6 +7,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from fsdp_graph.offload import GradFence
+
 
 def install_grad_hook(
     flat_shard: torch.Tensor,
@@ -14,6 +16,7 @@ def install_grad_hook(
     ranges: list[tuple[int, int]],
     after: list[Callable[[], None]],
     grad_dtype: torch.dtype | None = None,
+    fence: tuple[GradFence, torch.device] | None = None,
 ) -> None:
     """After each backward, hand every original parameter its slice of `flat_shard.grad`.
 
@@ -23,7 +26,9 @@ def install_grad_hook(
     Then every callback in `after` runs (e.g. an optimizer step in backward); it is read at call time, so
     callbacks added later count. `grad_dtype` (MixedPrecision.keep_low_precision_grads): gradients are
     stored in that dtype; autograd cannot hand an fp32 leaf a bf16 gradient, so, as FSDP1 does, the
-    low-precision tensor is installed through `.grad.data`.
+    low-precision tensor is installed through `.grad.data`. `fence` (CPU offload from an accelerator: the
+    gradient was copied from that device asynchronously): everything after taking the gradient waits for the copy
+    at the end of the backward (`GradFence`).
     """
 
     def hook(flat: torch.Tensor) -> None:
@@ -31,6 +36,12 @@ def install_grad_hook(
         flat.grad = None
         if grad is None:
             return
+        if fence is not None:
+            fence[0].defer(fence[1], lambda: hand_out(grad))
+        else:
+            hand_out(grad)
+
+    def hand_out(grad: torch.Tensor) -> None:
         for param, (lo, hi) in zip(views, ranges):
             if not param.requires_grad:
                 continue

@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fsdp_graph.devices import collective_device
+
 
 def _is_meta(t: torch.Tensor | None) -> bool:
     return t is not None and t.device.type == "meta"
@@ -64,7 +66,13 @@ def materialize_buffers(
 def sync_module_states_from_rank0(model: nn.Module, ignored: set[int]) -> None:
     """Broadcast rank 0's parameters and buffers to every rank (before sharding), as FSDP1's sync_module_states."""
     tensors = [p for p in model.parameters() if id(p) not in ignored] + [b for b in model.buffers()]
+    if any(_is_meta(t) for t in tensors):
+        raise ValueError("fully_shard: sync_module_states=True needs materialised parameters, not meta ones.")
     for t in tensors:
-        if _is_meta(t):
-            raise ValueError("fully_shard: sync_module_states=True needs materialised parameters, not meta ones.")
-        dist.broadcast(t.data, src=0)
+        device = collective_device(None, t.device)
+        if device == t.device:
+            dist.broadcast(t.data, src=0)
+        else:  # e.g. a model built on the CPU, synced over NCCL
+            moved = t.data.to(device)
+            dist.broadcast(moved, src=0)
+            t.data.copy_(moved)

@@ -12,14 +12,16 @@ import torch
 _c10d = torch.ops._c10d_functional
 
 
-def is_gloo_group(group: str) -> bool:
-    """gloo has no native reduce-scatter (it runs one as a full all-reduce): such groups reduce by all-to-all.
-    Both the user's gloo groups and fully_shard's single-thread copies of them (`fsdp_graph.gloo`) count."""
+def is_gloo_group(group: str, device: torch.device | str = "cpu") -> bool:
+    """Whether `group` runs collectives on `device`'s tensors with gloo (a mixed `cpu:gloo,cuda:nccl` group does for
+    CPU tensors only; fully_shard's single-thread copies of gloo groups, `fsdp_graph.gloo`, count). gloo has no
+    native reduce-scatter (it runs one as a full all-reduce): such groups reduce by all-to-all."""
     import torch.distributed as dist
 
-    from fsdp_graph.gloo import is_gloo
+    from fsdp_graph.devices import backend_for
+    from fsdp_graph.gloo import GLOO_BACKENDS
 
-    return is_gloo(dist.distributed_c10d._resolve_process_group(group))
+    return backend_for(dist.distributed_c10d._resolve_process_group(group), device) in GLOO_BACKENDS
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -102,7 +104,7 @@ def reduce_grad(
     Sum then a division: "avg" has no autograd formula and is not supported by every process-group backend.
     """
     grad = _cast(full_grad, dtype).contiguous()
-    if world > 1 and is_gloo_group(group):  # as passes.all_to_all lowers it: gloo has no native reduce-scatter
+    if world > 1 and is_gloo_group(group, grad.device):  # as passes.all_to_all lowers it: gloo has no native reduce-scatter
         chunk = grad.numel() // world
         grad = _c10d.wait_tensor(_c10d.all_to_all_single(grad, [chunk] * world, [chunk] * world, group))
         grad = grad.view(world, chunk).sum(0)

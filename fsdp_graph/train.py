@@ -24,12 +24,14 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
 import fsdp_graph
 from fsdp_graph.corpus import batch_at, load_tokens
+from fsdp_graph.devices import collective_device
 from fsdp_graph.launch import RankFailedError, spawn
 from fsdp_graph.llama import PRESETS, Llama, llama_loss, preset
 from fsdp_graph.measure import executed_collectives
@@ -149,15 +151,27 @@ def cli(argv: list[str] | None = None) -> int:
     return 0
 
 
+def process_group_setup(cuda_available: bool, env: Mapping[str, str]) -> tuple[str, int | None]:
+    """(init_process_group backend, CUDA device index to make current or None) for a torchrun rank.
+
+    With CUDA: NCCL for CUDA tensors and gloo for CPU ones (`cpu:gloo,cuda:nccl`, as torchtitan), so a collective
+    on a CPU tensor outside the compiled graph (a flag, CPU-offloaded gradients) still has a backend; the device is
+    LOCAL_RANK's, so each rank's NCCL communicator and allocations land on its own GPU."""
+    if not cuda_available:
+        return "gloo", None
+    local_rank = env.get("LOCAL_RANK", "0")
+    if not local_rank.isdigit():
+        raise ValueError(f"fsdp_graph train: LOCAL_RANK must be a GPU index, got {local_rank!r} (set by torchrun).")
+    return "cpu:gloo,cuda:nccl", int(local_rank)
+
+
 def _torchrun_rank(args: argparse.Namespace) -> dict | None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    timeout = datetime.timedelta(seconds=args.timeout)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl", timeout=timeout)
-    else:
-        dist.init_process_group("gloo", timeout=timeout)
+    backend, cuda_index = process_group_setup(torch.cuda.is_available(), os.environ)
+    if cuda_index is not None:
+        torch.cuda.set_device(cuda_index)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     try:
         # record(): torchrun prints the failing rank's traceback when it ends the others.
         return record(train_rank)(dist.get_rank(), dist.get_world_size(), args)
@@ -274,7 +288,7 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
     """One rank of the job (spawned, or under torchrun). Returns the summary on rank 0."""
     from tqdm import tqdm
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = collective_device()  # the accelerator of an NCCL (or mixed) group, else the CPU
     cfg, model, opt, step_model = _build(args, world, device)
     tokens = load_tokens()
     start, history = 0, []

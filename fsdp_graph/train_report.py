@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_graph.corpus import VOCAB
+from fsdp_graph.devices import backend_for, collective_device
 from fsdp_graph.measure import ExecutedCollectives
 
 _MIB = 2**20
@@ -33,7 +34,7 @@ def local_peak_memory(device: torch.device) -> tuple[int, str]:
 
 def gather_per_rank(value: int, device: torch.device) -> list[int]:
     """Every rank's `value` (collective)."""
-    mine = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    mine = torch.tensor([float(value)], dtype=torch.float64, device=collective_device(None, device))
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(out, mine)
     return [int(v.item()) for v in out]
@@ -118,7 +119,7 @@ def describe(args: argparse.Namespace, world: int, device: torch.device) -> str:
     """One line: ranks, process group, device, strategy, precision, compile mode."""
     mode = f"compiled ({args.backend_mode})" if args.compile else "eager (not compiled)"
     precision = "bf16 params, fp32 reduce" if args.mixed_precision == "bf16" else "fp32"
-    return f"{world} ranks ({dist.get_backend()}, {device.type}), {args.strategy}, {precision}, {mode}"
+    return f"{world} ranks ({backend_for(None, device)}, {device.type}), {args.strategy}, {precision}, {mode}"
 
 
 def summarise(args, cfg, world, device, start, stats: RunStats, executed, memory, memory_what, checkpoint) -> dict:

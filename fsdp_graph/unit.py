@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from fsdp_graph import offload
 from fsdp_graph.flat_param import FlatParamLayout
 from fsdp_graph.grads import install_grad_hook
 
@@ -27,10 +28,12 @@ class RootState:
     gathered: dict[str, torch.Tensor] = field(default_factory=dict)
     recompute_task: int = -1  # the autograd graph task whose activation-checkpoint recompute `gathered` serves
     flat_params: list[UnitState] = field(default_factory=list)
-    mesh: object = None  # the DeviceMesh state dicts describe their DTensors on
+    mesh: object = None  # the DeviceMesh given to fully_shard (None: the world's, see checkpoint.state_dict_mesh)
+    world_meshes: dict = field(default_factory=dict)  # device type -> the world's DeviceMesh on it
     placements: tuple = ()  # DTensor placements of a parameter on `mesh` (Shard(0), with Replicate for replicas)
     full_state_dict: bool = False  # while set, model.state_dict() returns full tensors instead of DTensors
     requires_gradient_sync: bool = True  # False inside `no_sync`: backwards accumulate unreduced gradients
+    grad_fence: offload.GradFence = field(default_factory=offload.GradFence)  # CPU offload's end-of-backward wait
 
 
 @dataclass(eq=False)
@@ -148,7 +151,11 @@ def bind_flat_shard(state: UnitState, flat_shard: torch.Tensor) -> None:
     else:
         shards[state.index] = flat_shard
     if flat_shard.requires_grad:
-        install_grad_hook(flat_shard, state.views, ranges, state.after_grad, state.grad_dtype)
+        # CPU offload from an accelerator: the gradient arrives by an asynchronous device-to-host copy.
+        fence = None
+        if offload.is_accelerator(state.compute_device) and flat_shard.device.type == "cpu":
+            fence = (state.root.grad_fence, state.compute_device)
+        install_grad_hook(flat_shard, state.views, ranges, state.after_grad, state.grad_dtype, fence)
 
 
 def _unit_apply(self: nn.Module, fn, recurse: bool = True):
@@ -159,7 +166,7 @@ def _unit_apply(self: nn.Module, fn, recurse: bool = True):
         old = state.flat_shard
         new = fn(old.detach()).detach()
         if state.compute_device is not None:  # CPU offload: dtype conversions apply, moves do not
-            new = new.to(old.device)
+            new = offload.keep_pinned(old, new.to(old.device))
         bind_flat_shard(state, new.requires_grad_(old.requires_grad))
     return result
 

@@ -55,11 +55,14 @@ class _Emitter:
         return self(_prims.convert_element_type.default, (node, dtype), None if val is None else val.to(dtype))
 
     def to_device(self, node: fx.Node, device: torch.device | None) -> fx.Node:
-        """CPU offload's copies are kept even when the device is the same (a CPU-only run exercises the path)."""
+        """CPU offload's copies are kept even when the device is the same (a CPU-only run exercises the path).
+        Asynchronous (non_blocking): the host-to-device copy reads a pinned shard that nothing writes during the
+        graph; Inductor gives the device-to-host copy a pinned output, which the runtime reads only after the
+        copy (fsdp_graph.offload.GradFence)."""
         if device is None:
             return node
         val = node.meta.get("val")
-        return self(_prims.device_put.default, (node, device), None if val is None else val.to(device))
+        return self(_prims.device_put.default, (node, device, True), None if val is None else val.to(device))
 
 
 def _lower_unshard(graph: fx.Graph, node: fx.Node) -> fx.Node:

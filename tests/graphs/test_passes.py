@@ -282,7 +282,7 @@ def test_lower_cpu_offload_copies_around_collectives(fake_pg):
         code(fw),
         """\
 def forward(self, primals_1, primals_2):
-    device_put_default = torch.ops.prims.device_put.default(primals_2, device(type='cpu'));  primals_2 = None
+    device_put_default = torch.ops.prims.device_put.default(primals_2, device(type='cpu'), True);  primals_2 = None
     all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(device_put_default, 4, '0');  device_put_default = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
     slice_1 = torch.ops.aten.slice.Tensor(wait_tensor_default, 0, 0, 8);  wait_tensor_default = None
@@ -304,7 +304,7 @@ def forward(self, primals_1, tangents_1):
     reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(slice_backward, 'sum', 4, '0');  slice_backward = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
     div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
-    device_put_default = torch.ops.prims.device_put.default(div_tensor, device(type='cpu'));  div_tensor = None
+    device_put_default = torch.ops.prims.device_put.default(div_tensor, device(type='cpu'), True);  div_tensor = None
     return (None, device_put_default)""",
     )
 

@@ -1,0 +1,114 @@
+"""`fsdp_graph.devices`: which device a collective outside the compiled graph runs on, per process-group backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp_graph
+from fsdp_graph import devices
+from fsdp_graph.devices import backend_for, choose_device, collective_device
+from fsdp_graph.unit import flat_params
+from tests.graphs.capture import TwoBlock
+
+CPU, META = torch.device("cpu"), torch.device("meta")
+
+
+def _index(device_type: str) -> int:
+    return 3  # the "current" accelerator, so a test can tell it from an explicit index
+
+
+@pytest.mark.parametrize(
+    "config, preferred, expected",
+    [
+        # gloo (as dist.get_backend_config reports a plain "gloo" group): always the CPU, even for CUDA tensors
+        ("cpu:gloo,cuda:gloo", None, CPU),
+        ("cpu:gloo,cuda:gloo", torch.device("cuda", 1), CPU),
+        # NCCL: the current CUDA device, also for CPU tensors; tensors already on a CUDA device stay there
+        ("cuda:nccl", None, torch.device("cuda", 3)),
+        ("cuda:nccl", CPU, torch.device("cuda", 3)),
+        ("cuda:nccl", torch.device("cuda"), torch.device("cuda", 3)),
+        ("cuda:nccl", torch.device("cuda", 1), torch.device("cuda", 1)),
+        # mixed: where the tensors are; without any, the accelerator
+        ("cpu:gloo,cuda:nccl", CPU, CPU),
+        ("cpu:gloo,cuda:nccl", torch.device("cuda", 0), torch.device("cuda", 0)),
+        ("cpu:gloo,cuda:nccl", None, torch.device("cuda", 3)),
+        ("cpu:gloo,cuda:nccl", META, torch.device("cuda", 3)),
+        # fake: anything (it moves no data), the CPU by default
+        ("cpu:fake,cuda:fake,hpu:fake,xpu:fake", None, CPU),
+        ("cpu:fake,cuda:fake,hpu:fake,xpu:fake", META, META),
+        ("cpu:fake,cuda:fake,hpu:fake,xpu:fake", torch.device("cuda"), torch.device("cuda", 3)),
+        # bare names and other backends
+        ("gloo", torch.device("cuda"), CPU),
+        ("nccl", None, torch.device("cuda", 3)),
+        ("cpu:ucc,cuda:ucc", torch.device("cuda", 2), torch.device("cuda", 2)),
+        ("xpu:xccl", CPU, torch.device("xpu", 3)),
+    ],
+)
+def test_choose_device(config, preferred, expected):
+    assert choose_device(config, preferred, _index) == expected
+
+
+def test_choose_device_rejects_a_group_without_a_native_device():
+    with pytest.raises(ValueError, match="cuda:gloo"):
+        choose_device("cuda:gloo")
+
+
+def test_collective_device_of_a_fake_group(fake_pg):
+    assert collective_device(fake_pg) == CPU
+    assert collective_device(fake_pg, META) == META
+    assert collective_device(None, META) == META  # None: the default group
+
+
+@pytest.mark.parametrize("backend", ["gloo", "cpu:gloo,cuda:gloo"])
+def test_collective_device_of_a_gloo_group(backend):
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        assert collective_device(group) == CPU
+        assert collective_device(group, torch.device("cuda", 0)) == CPU  # gloo's CUDA support is host staging
+        assert backend_for(group, "cpu") == "gloo"
+        sub = dist.new_group([0])
+        assert collective_device(sub, META) == CPU
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collective_device_of_a_mixed_nccl_group(monkeypatch, fake_pg):
+    """A CPU-only torch cannot create a `cpu:gloo,cuda:nccl` group; the group's config is what decides."""
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(devices, "_current_index", lambda device_type: 5)
+    assert collective_device(fake_pg) == torch.device("cuda", 5)
+    assert collective_device(fake_pg, CPU) == CPU
+    assert backend_for(fake_pg, "cuda:1") == "nccl" and backend_for(fake_pg, "cpu") == "gloo"
+    assert backend_for(fake_pg, "meta") == ""
+
+
+def _mixed_nccl(monkeypatch) -> None:
+    """What dist reports for a `cpu:gloo,cuda:nccl` group (its name is the config)."""
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+
+
+def test_mixed_group_runs_cpu_tensors_on_gloo(monkeypatch, fake_pg):
+    """gloo's rules (all-to-all reductions, one collective in flight) hold for a mixed group's CPU collectives."""
+    from fsdp_graph import ops
+    from fsdp_graph.backend import _gloo_groups
+    from tests.graphs.capture import dynamo_graph
+
+    _mixed_nccl(monkeypatch)
+    assert ops.is_gloo_group(fake_pg.group_name, "cpu")
+    assert not ops.is_gloo_group(fake_pg.group_name, torch.device("cuda", 0))
+    model = fsdp_graph.fully_shard(TwoBlock(), separate_reduce_group=False)
+    assert _gloo_groups(dynamo_graph(model, torch.randn(2, 4))) == {fake_pg.group_name}
+    with torch.device("meta"):  # shards off the CPU: not gloo's
+        model = TwoBlock()
+    fsdp_graph.fully_shard(model, device="meta", separate_reduce_group=False)
+    assert _gloo_groups(dynamo_graph(model, torch.randn(2, 4, device="meta"))) == frozenset()
+
+
+def test_mixed_nccl_group_gets_a_separate_reduce_group(monkeypatch, fake_pg):
+    _mixed_nccl(monkeypatch)
+    model = fsdp_graph.fully_shard(TwoBlock())
+    assert all(state.reduce_group not in ("", fake_pg.group_name) for state in flat_params(model))

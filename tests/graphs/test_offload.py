@@ -1,0 +1,126 @@
+"""CPU offload on the host: gradients read only after their asynchronous copy, pinned shards stay pinned.
+
+Without an accelerator nothing is asynchronous, so these tests observe the ordering through a fake event and
+treat the CPU compute device as an accelerator, and observe pinning through a fake `pin_memory`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp_graph
+from fsdp_graph import offload
+from fsdp_graph.grads import install_grad_hook
+from fsdp_graph.offload import GradFence
+from fsdp_graph.unit import flat_params
+from tests.graphs.capture import TwoBlock
+
+CPU = torch.device("cpu")
+
+
+class _Log(list):
+    watch = None  # what to note at each wait, e.g. whether a gradient was handed out before it
+
+    def event(self, device: torch.device):
+        log = self
+
+        class FakeEvent:
+            def synchronize(self) -> None:
+                log.append("synchronize" if log.watch is None else ("synchronize", log.watch()))
+
+        self.append(("record", device))
+        return FakeEvent()
+
+
+def test_grad_fence_hands_out_the_gradient_after_waiting_for_its_copy():
+    log = _Log()
+    flat = torch.zeros(4, requires_grad=True)
+    view = nn.Parameter(flat.detach()[1:3])
+    fence = GradFence(make_event=log.event)
+    install_grad_hook(flat, [view], [(1, 3)], [lambda: log.append(("step", view.grad.tolist()))], fence=(fence, CPU))
+    log.watch = lambda: None if view.grad is None else view.grad.tolist()
+
+    (flat * torch.arange(4.0)).sum().backward()
+    assert log == [("record", CPU), ("synchronize", None), ("step", [1.0, 2.0])]
+
+    log.clear()  # the next backward accumulates, again only after its wait
+    (flat * 2).sum().backward()
+    assert log == [("record", CPU), ("synchronize", [1.0, 2.0]), ("step", [3.0, 4.0])]
+
+
+def test_grad_fence_drops_the_work_of_a_backward_that_raised():
+    log = _Log()
+    flat = torch.zeros(2, requires_grad=True)
+    view = nn.Parameter(flat.detach())
+    install_grad_hook(flat, [view], [(0, 2)], [lambda: log.append("step")], fence=(GradFence(log.event), CPU))
+
+    class Fail(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("boom")
+
+    failing = Fail.apply(torch.zeros((), requires_grad=True))  # made first: the engine runs it last
+    with pytest.raises(RuntimeError, match="boom"):
+        (flat.sum() + failing).backward()
+    assert log == [("record", CPU)]  # deferred, never run: the backward raised before its end
+    log.clear()
+    flat.sum().backward()
+    assert log == [("record", CPU), "synchronize", "step"] and view.grad.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_offloaded_optimizer_in_backward_steps_after_the_copies(fake_pg, monkeypatch, compiled):
+    """Every unit records an event during the backward; each optimizer step runs after its wait, at the end."""
+    log = _Log()
+    monkeypatch.setattr(offload, "is_accelerator", lambda device: device is not None)  # the CPU plays the GPU
+    monkeypatch.setattr(offload, "recorded_event", log.event)
+    model = fsdp_graph.fully_shard(TwoBlock(), cpu_offload=fsdp_graph.CPUOffload(offload_params=True), device="cpu")
+    for opt in fsdp_graph.optimizer_in_backward(model, torch.optim.SGD, lr=0.1):
+        opt.register_step_pre_hook(lambda *args: log.append("step"))
+    step = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False)) if compiled else model
+    step(torch.randn(2, 4)).sum().backward()
+    units = len(flat_params(model))
+    assert log == [("record", CPU)] * units + ["synchronize", "step"] * units
+
+
+def test_offload_without_an_accelerator_defers_nothing(fake_pg):
+    model = fsdp_graph.fully_shard(TwoBlock(), cpu_offload=fsdp_graph.CPUOffload(offload_params=True), device="cpu")
+    grads = []
+    fsdp_graph.optimizer_in_backward(model, torch.optim.SGD, lr=0.1)
+    flat_params(model)[0].after_grad.insert(0, lambda: grads.append(torch._C._current_graph_task_id()))
+    model(torch.randn(2, 4)).sum().backward()
+    assert len(grads) == 1 and grads[0] != -1  # handed out inside the backward, as without offload
+
+
+@pytest.fixture
+def fake_pinning(monkeypatch):
+    """A CUDA machine's pinning, on the CPU: `pin_memory()` returns a marked copy, `is_pinned()` reads the mark."""
+
+    def pin_memory(self, device=None):
+        copy = self.clone()
+        copy._fake_pinned = True
+        return copy
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, device=None: getattr(self, "_fake_pinned", False))
+
+
+def test_offloaded_shards_stay_pinned_after_conversions(fake_pg, fake_pinning):
+    model = fsdp_graph.fully_shard(TwoBlock(), cpu_offload=fsdp_graph.CPUOffload(offload_params=True), device="cpu")
+    assert all(state.flat_shard.is_pinned() for state in flat_params(model))
+    model.double()
+    assert all(state.flat_shard.is_pinned() and state.flat_shard.dtype == torch.float64 for state in flat_params(model))
+    model.to("cpu", torch.float32)
+    assert all(state.flat_shard.is_pinned() and state.flat_shard.dtype == torch.float32 for state in flat_params(model))
+
+
+def test_shards_without_offload_are_not_pinned(fake_pg, fake_pinning):
+    model = fsdp_graph.fully_shard(TwoBlock(), device="cpu")
+    model.double()
+    assert not any(state.flat_shard.is_pinned() for state in flat_params(model))

@@ -1,0 +1,60 @@
+"""The main job's process group under torchrun: `cpu:gloo,cuda:nccl` with CUDA (gloo without), LOCAL_RANK's GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_graph import devices, train
+
+
+class _StopError(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "cuda, env, expected",
+    [
+        (True, {"LOCAL_RANK": "3"}, ("cpu:gloo,cuda:nccl", 3)),
+        (True, {}, ("cpu:gloo,cuda:nccl", 0)),
+        (False, {"LOCAL_RANK": "3"}, ("gloo", None)),
+    ],
+)
+def test_process_group_setup(cuda, env, expected):
+    assert train.process_group_setup(cuda, env) == expected
+
+
+def test_process_group_setup_rejects_a_bad_local_rank():
+    with pytest.raises(ValueError, match="LOCAL_RANK"):
+        train.process_group_setup(True, {"LOCAL_RANK": "gpu0"})
+
+
+def test_torchrun_rank_makes_a_mixed_group_on_its_local_gpu(monkeypatch):
+    calls = []
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+
+    def init(backend, **kwargs):
+        calls.append(("init", backend))
+        raise _StopError
+
+    monkeypatch.setattr(dist, "init_process_group", init)
+    with pytest.raises(_StopError):
+        train._torchrun_rank(train.parse_args([]))
+    assert calls == [("set_device", 3), ("init", "cpu:gloo,cuda:nccl")]
+
+
+def test_train_rank_computes_on_the_mixed_groups_gpu(monkeypatch, fake_pg):
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(devices, "_current_index", lambda device_type: 3)
+
+    def build(args, world, device):
+        raise _StopError(device)
+
+    monkeypatch.setattr(train, "_build", build)
+    with pytest.raises(_StopError) as stopped:
+        train.train_rank(0, 4, train.parse_args([]))
+    assert stopped.value.args == (torch.device("cuda", 3),)
