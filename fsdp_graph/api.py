@@ -18,7 +18,7 @@ from fsdp_graph.checkpoint import install_state_dict_hooks
 from fsdp_graph.config import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_graph.devices import backends_of
 from fsdp_graph.flat_param import FlatParamLayout
-from fsdp_graph.gloo import is_gloo, single_thread_gloo_group
+from fsdp_graph.gloo import gloo_timeout, is_gloo, single_thread_gloo_group
 from fsdp_graph.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
 from fsdp_graph.unit import (
     RootState,
@@ -162,7 +162,7 @@ def _with_reduce_group(groups: _Groups, mesh: DeviceMesh | None, separate: bool 
     else:  # HYBRID: one shard group per replica, along the mesh's last dim
         rank_lists = mesh.mesh.reshape(-1, mesh.mesh.size(-1)).tolist()
     if is_gloo(shard_pg):
-        return dataclasses.replace(groups, reduce_name=single_thread_gloo_group(rank_lists, "reduce").group_name)
+        return dataclasses.replace(groups, reduce_name=single_thread_gloo_group(rank_lists, "reduce", gloo_timeout(shard_pg)).group_name)
     mine = None
     for ranks in rank_lists:
         group = dist.new_group(ranks)
@@ -254,7 +254,7 @@ def _single_thread_if_gloo(group: dist.ProcessGroup, rank_lists: list[list[int]]
     threads race on shared state when two collectives of one group finish together)."""
     if group.size() == 1 or dist.get_backend(group) != "gloo":
         return group
-    return single_thread_gloo_group(rank_lists, purpose)
+    return single_thread_gloo_group(rank_lists, purpose, gloo_timeout(group))
 
 
 def _check_not_sharded(model: nn.Module) -> None:

@@ -12,6 +12,8 @@ with a single worker thread runs its collectives and their bookkeeping one at a 
 
 `torch.distributed.new_group` ignores `pg_options` for gloo, so the single-thread group is a registered backend
 (`Backend.register_backend`, torch's public extension point) that builds a `ProcessGroupGloo` with `_threads=1`.
+The copy keeps the timeout of the group it replaces: `new_group`'s own default is 30 minutes, so without it a hung
+peer would stall this rank for half an hour whatever `init_process_group(timeout=...)` said.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 SINGLE_THREAD_GLOO = "fsdp_gloo"
@@ -26,7 +29,7 @@ GLOO_BACKENDS = frozenset({"gloo", SINGLE_THREAD_GLOO})
 
 # (world group, purpose, ranks) -> the group (NON_GROUP_MEMBER where this rank is not in it). The world group is
 # part of the key, so a re-initialised default group never reuses a destroyed one's groups.
-_groups: dict[tuple[object, str, tuple[int, ...]], object] = {}
+_groups: dict[tuple[object, str, tuple[int, ...], timedelta | None], object] = {}
 
 
 def _create_single_thread_gloo(store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
@@ -42,24 +45,36 @@ def _register() -> None:
         dist.Backend.register_backend(SINGLE_THREAD_GLOO, _create_single_thread_gloo, devices=["cpu"])
 
 
+def gloo_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """The collective timeout of `group`'s CPU (gloo) backend; None where it has none."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (RuntimeError, AttributeError):
+        return None
+
+
 def is_gloo(group: dist.ProcessGroup) -> bool:
     return dist.get_backend(group) in GLOO_BACKENDS
 
 
-def single_thread_gloo_group(rank_lists: Sequence[Sequence[int]], purpose: str) -> dist.ProcessGroup:
+def single_thread_gloo_group(
+    rank_lists: Sequence[Sequence[int]], purpose: str, timeout: timedelta | None = None
+) -> dist.ProcessGroup:
     """This rank's group among `rank_lists` (every group of one mesh dimension), as a single-thread gloo group.
 
     Collective like `dist.new_group`: every rank of the world calls it with the same `rank_lists` and `purpose`, in
     the same order. Each (ranks, purpose) is created once per default group and then reused, so sharding many
     models does not open new connections each time. `purpose` keeps groups that must stay distinct apart (the
-    gradient-reduction duplicate of a shard group)."""
+    gradient-reduction duplicate of a shard group). `timeout` (default: the world group's) bounds each collective."""
     _register()
     world = dist.group.WORLD
+    if timeout is None:
+        timeout = gloo_timeout(world)
     mine = None
     for ranks in rank_lists:
-        key = (world, purpose, tuple(int(r) for r in ranks))
+        key = (world, purpose, tuple(int(r) for r in ranks), timeout)
         if key not in _groups:
-            _groups[key] = dist.new_group(list(key[2]), backend=SINGLE_THREAD_GLOO)
+            _groups[key] = dist.new_group(list(key[2]), backend=SINGLE_THREAD_GLOO, timeout=timeout)
         if dist.get_rank() in key[2]:
             mine = _groups[key]
     if mine is None:

@@ -10,9 +10,10 @@ from fsdp_graph.launch import spawn
 from tests.models import OddMLP
 
 
-def _threads(name: str) -> int:
-    group = dist.distributed_c10d._resolve_process_group(name)
-    return group._get_backend(torch.device("cpu")).options._threads
+def _threads(name: str) -> tuple[int, float]:
+    """(worker threads, collective timeout in seconds) of a group's gloo backend."""
+    options = dist.distributed_c10d._resolve_process_group(name)._get_backend(torch.device("cpu")).options
+    return options._threads, options._timeout.total_seconds()
 
 
 def _groups_of_each_strategy(rank: int, world: int) -> dict[str, object]:
@@ -22,6 +23,7 @@ def _groups_of_each_strategy(rank: int, world: int) -> dict[str, object]:
         "NO_SHARD": None,
         "HYBRID_SHARD": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
     }
+    out["mesh_timeouts"] = {_threads(g.group_name)[1] for g in meshes["HYBRID_SHARD"].get_all_groups()}
     for name, mesh in meshes.items():
         names = set()
         for _ in range(2):  # sharding a second model reuses the groups of the first
@@ -40,11 +42,16 @@ def _groups_of_each_strategy(rank: int, world: int) -> dict[str, object]:
 
 
 def test_graph_collectives_run_on_single_thread_gloo_groups():
-    results = spawn(_groups_of_each_strategy, 4)
+    """Each copy has one worker thread and keeps the timeout of the group it copies (spawn's 77 s for the world
+    group here, not new_group's 30 minutes: a hung peer must end the run as soon as the user asked)."""
+    one = (1, 77.0)
+    results = spawn(_groups_of_each_strategy, 4, timeout_s=77.0)
     for rank, r in enumerate(results):
-        assert r["world_threads"] == 2, r  # the user's own group is left as it is
-        assert r["FULL_SHARD"] == [([0, 1, 2, 3], 1), ([0, 1, 2, 3], 1)], r  # shard group + reduce duplicate
-        assert r["NO_SHARD"] == [([0, 1, 2, 3], 1)], r
+        assert r["world_threads"] == (2, 77.0), r  # the user's own group is left as it is
+        assert r["FULL_SHARD"] == [([0, 1, 2, 3], one), ([0, 1, 2, 3], one)], r  # shard group + reduce duplicate
+        assert r["NO_SHARD"] == [([0, 1, 2, 3], one)], r
         row = [0, 1] if rank < 2 else [2, 3]
         column = [rank % 2, rank % 2 + 2]
-        assert sorted(r["HYBRID_SHARD"]) == sorted([(row, 1), (row, 1), (column, 1)]), r
+        (mesh_timeout,) = r["mesh_timeouts"]  # DeviceMesh's groups carry their own
+        mesh_one = (1, mesh_timeout)
+        assert sorted(r["HYBRID_SHARD"]) == sorted([(row, mesh_one), (row, mesh_one), (column, mesh_one)]), r
