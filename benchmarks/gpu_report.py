@@ -22,8 +22,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan-seq", type=int, default=None, help="tokens per sequence of the 1b run (2048; --quick: 512)")
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="run only these sections")
     p.add_argument(
-        "--budget", type=float, default=None, help="seconds for everything; a section past it is reported as not run "
-        "(default: 470, under the 8 minutes promised; --quick: 360)"
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for everything; a section past it is reported as not run "
+        "(default: 470, under the 8 minutes promised; --quick: 360)",
     )
     p.add_argument("--child", choices=("train", "plain", "plan", "overlap"), help=argparse.SUPPRESS)
     p.add_argument("--params", default="{}", help=argparse.SUPPRESS)  # the child's parameters, JSON

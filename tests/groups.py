@@ -51,7 +51,9 @@ def _reduce_groups(strategy: str, separate: bool | None, split: bool) -> dict:
     states = model._fsdp_root.flat_params
     return {
         "shard_ranks": [dist.get_process_group_ranks(resolve(s.group_name)) for s in states],
-        "reduce_ranks": [dist.get_process_group_ranks(resolve(s.reduce_group)) if s.reduce_group else None for s in states],
+        "reduce_ranks": [
+            dist.get_process_group_ranks(resolve(s.reduce_group)) if s.reduce_group else None for s in states
+        ],
         "same_name": [s.reduce_group == s.group_name for s in states],
         "calls": calls,
     }

@@ -80,9 +80,17 @@ def test_render_markdown_reports_ratios_errors_and_missing_sections():
     results = {
         "train": {"ours": _run(0.05, 900 * mib), "plain": _run(0.04, 1200 * mib)},
         "plan": {
-            "params": 1.24e9, "seq": 2048, "batch": 1, "compile_s": 95.0, "step_s": 0.2, "peak_bytes": 8000 * mib,
-            "persistent_bytes": 700 * mib, "predicted_peak_bytes": 8400 * mib, "predicted_persistent_bytes": 690 * mib,
-            "predicted_step_s": 0.25, "predicted_compute_s": 0.18,
+            "params": 1.24e9,
+            "seq": 2048,
+            "batch": 1,
+            "compile_s": 95.0,
+            "step_s": 0.2,
+            "peak_bytes": 8000 * mib,
+            "persistent_bytes": 700 * mib,
+            "predicted_peak_bytes": 8400 * mib,
+            "predicted_persistent_bytes": 690 * mib,
+            "predicted_step_s": 0.25,
+            "predicted_compute_s": 0.18,
         },  # fmt: skip
         "offload": {"off": _run(0.05, 900 * mib), "on": _run(0.1, 300 * mib)},
         "overlap": {"world": 2, "comm_ms": 10.0, "compute_ms": 40.0, "overlap_fraction": 0.75, "png": "t.png"},
