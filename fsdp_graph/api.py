@@ -16,9 +16,8 @@ from fsdp_graph import offload
 from fsdp_graph import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.checkpoint import install_state_dict_hooks
 from fsdp_graph.config import CPUOffload, MixedPrecision, ShardingStrategy
-from fsdp_graph.devices import backends_of
 from fsdp_graph.flat_param import FlatParamLayout
-from fsdp_graph.gloo import gloo_timeout, is_gloo, single_thread_gloo_group
+from fsdp_graph.gloo import gloo_timeout, single_thread_gloo_group
 from fsdp_graph.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
 from fsdp_graph.unit import (
     RootState,
@@ -61,7 +60,7 @@ def fully_shard(
     device: torch.device | str | None = None,
     sync_module_states: bool = False,
     cpu_offload: CPUOffload | None = None,
-    separate_reduce_group: bool | None = None,
+    separate_reduce_group: bool = False,
 ) -> nn.Module:
     """Shard `model` in place over `mesh` and return it. Create the optimizer AFTER this call.
 
@@ -81,10 +80,10 @@ def fully_shard(
       then the compute device (default: the current CUDA device if there is one, else cpu), where gathers,
       compute and buffers live.
     - `separate_reduce_group`: reduce gradients over a second process group with the shard group's ranks, so a
-      reduce-scatter and a prefetched all-gather can run at the same time (NCCL runs one stream per group).
-      None: on for NCCL, off otherwise (gloo runs a group's collectives on a thread pool already).
+      reduce-scatter and a prefetched all-gather can run at the same time (NCCL runs one stream per group). Off by
+      default: the overlap it buys is unmeasured, and each rank then holds a second communicator (its buffers).
     """
-    groups = _with_reduce_group(_resolve_groups(mesh, strategy), mesh, separate_reduce_group)
+    groups = _with_reduce_group(_resolve_groups(mesh, strategy), separate_reduce_group)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(f"fully_shard: mixed_precision must be a fsdp_graph.MixedPrecision, got {mixed_precision!r}")
     _check_not_sharded(model)
@@ -147,28 +146,47 @@ def fully_shard(
     return model
 
 
-def _with_reduce_group(groups: _Groups, mesh: DeviceMesh | None, separate: bool | None) -> _Groups:
-    """`groups` plus, if asked (None: for NCCL), a duplicate of the shard group for gradient reductions. Every rank
-    creates every duplicate (dist.new_group is collective), in the same order, and keeps its own."""
-    if groups.shard_world == 1:
+def _with_reduce_group(groups: _Groups, separate: bool) -> _Groups:
+    """`groups` plus, if asked, a duplicate of this rank's shard group for gradient reductions. Each shard group
+    duplicates itself, so only its members take part: HYBRID makes one new group per rank, not R world-wide ones."""
+    if not separate or groups.shard_world == 1:
         return groups
     shard_pg = dist.distributed_c10d._resolve_process_group(groups.shard_name)
-    if separate is None:  # a mixed cpu:gloo,cuda:nccl group counts as NCCL
-        separate = "nccl" in backends_of(dist.get_backend_config(shard_pg)).values()
-    if not separate:
-        return groups
-    if mesh is None or mesh.ndim == 1:
-        rank_lists = [dist.get_process_group_ranks(shard_pg)]
-    else:  # HYBRID: one shard group per replica, along the mesh's last dim
-        rank_lists = mesh.mesh.reshape(-1, mesh.mesh.size(-1)).tolist()
-    if is_gloo(shard_pg):
-        return dataclasses.replace(groups, reduce_name=single_thread_gloo_group(rank_lists, "reduce", gloo_timeout(shard_pg)).group_name)
-    mine = None
-    for ranks in rank_lists:
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            mine = group
-    return dataclasses.replace(groups, reduce_name=mine.group_name)
+    return dataclasses.replace(groups, reduce_name=duplicate_group(shard_pg).group_name)
+
+
+def duplicate_group(pg: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A new process group with `pg`'s ranks and backend; every member of `pg` must call this, in the same order.
+    Where the backend can split (NCCL with a device bound to the default group) it splits `pg`'s communicator
+    (`dist.split_group`: no new bootstrap); elsewhere `new_group` over the same ranks, synchronising only them."""
+    if _splittable(pg):
+        split = dist.split_group(parent_pg=pg, split_ranks=[list(range(pg.size()))], group_desc="fsdp_reduce")
+        if split is None:
+            raise RuntimeError(f"fully_shard: splitting process group {pg.group_name} returned no group")
+        return split
+    ranks = dist.get_process_group_ranks(pg)
+    # Without a bound device, new_group bootstraps NCCL through the store, so only the members need to call it; with
+    # one it would split the default group, which every rank must join (that case is handled above). The backend
+    # config keeps a mixed cpu:gloo,cuda:nccl group mixed, and a single-thread gloo copy (fsdp_graph.gloo) single-
+    # thread; gloo_timeout keeps a gloo group's collective timeout (new_group's own default is 30 minutes).
+    return dist.new_group(
+        ranks,
+        backend=dist.get_backend_config(pg),
+        timeout=gloo_timeout(pg),
+        use_local_synchronization=True,
+        group_desc="fsdp_reduce",
+    )
+
+
+def _splittable(pg: dist.ProcessGroup) -> bool:
+    """Whether `dist.split_group` can split `pg` (its own checks: a device bound to the default group, an
+    accelerator, and a backend that supports splitting)."""
+    if dist.distributed_c10d._get_default_group().bound_device_id is None or not torch.accelerator.is_available():
+        return False
+    try:
+        return bool(pg._get_backend(torch.accelerator.current_accelerator()).supports_splitting)
+    except RuntimeError:
+        return False
 
 
 def _offload_compute_device(cpu_offload: CPUOffload | None, device) -> torch.device | None:

@@ -182,6 +182,9 @@ def _compile_inductor(gm, example_inputs, reshard: _ReshardPass, lower: _LowerPa
         return compile_fx_inner(graph, inputs, **kwargs)
 
     patches = {"joint_custom_pre_pass": reshard, "post_grad_custom_pre_pass": lower}
+    # Inductor's peak-memory reordering re-sorts the scheduler's nodes and sinks prefetched gathers to their first
+    # use; the node order `passes.schedule` produced is the schedule (docs/design-notes.md).
+    patches["reorder_for_peak_memory"] = False
     if dumping:
         patches["fx_graph_cache"] = False
     return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)

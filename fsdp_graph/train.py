@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="bf16: bf16 gathers and compute, fp32 master weights and gradient reduction (default: none)",
     )
+    p.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="keep shards, gradients and optimizer state in CPU memory; gather and compute on the device",
+    )
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default: 8)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the preset's, tiny 128)")
     p.add_argument("--steps", type=int, default=40, help="total optimizer steps, resumed ones included")
@@ -272,6 +277,7 @@ def _build(args: argparse.Namespace, world: int, device: torch.device):
         mixed_precision=mp,
         param_init_fn=model.init_module,
         device=device,
+        cpu_offload=fsdp_graph.CPUOffload(offload_params=True) if args.cpu_offload else None,
     )
     decay = [p for n, p in model.named_parameters() if "norm" not in n]
     no_decay = [p for n, p in model.named_parameters() if "norm" in n]

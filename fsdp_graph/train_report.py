@@ -119,7 +119,8 @@ def describe(args: argparse.Namespace, world: int, device: torch.device) -> str:
     """One line: ranks, process group, device, strategy, precision, compile mode."""
     mode = f"compiled ({args.backend_mode})" if args.compile else "eager (not compiled)"
     precision = "bf16 params, fp32 reduce" if args.mixed_precision == "bf16" else "fp32"
-    return f"{world} ranks ({backend_for(None, device)}, {device.type}), {args.strategy}, {precision}, {mode}"
+    offload = ", CPU offload" if getattr(args, "cpu_offload", False) else ""
+    return f"{world} ranks ({backend_for(None, device)}, {device.type}), {args.strategy}, {precision}{offload}, {mode}"
 
 
 def summarise(args, cfg, world, device, start, stats: RunStats, executed, memory, memory_what, checkpoint) -> dict:

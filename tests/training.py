@@ -43,7 +43,7 @@ class Case:
     reshard: str = "default"  # "default", or "keep_root": reshard_after_forward={"": False}
     dynamic: bool = False  # the per-rank batch size changes every step
     offload: bool = False  # CPUOffload(offload_params=True)
-    separate_reduce_group: bool | None = None  # fully_shard's option (None: its default, off on gloo)
+    separate_reduce_group: bool = False  # fully_shard's option
     activation_memory_budget: float | None = None  # make_backend's option
     bucket_bytes: int = 0  # make_backend(bucket_bytes=...): merge consecutive units' collectives
 

@@ -26,11 +26,10 @@ def _groups_of_each_strategy(rank: int, world: int) -> dict[str, object]:
     out["mesh_timeouts"] = {_threads(g.group_name)[1] for g in meshes["HYBRID_SHARD"].get_all_groups()}
     for name, mesh in meshes.items():
         names = set()
-        for _ in range(2):  # sharding a second model reuses the groups of the first
+        for i in range(2):  # sharding a second model reuses the shard groups of the first
             torch.manual_seed(0)
-            model = fsdp_graph.fully_shard(
-                OddMLP(), mesh=mesh, strategy=fsdp_graph.ShardingStrategy[name], separate_reduce_group=True
-            )
+            strategy = fsdp_graph.ShardingStrategy[name]
+            model = fsdp_graph.fully_shard(OddMLP(), mesh=mesh, strategy=strategy, separate_reduce_group=i == 0)
             for state in model._fsdp_root.flat_params:
                 names |= {state.group_name, state.replicate_group, state.reduce_group} - {""}
             x = torch.randn(4, 7, generator=torch.Generator().manual_seed(rank))

@@ -1,0 +1,248 @@
+"""The parts of `benchmarks/gpu.py` that need no GPU (tested on CPU in tests/numerics/test_gpu_script.py): the
+command line, a profiler trace's kernels as communication and compute intervals, their overlap, the timeline
+picture and the markdown report."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Sequence
+
+Interval = tuple[float, float]  # (start, end) in microseconds, as in a Chrome trace
+
+SECTIONS = ("train", "plan", "offload", "overlap")
+_MIB = 2**20
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line. `--steps`, `--plan-seq` and the section time limit default by `--quick`."""
+    p = argparse.ArgumentParser(prog="benchmarks/gpu.py", description="fsdp_graph on one GPU: writes a markdown report")
+    p.add_argument("--quick", action="store_true", help="a short run: 8 steps per run, 512-token sequences for 1b")
+    p.add_argument("--out", default="docs/benchmarks-gpu.md", help="the report (default: docs/benchmarks-gpu.md)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default: 30; --quick: 8)")
+    p.add_argument("--plan-seq", type=int, default=None, help="tokens per sequence of the 1b run (2048; --quick: 512)")
+    p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="run only these sections")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for everything; a section past it is reported as not run "
+        "(default: 470, under the 8 minutes promised; --quick: 360)",
+    )
+    p.add_argument("--child", choices=("train", "plain", "plan", "overlap"), help=argparse.SUPPRESS)
+    p.add_argument("--params", default="{}", help=argparse.SUPPRESS)  # the child's parameters, JSON
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)  # where the child writes its result, JSON
+    args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = 8 if args.quick else 30
+    if args.steps < 3:
+        p.error("--steps must be at least 3 (the first compiles, the last is profiled)")
+    if args.plan_seq is None:
+        args.plan_seq = 512 if args.quick else 2048
+    if args.budget is None:
+        args.budget = 360.0 if args.quick else 470.0
+    return args
+
+
+def kernel_intervals(trace: dict | list) -> tuple[list[Interval], list[Interval]]:
+    """(communication, compute) GPU kernel intervals of a Chrome trace (`torch.profiler`'s `export_chrome_trace`).
+    Communication: NCCL's kernels (`ncclDevKernel_*`, `ncclKernel_*`). Compute: every other kernel. Memory copies
+    and sets are neither (CPU offload's copies are not the communication this measures)."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    comm, compute = [], []
+    for event in events:
+        if event.get("ph") != "X" or event.get("cat") != "kernel" or "dur" not in event:
+            continue
+        start = float(event["ts"])
+        interval = (start, start + float(event["dur"]))
+        (comm if "nccl" in event.get("name", "").lower() else compute).append(interval)
+    return comm, compute
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted, disjoint intervals covering the same time."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def length(intervals: Iterable[Interval]) -> float:
+    return sum(end - start for start, end in union(intervals))
+
+
+def intersection(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
+    """The time covered by both `a` and `b`."""
+    a, b = union(a), union(b)
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def overlap_fraction(comm: Sequence[Interval], compute: Sequence[Interval]) -> float | None:
+    """The share of communication time during which some compute kernel runs too (None: no communication)."""
+    total = length(comm)
+    return length(intersection(comm, compute)) / total if total else None
+
+
+def draw_timeline(comm: Sequence[Interval], compute: Sequence[Interval], path: str, title: str) -> bool:
+    """A two-lane PNG (compute, communication) of the kernels, in ms from the first one. False without matplotlib."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    origin = min((s for s, _ in [*comm, *compute]), default=0.0)
+    fig = Figure(figsize=(11, 2.6), layout="tight")
+    ax = fig.add_subplot()
+    for lane, (intervals, color) in enumerate(((compute, "tab:blue"), (comm, "tab:orange"))):
+        spans = [((s - origin) / 1e3, (e - s) / 1e3) for s, e in union(intervals)]
+        ax.broken_barh(spans, (lane - 0.4, 0.8), color=color)
+    ax.set_yticks([0, 1], ["compute", "NCCL"])
+    ax.set_xlabel("ms")
+    ax.set_title(title, fontsize=10)
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def _mib(value: float) -> str:
+    return f"{value / _MIB:,.0f} MiB"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "n/a"
+
+
+def _error(name: str, result: dict | None) -> list[str] | None:
+    if result is None:
+        return [f"Not run (`--only` left out {name})."]
+    if "error" in result:
+        return ["**Failed**, so nothing was measured:", "", "```", str(result["error"]).strip()[-3000:], "```"]
+    return None
+
+
+def _train_section(result: dict | None) -> list[str]:
+    lines = ["## 1. The main job: `fsdp_graph train`, Llama `small`, bf16, world 1 (NCCL)", ""]
+    failed = _error("train", result)
+    if failed:
+        return lines + failed
+    ours, plain = result["ours"], result["plain"]
+    lines += [
+        "Ours: `python -m fsdp_graph train --preset small --mixed-precision bf16` as one torchrun rank (NCCL), i.e.",
+        "`fully_shard` + `torch.compile(backend=fsdp_backend)`. Plain: the same model, data, AdamW and clipping with",
+        "plain `torch.compile` and no FSDP, bf16 by `torch.autocast` over fp32 weights (ours keeps fp32 master",
+        "shards and computes with bf16 copies). Step time: median after the compiling first step (the job's own",
+        "measure); peak: `torch.cuda.max_memory_allocated` over the run.",
+        "",
+        "| run | median step | vs plain | peak CUDA memory | vs plain | compile | loss first -> last |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in (("fsdp_graph (ours)", ours), ("plain torch.compile", plain)):
+        lines.append(
+            f"| {name} | {r['median_step_s'] * 1e3:.1f} ms | {_ratio(r['median_step_s'], plain['median_step_s'])} "
+            f"| {_mib(r['peak_bytes'])} | {_ratio(r['peak_bytes'], plain['peak_bytes'])} | {r['compile_s']:.1f} s "
+            f"| {r['first_loss']:.3f} -> {r['last_loss']:.3f} |"
+        )
+    return lines
+
+
+def _plan_section(result: dict | None) -> list[str]:
+    lines = ["## 2. Llama `1b` as rank 0 of 8 (fake process group) on this GPU, against `explain()`", ""]
+    failed = _error("plan", result)
+    if failed:
+        return lines + failed
+    r = result
+    error = r["predicted_peak_bytes"] / r["peak_bytes"] - 1 if r["peak_bytes"] else float("nan")
+    lines += [
+        f"Llama 1b ({r['params'] / 1e9:.2f} B params), FULL_SHARD over a fake group of 8 (collectives move no data,",
+        "so memory and compute are rank 0's of a real 8-GPU run, communication is free), bf16 mixed precision,",
+        f"batch {r['batch']} x {r['seq']} tokens, Inductor. One forward + backward (the optimizer is not in the",
+        "plan): measured peak above the step's start (`max_memory_allocated`, median of the timed steps) against",
+        "`explain(..., hardware='nvlink').memory.peak_bytes`.",
+        "",
+        "| quantity | measured | explain() | error |",
+        "|---|---|---|---|",
+        f"| peak memory above the step's start | {_mib(r['peak_bytes'])} | {_mib(r['predicted_peak_bytes'])} "
+        f"| {100 * error:+.1f}% |",
+        f"| persistent (shards, buffers, batch) | {_mib(r['persistent_bytes'])} "
+        f"| {_mib(r['predicted_persistent_bytes'])} | |",
+        f"| forward + backward time | {r['step_s'] * 1e3:.1f} ms | {r['predicted_compute_s'] * 1e3:.1f} ms "
+        f"(compute only) | {_ratio(r['predicted_compute_s'], r['step_s'])} |",
+        f"| with NVLink communication | not measurable here | {r['predicted_step_s'] * 1e3:.1f} ms | |",
+        f"| compile (first step minus median) | {r['compile_s']:.1f} s | | |",
+    ]
+    return lines
+
+
+def _offload_section(result: dict | None) -> list[str]:
+    lines = ["## 3. CPU offload: device memory saved", ""]
+    failed = _error("offload", result)
+    if failed:
+        return lines + failed
+    base, on = result["off"], result["on"]
+    saved = base["peak_bytes"] - on["peak_bytes"]
+    lines += [
+        "Section 1's job without and with `--cpu-offload` (`CPUOffload(offload_params=True)`: fp32 shards, gradients",
+        "and AdamW state in pinned CPU memory, gathers and compute on the GPU).",
+        "",
+        "| run | peak CUDA memory | median step |",
+        "|---|---|---|",
+        f"| without offload | {_mib(base['peak_bytes'])} | {base['median_step_s'] * 1e3:.1f} ms |",
+        f"| `--cpu-offload` | {_mib(on['peak_bytes'])} | {on['median_step_s'] * 1e3:.1f} ms |",
+        "",
+        f"Saved: {_mib(saved)} ({100 * saved / base['peak_bytes']:.1f}% of the peak), for "
+        f"{_ratio(on['median_step_s'], base['median_step_s'])} the step time.",
+    ]
+    return lines
+
+
+def _overlap_section(result: dict | None) -> list[str]:
+    lines = ["## 4. Communication / compute overlap (profiler trace)", ""]
+    failed = _error("overlap", result)
+    if failed:
+        return lines + failed
+    r = result
+    if r["comm_ms"] == 0:
+        lines.append(
+            f"World {r['world']}: no NCCL kernel ran in the profiled step (a group of one has nothing to gather or "
+            "reduce, and two ranks cannot share one GPU under NCCL), so overlap was not observable on this machine; "
+            "it needs 2+ GPUs."
+        )
+    else:
+        lines.append(
+            f"World {r['world']} (NCCL), `small` preset, one profiled training step on rank 0: NCCL kernels "
+            f"{r['comm_ms']:.1f} ms, compute kernels {r['compute_ms']:.1f} ms; {100 * r['overlap_fraction']:.0f}% of "
+            "the NCCL time had a compute kernel running at the same time."
+        )
+    if r.get("png"):
+        lines += ["", f"![kernel timeline of one step]({r['png']})"]
+    return lines
+
+
+def render_markdown(results: dict, meta: dict) -> str:
+    """The report. `results` maps a section name to its result (missing: not run; `{"error": ...}`: failed);
+    `meta` has `date`, `device`, `torch`, `command`, `elapsed_s` and `quick`."""
+    lines = [
+        "# fsdp_graph on a GPU",
+        "",
+        f"Written by `{meta['command']}` on {meta['date']} in {meta['elapsed_s']:.0f} s"
+        f"{' (--quick: short runs)' if meta['quick'] else ''}.",
+        f"Device: {meta['device']}; torch {meta['torch']}.",
+        "",
+        *_train_section(results.get("train")),
+        "",
+        *_plan_section(results.get("plan")),
+        "",
+        *_offload_section(results.get("offload")),
+        "",
+        *_overlap_section(results.get("overlap")),
+    ]
+    return "\n".join(lines) + "\n"

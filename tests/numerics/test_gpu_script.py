@@ -1,0 +1,151 @@
+"""benchmarks/gpu.py on a machine without a GPU: its command line, trace parsing, overlap, picture and report,
+the clear exit without CUDA, and its measuring children run on the CPU with small models."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks import gpu
+from benchmarks.gpu_report import (
+    draw_timeline,
+    intersection,
+    kernel_intervals,
+    length,
+    overlap_fraction,
+    parse_args,
+    render_markdown,
+    union,
+)
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_parse_args_defaults_and_quick():
+    full = parse_args([])
+    assert (full.steps, full.plan_seq, full.budget, full.quick) == (30, 2048, 470.0, False)
+    assert full.out == "docs/benchmarks-gpu.md" and full.only == ["train", "plan", "offload", "overlap"]
+    quick = parse_args(["--quick", "--only", "plan", "overlap"])
+    assert (quick.steps, quick.plan_seq, quick.budget, quick.only) == (8, 512, 360.0, ["plan", "overlap"])
+    assert parse_args(["--quick", "--steps", "5"]).steps == 5
+    with pytest.raises(SystemExit):
+        parse_args(["--steps", "2"])
+
+
+def _kernel(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_trace_to_intervals_and_overlap():
+    trace = {
+        "traceEvents": [
+            _kernel("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 0, 10),
+            _kernel("ncclKernel_ReduceScatter_RING_LL_Sum_float", 20, 10),
+            _kernel("sm90_xmma_gemm_bf16bf16_bf16f32", 5, 10),
+            _kernel("triton_poi_fused_add_0", 12, 13),
+            _kernel("Memcpy HtoD (Pinned -> Device)", 0, 40, cat="gpu_memcpy"),
+            _kernel("cudaLaunchKernel", 0, 40, cat="cuda_runtime"),
+            {"ph": "i", "cat": "kernel", "name": "ncclDevKernel_marker", "ts": 50},
+        ]
+    }
+    comm, compute = kernel_intervals(trace)
+    assert comm == [(0.0, 10.0), (20.0, 30.0)]
+    assert compute == [(5.0, 15.0), (12.0, 25.0)]
+    assert union(compute) == [(5.0, 25.0)] and length(compute) == 20.0
+    assert intersection(comm, compute) == [(5.0, 10.0), (20.0, 25.0)]
+    assert overlap_fraction(comm, compute) == 0.5
+    assert overlap_fraction([], compute) is None
+    assert overlap_fraction(comm, []) == 0.0
+    assert kernel_intervals(trace["traceEvents"]) == (comm, compute)  # a bare event list works too
+
+
+def test_draw_timeline_writes_a_png(tmp_path):
+    path = tmp_path / "timeline.png"
+    assert draw_timeline([(0.0, 10.0)], [(5.0, 15.0), (20.0, 30.0)], str(path), "test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+_META = {"command": "python benchmarks/gpu.py", "date": "2030-01-01", "elapsed_s": 400, "quick": False,
+         "device": "1 x NVIDIA H100", "torch": "2.13.0 (CUDA 12.8)"}  # fmt: skip
+
+
+def _run(step_s: float, peak: int) -> dict:
+    return {"median_step_s": step_s, "peak_bytes": peak, "compile_s": 40.0, "first_loss": 5.5, "last_loss": 3.25}
+
+
+def test_render_markdown_reports_ratios_errors_and_missing_sections():
+    mib = 2**20
+    results = {
+        "train": {"ours": _run(0.05, 900 * mib), "plain": _run(0.04, 1200 * mib)},
+        "plan": {
+            "params": 1.24e9,
+            "seq": 2048,
+            "batch": 1,
+            "compile_s": 95.0,
+            "step_s": 0.2,
+            "peak_bytes": 8000 * mib,
+            "persistent_bytes": 700 * mib,
+            "predicted_peak_bytes": 8400 * mib,
+            "predicted_persistent_bytes": 690 * mib,
+            "predicted_step_s": 0.25,
+            "predicted_compute_s": 0.18,
+        },  # fmt: skip
+        "offload": {"off": _run(0.05, 900 * mib), "on": _run(0.1, 300 * mib)},
+        "overlap": {"world": 2, "comm_ms": 10.0, "compute_ms": 40.0, "overlap_fraction": 0.75, "png": "t.png"},
+    }
+    text = render_markdown(results, _META)
+    assert "| fsdp_graph (ours) | 50.0 ms | 1.25x | 900 MiB | 0.75x | 40.0 s | 5.500 -> 3.250 |" in text
+    assert "| peak memory above the step's start | 8,000 MiB | 8,400 MiB | +5.0% |" in text
+    assert "Saved: 600 MiB (66.7% of the peak), for 2.00x the step time." in text
+    assert "75% of the NCCL time" in text and "![kernel timeline of one step](t.png)" in text
+
+    failed = render_markdown({"train": {"error": "Traceback ...\nRuntimeError: boom"}}, _META)
+    assert "**Failed**" in failed and "RuntimeError: boom" in failed
+    assert "Not run (`--only` left out plan)" in failed and "Not run (`--only` left out overlap)" in failed
+    single = dict(results, overlap={"world": 1, "comm_ms": 0.0, "compute_ms": 40.0, "overlap_fraction": None,
+                                    "png": None})  # fmt: skip
+    assert "no NCCL kernel ran" in render_markdown(single, _META)
+
+
+def test_main_without_cuda_exits_with_a_message(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "report.md"
+    assert gpu.main(["--quick", "--out", str(out)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_script_without_cuda_exits_with_status_2(tmp_path):
+    out = tmp_path / "report.md"
+    done = subprocess.run(
+        [sys.executable, os.path.join(_ROOT, "benchmarks", "gpu.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "needs a CUDA GPU" in done.stderr and not out.exists()
+
+
+def test_children_run_on_cpu(monkeypatch):
+    """The measuring code itself, on small models (eager kernels; memory figures are CUDA-only, so not checked)."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # restored after the test: the train child sets torchrun's variables
+    extra = ["--preset", "tiny", "--backend-mode", "aot", "--batch", "2", "--seq", "32"]
+    train = gpu._train_child({"steps": 3, "extra": extra, "offload": True})
+    assert train["median_step_s"] > 0 and train["last_loss"] < train["first_loss"], train
+    plan = gpu._plan_child({"seq": 32, "batch": 1, "repeats": 1, "preset": "tiny", "device": "cpu", "inductor": False})
+    assert plan["step_s"] > 0 and plan["predicted_peak_bytes"] > 0, plan
+    assert 0 < plan["predicted_compute_s"] < plan["predicted_step_s"], plan
+
+
+def test_train_cpu_offload_flag(fake_pg):
+    """Section 3 runs the main job with --cpu-offload: the flag reaches fully_shard."""
+    from fsdp_graph import train
+
+    for flag, expected in (([], None), (["--cpu-offload"], torch.device("cpu"))):
+        args = train.parse_args(["--preset", "tiny", "--no-compile", *flag])
+        _, model, _, _ = train._build(args, 4, torch.device("cpu"))
+        assert {s.compute_device for s in model._fsdp_root.flat_params} == {expected}, flag
