@@ -20,6 +20,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import passes
 from fsdp_graph import ir, ops
+from fsdp_graph.compile_options import OWNED_VALUES, inductor_config_patches, patches_key
 from fsdp_graph.dump import GraphDumper, no_caches_when_dumping
 from passes.inspect import CollectiveSummary
 
@@ -139,7 +140,9 @@ class FSDPBackend:
         self._counter = itertools.count()
         self._uuid: str | None = None  # `_cache_key()`, made at the first compile
 
-    def __call__(self, gm: fx.GraphModule, example_inputs):
+    def __call__(self, gm: fx.GraphModule, example_inputs, *, mode: str | None = None, options: dict | None = None):
+        """Dynamo calls this with torch.compile's `mode` and `options` (when given) as keyword arguments."""
+        inductor_patches = inductor_config_patches(mode, options, self.inductor)
         dumper = GraphDumper(self.dump_dir, next(self._counter))
         self.dynamo_graphs += 1
         dumper.graph("00_dynamo", gm)
@@ -150,8 +153,10 @@ class FSDPBackend:
         dumper.graph("01_dedup", gm)
         gloo = _gloo_groups(gm)
         all_to_all = frozenset() if self.schedule.reduce_scatter == "native" else gloo
-        # The process groups' backends decide the lowering, so they are part of the compiled code's cache key.
-        uuid = hashlib.sha256(f"{self._cache_key()}{sorted(all_to_all)}{sorted(gloo)}".encode()).hexdigest()
+        # The process groups' backends decide the lowering, and torch.compile's options what Inductor makes of it:
+        # both are part of the compiled code's cache key.
+        key = f"{self._cache_key()}{sorted(all_to_all)}{sorted(gloo)}{patches_key(inductor_patches)}"
+        uuid = hashlib.sha256(key.encode()).hexdigest()
         reshard = _ReshardPass(uuid, dumper, self.pass_seconds)
         lower = _LowerPass(
             uuid, dumper, self.reports, self.schedule, self.keep_graphs, all_to_all, self.pass_seconds, gloo
@@ -160,7 +165,7 @@ class FSDPBackend:
         partitioner = {} if budget is None else {"activation_memory_budget": budget}
         with no_caches_when_dumping(dumper.enabled), functorch_config.patch(partitioner):
             if self.inductor:
-                return _compile_inductor(gm, example_inputs, reshard, lower, dumper.enabled)
+                return _compile_inductor(gm, example_inputs, reshard, lower, dumper.enabled, inductor_patches)
             return _compile_eager(gm, example_inputs, reshard, lower)
 
     def _cache_key(self) -> str:
@@ -174,17 +179,23 @@ class FSDPBackend:
         return f"fsdp_backend(inductor={self.inductor}, dump_dir={self.dump_dir!r})"
 
 
-def _compile_inductor(gm, example_inputs, reshard: _ReshardPass, lower: _LowerPass, dumping: bool):
+def _compile_inductor(
+    gm, example_inputs, reshard: _ReshardPass, lower: _LowerPass, dumping: bool, user_patches: dict | None = None
+):
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner_compile(graph, inputs, **kwargs):
         lower.stage = "bw" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "fw")
         return compile_fx_inner(graph, inputs, **kwargs)
 
-    patches = {"joint_custom_pre_pass": reshard, "post_grad_custom_pre_pass": lower}
     # Inductor's peak-memory reordering re-sorts the scheduler's nodes and sinks prefetched gathers to their first
     # use; the node order `passes.schedule` produced is the schedule (docs/design-notes.md).
-    patches["reorder_for_peak_memory"] = False
+    patches = {
+        **(user_patches or {}),
+        **OWNED_VALUES,
+        "joint_custom_pre_pass": reshard,
+        "post_grad_custom_pre_pass": lower,
+    }
     if dumping:
         patches["fx_graph_cache"] = False
     return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)

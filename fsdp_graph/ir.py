@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from fsdp_graph import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
+from fsdp_graph.ops import gradient_divide_factors  # noqa: F401  (the reduction's arithmetic, shared with passes)
 
 UNSHARD = torch.ops.fsdp.unshard.default
 REDUCE_GRAD = torch.ops.fsdp.reduce_grad.default

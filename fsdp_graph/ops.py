@@ -24,6 +24,22 @@ def is_gloo_group(group: str, device: torch.device | str = "cpu") -> bool:
     return backend_for(dist.distributed_c10d._resolve_process_group(group), device) in GLOO_BACKENDS
 
 
+def gradient_divide_factors(data_parallel_size: int) -> tuple[int, int | float]:
+    """(pre, post): a gradient is divided by `pre` before its reduction and by `post` after it, pre * post ==
+    `data_parallel_size`, so the result is the mean. The one definition the eager op and `passes.lower` share.
+
+    A plain sum grows with the world: at 512 ranks a bf16/fp16 sum overflows fp16's range or rounds away the
+    small terms, and dividing only afterwards cannot recover them. Splitting the division keeps every partial
+    sum within about sqrt(world) times one gradient. `pre` is the smallest power of two not below sqrt(world):
+    dividing by a power of two is exact in binary floating point (short of underflow), so an fp32 reduction
+    gives bit for bit the sum-then-divide result, and the parity tests keep their precision."""
+    if data_parallel_size < 1:
+        raise ValueError(f"gradient_divide_factors: data_parallel_size must be >= 1, got {data_parallel_size}")
+    pre = 1 << ((data_parallel_size - 1).bit_length() + 1) // 2
+    post = data_parallel_size // pre if data_parallel_size % pre == 0 else data_parallel_size / pre
+    return pre, post
+
+
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
@@ -98,12 +114,16 @@ def reduce_grad(
     out_device: torch.device | None = None,
 ) -> torch.Tensor:
     """This rank's shard of the gradient averaged over all `world * replicate_world` data-parallel ranks:
-    cast to `dtype`, reduce-scattered (sum) over `group`, all-reduced (sum) over `replicate_group`,
-    divided, returned in `out_dtype` (on `out_device`, CPU offload; None: where it was computed).
+    cast to `dtype`, divided by `pre`, reduce-scattered (sum) over `group`, all-reduced (sum) over
+    `replicate_group`, divided by `post` (`gradient_divide_factors`), returned in `out_dtype` (on `out_device`,
+    CPU offload; None: where it was computed).
 
-    Sum then a division: "avg" has no autograd formula and is not supported by every process-group backend.
+    Sums and divisions: "avg" has no autograd formula and is not supported by every process-group backend.
     """
+    pre, post = gradient_divide_factors(world * replicate_world)
     grad = _cast(full_grad, dtype).contiguous()
+    if pre > 1:
+        grad = grad / pre
     if world > 1 and is_gloo_group(group, grad.device):  # as passes.all_to_all lowers it: gloo has no native reduce-scatter
         chunk = grad.numel() // world
         grad = _c10d.wait_tensor(_c10d.all_to_all_single(grad, [chunk] * world, [chunk] * world, group))
@@ -112,7 +132,7 @@ def reduce_grad(
         grad = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, "sum", world, group))
     if replicate_world > 1:
         grad = _c10d.wait_tensor(_c10d.all_reduce(grad, "sum", replicate_group))
-    averaged = _cast(grad / (world * replicate_world), out_dtype)
+    averaged = _cast(grad / post, out_dtype)
     return averaged if out_device is None else averaged.to(out_device, non_blocking=True)
 
 

@@ -22,6 +22,7 @@ from fsdp_graph.ir import (
     UNSHARD_DEFAULTS,
     UNSHARD_TARGETS,
     WAIT,
+    gradient_divide_factors,
 )
 
 _aten, _prims = torch.ops.aten, torch.ops.prims
@@ -82,6 +83,9 @@ def _lower_reduce(graph: fx.Graph, node: fx.Node) -> fx.Node:
     emit = _Emitter(graph, node, a["unit"], ROLE_REDUCE)
     grad = emit.cast(a["full_grad"], a["dtype"])
     gval = grad.meta.get("val")
+    pre, post = gradient_divide_factors(a["world"] * a["replicate_world"])
+    if pre > 1:
+        grad = emit(_aten.div.Tensor, (grad, pre), gval)
     shard_val = None if gval is None else gval.new_empty(gval.numel() // a["world"])
     if a["world"] > 1:
         grad = emit(REDUCE_SCATTER, (grad, "sum", a["world"], a["group"]), shard_val)
@@ -89,7 +93,7 @@ def _lower_reduce(graph: fx.Graph, node: fx.Node) -> fx.Node:
     if a["replicate_world"] > 1:
         grad = emit(ALL_REDUCE, (grad, "sum", a["replicate_group"]), shard_val)
         grad = emit(WAIT, (grad,), shard_val)
-    averaged = emit(_aten.div.Tensor, (grad, a["world"] * a["replicate_world"]), shard_val)
+    averaged = emit(_aten.div.Tensor, (grad, post), shard_val)
     return emit.to_device(emit.cast(averaged, a["out_dtype"]), a["out_device"])
 
 
@@ -97,9 +101,10 @@ def lower_fsdp_ops(gm: fx.GraphModule) -> fx.GraphModule:
     """In place on a partitioned forward or backward graph.
 
     Matches: `fsdp.unshard` -> [`device_put` to compute_device] + [cast to dtype] + `all_gather_into_tensor` +
-    `wait_tensor` (world 1: no gather); `fsdp.reduce_grad` -> [cast to dtype] + [`reduce_scatter_tensor(sum)` + `wait_tensor` if world > 1]
-    + [`all_reduce(sum)` + `wait_tensor` over the replicate group if replicate_world > 1] + div by the
-    data-parallel size + [cast to out_dtype] + [`device_put` to out_device]. Every produced node carries `meta["fsdp_unit"]` and `meta["fsdp_role"]`.
+    `wait_tensor` (world 1: no gather); `fsdp.reduce_grad` -> [cast to dtype] + [div by `pre` if > 1] +
+    [`reduce_scatter_tensor(sum)` + `wait_tensor` if world > 1] + [`all_reduce(sum)` + `wait_tensor` over the
+    replicate group if replicate_world > 1] + div by `post` + [cast to out_dtype] + [`device_put` to out_device],
+    with (pre, post) = `gradient_divide_factors(world * replicate_world)`, the eager op's own factors. Every produced node carries `meta["fsdp_unit"]` and `meta["fsdp_role"]`.
     Guarantees: no fsdp op is left, the collectives are the ones Inductor's bucketing and overlap passes
     recognise, and the numerics equal the ops' eager implementations. No-op when nothing matches.
     """

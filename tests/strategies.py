@@ -10,8 +10,9 @@ import torch.nn as nn
 
 import fsdp_graph
 from fsdp_graph.measure import executed_collectives
+from fsdp_graph.ops import gradient_divide_factors
 from fsdp_graph.unit import flat_params
-from tests.training import BF16, Case, build, max_param_diff, shard_and_compile
+from tests.training import BF16, Case, build, full_grads, max_param_diff, shard_and_compile
 
 
 def ignored_module_grads(rank: int, world: int, mode: str) -> dict[str, float]:
@@ -148,3 +149,31 @@ def low_precision_grads(rank: int, world: int) -> dict[str, float]:
         "diff": max((grads[True][n].float() - grads[False][n]).abs().max().item() for n in present),
         "scale": max(grads[False][n].abs().max().item() for n in present),
     }
+
+
+def fp16_reduction(rank: int, world: int) -> dict[str, dict[str, float]]:
+    """Gradients reduced in fp16 whose plain sum over the ranks overflows (each rank's is 40000-60000, fp16's max
+    is 65504): the divide factors keep the reduction finite. Per mode, the largest relative error of the
+    reassembled `.grad` against the fp32 mean of the ranks' gradients, and whether the backward graph pre-divides."""
+    out = {}
+    for mode in ("compiled", "eager"):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        ref = copy.deepcopy(model)
+        fsdp_graph.fully_shard(model, mixed_precision=fsdp_graph.MixedPrecision(reduce_dtype=torch.float16))
+        backend = fsdp_graph.make_backend(inductor=False)
+        run = model if mode == "eager" else torch.compile(model, backend=backend, fullgraph=True)
+        gen = torch.Generator().manual_seed(3)
+        batches = [torch.empty(2, 4).uniform_(1.0, 1.5, generator=gen) for _ in range(world)]
+        scale = 20000.0  # bias gradient 2 * 20000 = 40000 per rank; weight 20000 * (2..3)
+        (run(batches[rank]) * scale).sum().backward()
+        for batch in batches:
+            (ref(batch) * scale).sum().backward()
+        grads = full_grads(model)
+        mean = {n: p.grad / world for n, p in ref.named_parameters()}
+        error = max(((grads[n] - m).abs() / m.abs()).max().item() for n, m in mean.items())
+        pre, _ = gradient_divide_factors(world)
+        bw = [r.code for r in backend.reports if r.stage == "bw"]
+        pre_divides = bool(bw) and f"torch.ops.aten.div.Tensor(convert_element_type_default, {pre})" in bw[0]
+        out[mode] = {"error": error, "pre_divides": float(pre_divides)}
+    return out

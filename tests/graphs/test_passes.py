@@ -221,9 +221,10 @@ def forward(self, primals_1, relu, relu_1, t_5, t_7, tangents_1):
     t_6 = torch.ops.aten.t.default(t_4);  t_4 = None
     view_5 = torch.ops.aten.view.default(t_6, [8]);  t_6 = None
     slice_backward = torch.ops.aten.slice_backward.default(view_5, [8], 0, 0, 8, 1);  view_5 = None
-    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(slice_backward, 'sum', 4, '0');  slice_backward = None
+    div_tensor = torch.ops.aten.div.Tensor(slice_backward, 2);  slice_backward = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 4, '0');  div_tensor = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default, 2);  wait_tensor_default = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
@@ -239,9 +240,10 @@ def forward(self, primals_1, relu, relu_1, t_5, t_7, tangents_1):
     view_8 = torch.ops.aten.view.default(t_10, [16]);  t_10 = None
     slice_backward_2 = torch.ops.aten.slice_backward.default(view_8, [20], 0, 0, 16, 1);  view_8 = None
     add = torch.ops.aten.add.Tensor(slice_backward_1, slice_backward_2);  slice_backward_1 = slice_backward_2 = None
-    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add, 'sum', 4, '0');  add = None
+    div_tensor_2 = torch.ops.aten.div.Tensor(add, 2);  add = None
+    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_2, 'sum', 4, '0');  div_tensor_2 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
+    div_tensor_3 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 2);  wait_tensor_default_1 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -256,10 +258,11 @@ def forward(self, primals_1, relu, relu_1, t_5, t_7, tangents_1):
     view_11 = torch.ops.aten.view.default(t_13, [16]);  t_13 = None
     slice_backward_4 = torch.ops.aten.slice_backward.default(view_11, [20], 0, 0, 16, 1);  view_11 = None
     add_1 = torch.ops.aten.add.Tensor(slice_backward_3, slice_backward_4);  slice_backward_3 = slice_backward_4 = None
-    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add_1, 'sum', 4, '0');  add_1 = None
+    div_tensor_4 = torch.ops.aten.div.Tensor(add_1, 2);  add_1 = None
+    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_4, 'sum', 4, '0');  div_tensor_4 = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
-    div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 4);  wait_tensor_default_2 = None
-    return (None, div_tensor_2, div_tensor_1, div_tensor)""",
+    div_tensor_5 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 2);  wait_tensor_default_2 = None
+    return (None, div_tensor_5, div_tensor_3, div_tensor_1)""",
     )
     summary = collective_summary(bw)
     assert summary.counts == {"reduce_scatter": 3} and summary.fsdp_ops_left == 0
@@ -301,10 +304,11 @@ def forward(self, primals_1, tangents_1):
     t_3 = torch.ops.aten.t.default(t_2);  t_2 = None
     view_1 = torch.ops.aten.view.default(t_3, [8]);  t_3 = None
     slice_backward = torch.ops.aten.slice_backward.default(view_1, [8], 0, 0, 8, 1);  view_1 = None
-    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(slice_backward, 'sum', 4, '0');  slice_backward = None
+    div_tensor = torch.ops.aten.div.Tensor(slice_backward, 2);  slice_backward = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 4, '0');  div_tensor = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
-    device_put_default = torch.ops.prims.device_put.default(div_tensor, device(type='cpu'), True);  div_tensor = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default, 2);  wait_tensor_default = None
+    device_put_default = torch.ops.prims.device_put.default(div_tensor_1, device(type='cpu'), True);  div_tensor_1 = None
     return (None, device_put_default)""",
     )
 
@@ -338,10 +342,11 @@ def forward(self, primals_1, primals_3, tangents_1):
     view_1 = torch.ops.aten.view.default(t_3, [8]);  t_3 = None
     slice_backward = torch.ops.aten.slice_backward.default(view_1, [8], 0, 0, 8, 1);  view_1 = None
     add = torch.ops.aten.add.Tensor(slice_backward, primals_3);  slice_backward = primals_3 = None
-    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(add, 'sum', 4, '0');  add = None
+    div_tensor = torch.ops.aten.div.Tensor(add, 2);  add = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 4, '0');  div_tensor = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
-    return (None, div_tensor, None)""",
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default, 2);  wait_tensor_default = None
+    return (None, div_tensor_1, None)""",
     )
 
 

@@ -80,7 +80,8 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     t_6 = torch.ops.aten.t.default(t_4);  t_4 = None
     view_5 = torch.ops.aten.view.default(t_6, [8]);  t_6 = None
     slice_backward = torch.ops.aten.slice_backward.default(view_5, [8], 0, 0, 8, 1);  view_5 = None
-    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(slice_backward, 'sum', 4, '0');  slice_backward = None
+    div_tensor = torch.ops.aten.div.Tensor(slice_backward, 2);  slice_backward = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 4, '0');  div_tensor = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
@@ -99,9 +100,10 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_7 = torch.ops.aten.view.default(view_6, [4]);  view_6 = None
     view_8 = torch.ops.aten.view.default(t_10, [16]);  t_10 = None
     cat_default_1 = torch.ops.aten.cat.default([view_8, view_7]);  view_8 = view_7 = None
+    div_tensor_2 = torch.ops.aten.div.Tensor(cat_default_1, 2);  cat_default_1 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
-    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(cat_default_1, 'sum', 4, '0');  cat_default_1 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 2);  wait_tensor_default_1 = None
+    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_2, 'sum', 4, '0');  div_tensor_2 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -120,12 +122,13 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_10 = torch.ops.aten.view.default(view_9, [4]);  view_9 = None
     view_11 = torch.ops.aten.view.default(t_14, [16]);  t_14 = None
     cat_default = torch.ops.aten.cat.default([view_11, view_10]);  view_11 = view_10 = None
+    div_tensor_4 = torch.ops.aten.div.Tensor(cat_default, 2);  cat_default = None
     wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_3, 4);  wait_tensor_default_3 = None
-    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(cat_default, 'sum', 4, '0');  cat_default = None
+    div_tensor_3 = torch.ops.aten.div.Tensor(wait_tensor_default_3, 2);  wait_tensor_default_3 = None
+    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_4, 'sum', 4, '0');  div_tensor_4 = None
     wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
-    div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 4);  wait_tensor_default_5 = None
-    return (mm_5, div_tensor_2, div_tensor_1, div_tensor)""",
+    div_tensor_5 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 2);  wait_tensor_default_5 = None
+    return (mm_5, div_tensor_5, div_tensor_3, div_tensor_1)""",
     )
     dumped = sorted(p.name for p in (tmp_path / "graph_0").iterdir())
     assert dumped == [
@@ -158,7 +161,8 @@ def forward(self, primals_1, relu, relu_1, t_5, t_7, t_11, tangents_1):
     t_6 = torch.ops.aten.t.default(t_4);  t_4 = None
     view_5 = torch.ops.aten.view.default(t_6, [8]);  t_6 = None
     slice_backward = torch.ops.aten.slice_backward.default(view_5, [8], 0, 0, 8, 1);  view_5 = None
-    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(slice_backward, 'sum', 4, '0');  slice_backward = None
+    div_tensor = torch.ops.aten.div.Tensor(slice_backward, 2);  slice_backward = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 4, '0');  div_tensor = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
@@ -172,9 +176,10 @@ def forward(self, primals_1, relu, relu_1, t_5, t_7, t_11, tangents_1):
     view_7 = torch.ops.aten.view.default(view_6, [4]);  view_6 = None
     view_8 = torch.ops.aten.view.default(t_10, [16]);  t_10 = None
     cat_default_1 = torch.ops.aten.cat.default([view_8, view_7]);  view_8 = view_7 = None
+    div_tensor_2 = torch.ops.aten.div.Tensor(cat_default_1, 2);  cat_default_1 = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
-    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(cat_default_1, 'sum', 4, '0');  cat_default_1 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default, 2);  wait_tensor_default = None
+    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_2, 'sum', 4, '0');  div_tensor_2 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -188,12 +193,13 @@ def forward(self, primals_1, relu, relu_1, t_5, t_7, t_11, tangents_1):
     view_10 = torch.ops.aten.view.default(view_9, [4]);  view_9 = None
     view_11 = torch.ops.aten.view.default(t_14, [16]);  t_14 = None
     cat_default = torch.ops.aten.cat.default([view_11, view_10]);  view_11 = view_10 = None
+    div_tensor_4 = torch.ops.aten.div.Tensor(cat_default, 2);  cat_default = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
-    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(cat_default, 'sum', 4, '0');  cat_default = None
+    div_tensor_3 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 2);  wait_tensor_default_1 = None
+    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_4, 'sum', 4, '0');  div_tensor_4 = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
-    div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 4);  wait_tensor_default_2 = None
-    return (mm_5, div_tensor_2, div_tensor_1, div_tensor)""",
+    div_tensor_5 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 2);  wait_tensor_default_2 = None
+    return (mm_5, div_tensor_5, div_tensor_3, div_tensor_1)""",
     )
 
 
@@ -223,9 +229,10 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     t_6 = torch.ops.aten.t.default(t_4);  t_4 = None
     view_5 = torch.ops.aten.view.default(t_6, [8]);  t_6 = None
     slice_backward = torch.ops.aten.slice_backward.default(view_5, [8], 0, 0, 8, 1);  view_5 = None
-    all_reduce_default = torch.ops._c10d_functional.all_reduce.default(slice_backward, 'sum', '0');  slice_backward = None
+    div_tensor = torch.ops.aten.div.Tensor(slice_backward, 2);  slice_backward = None
+    all_reduce_default = torch.ops._c10d_functional.all_reduce.default(div_tensor, 'sum', '0');  div_tensor = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
-    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default, 2);  wait_tensor_default = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
@@ -243,9 +250,10 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_7 = torch.ops.aten.view.default(view_6, [4]);  view_6 = None
     view_8 = torch.ops.aten.view.default(t_10, [16]);  t_10 = None
     cat_default_1 = torch.ops.aten.cat.default([view_8, view_7]);  view_8 = view_7 = None
-    all_reduce_default_1 = torch.ops._c10d_functional.all_reduce.default(cat_default_1, 'sum', '0');  cat_default_1 = None
+    div_tensor_2 = torch.ops.aten.div.Tensor(cat_default_1, 2);  cat_default_1 = None
+    all_reduce_default_1 = torch.ops._c10d_functional.all_reduce.default(div_tensor_2, 'sum', '0');  div_tensor_2 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_1);  all_reduce_default_1 = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
+    div_tensor_3 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 2);  wait_tensor_default_1 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -263,10 +271,11 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_10 = torch.ops.aten.view.default(view_9, [4]);  view_9 = None
     view_11 = torch.ops.aten.view.default(t_14, [16]);  t_14 = None
     cat_default = torch.ops.aten.cat.default([view_11, view_10]);  view_11 = view_10 = None
-    all_reduce_default_2 = torch.ops._c10d_functional.all_reduce.default(cat_default, 'sum', '0');  cat_default = None
+    div_tensor_4 = torch.ops.aten.div.Tensor(cat_default, 2);  cat_default = None
+    all_reduce_default_2 = torch.ops._c10d_functional.all_reduce.default(div_tensor_4, 'sum', '0');  div_tensor_4 = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_2);  all_reduce_default_2 = None
-    div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 4);  wait_tensor_default_2 = None
-    return (mm_5, div_tensor_2, div_tensor_1, div_tensor)""",
+    div_tensor_5 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 2);  wait_tensor_default_2 = None
+    return (mm_5, div_tensor_5, div_tensor_3, div_tensor_1)""",
     )
 
 
@@ -296,7 +305,8 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     t_6 = torch.ops.aten.t.default(t_4);  t_4 = None
     view_5 = torch.ops.aten.view.default(t_6, [8]);  t_6 = None
     slice_backward = torch.ops.aten.slice_backward.default(view_5, [8], 0, 0, 8, 1);  view_5 = None
-    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(slice_backward, 'sum', 2, '3');  slice_backward = None
+    div_tensor = torch.ops.aten.div.Tensor(slice_backward, 2);  slice_backward = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 2, '3');  div_tensor = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
@@ -315,11 +325,12 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_7 = torch.ops.aten.view.default(view_6, [4]);  view_6 = None
     view_8 = torch.ops.aten.view.default(t_10, [16]);  t_10 = None
     cat_default_1 = torch.ops.aten.cat.default([view_8, view_7]);  view_8 = view_7 = None
+    div_tensor_2 = torch.ops.aten.div.Tensor(cat_default_1, 2);  cat_default_1 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
     all_reduce_default = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_1, 'sum', '1');  wait_tensor_default_1 = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
-    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default_2, 4);  wait_tensor_default_2 = None
-    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(cat_default_1, 'sum', 2, '3');  cat_default_1 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 2);  wait_tensor_default_2 = None
+    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_2, 'sum', 2, '3');  div_tensor_2 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -338,16 +349,17 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_10 = torch.ops.aten.view.default(view_9, [4]);  view_9 = None
     view_11 = torch.ops.aten.view.default(t_14, [16]);  t_14 = None
     cat_default = torch.ops.aten.cat.default([view_11, view_10]);  view_11 = view_10 = None
+    div_tensor_4 = torch.ops.aten.div.Tensor(cat_default, 2);  cat_default = None
     wait_tensor_default_4 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
     all_reduce_default_1 = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_4, 'sum', '1');  wait_tensor_default_4 = None
     wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_1);  all_reduce_default_1 = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 4);  wait_tensor_default_5 = None
-    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(cat_default, 'sum', 2, '3');  cat_default = None
+    div_tensor_3 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 2);  wait_tensor_default_5 = None
+    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_4, 'sum', 2, '3');  div_tensor_4 = None
     wait_tensor_default_7 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
     all_reduce_default_2 = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_7, 'sum', '1');  wait_tensor_default_7 = None
     wait_tensor_default_8 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_2);  all_reduce_default_2 = None
-    div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_8, 4);  wait_tensor_default_8 = None
-    return (mm_5, div_tensor_2, div_tensor_1, div_tensor)""",
+    div_tensor_5 = torch.ops.aten.div.Tensor(wait_tensor_default_8, 2);  wait_tensor_default_8 = None
+    return (mm_5, div_tensor_5, div_tensor_3, div_tensor_1)""",
     )
 
 
@@ -413,7 +425,8 @@ def forward(self, primals_2, primals_3, primals_4, _to_copy, relu, relu_1, tange
     view_5 = torch.ops.aten.view.default(t_6, [8]);  t_6 = None
     slice_backward = torch.ops.aten.slice_backward.default(view_5, [8], 0, 0, 8, 1);  view_5 = None
     convert_element_type_default_1 = torch.ops.prims.convert_element_type.default(slice_backward, torch.float32);  slice_backward = None
-    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(convert_element_type_default_1, 'sum', 4, '0');  convert_element_type_default_1 = None
+    div_tensor = torch.ops.aten.div.Tensor(convert_element_type_default_1, 2);  convert_element_type_default_1 = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 4, '0');  div_tensor = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
@@ -433,9 +446,10 @@ def forward(self, primals_2, primals_3, primals_4, _to_copy, relu, relu_1, tange
     view_8 = torch.ops.aten.view.default(t_10, [16]);  t_10 = None
     cat_default_1 = torch.ops.aten.cat.default([view_8, view_7]);  view_8 = view_7 = None
     convert_element_type_default_3 = torch.ops.prims.convert_element_type.default(cat_default_1, torch.float32);  cat_default_1 = None
+    div_tensor_2 = torch.ops.aten.div.Tensor(convert_element_type_default_3, 2);  convert_element_type_default_3 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
-    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(convert_element_type_default_3, 'sum', 4, '0');  convert_element_type_default_3 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 2);  wait_tensor_default_1 = None
+    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_2, 'sum', 4, '0');  div_tensor_2 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -455,11 +469,12 @@ def forward(self, primals_2, primals_3, primals_4, _to_copy, relu, relu_1, tange
     view_11 = torch.ops.aten.view.default(t_14, [16]);  t_14 = None
     cat_default = torch.ops.aten.cat.default([view_11, view_10]);  view_11 = view_10 = None
     convert_element_type_default_5 = torch.ops.prims.convert_element_type.default(cat_default, torch.float32);  cat_default = None
+    div_tensor_4 = torch.ops.aten.div.Tensor(convert_element_type_default_5, 2);  convert_element_type_default_5 = None
     wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_3, 4);  wait_tensor_default_3 = None
-    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(convert_element_type_default_5, 'sum', 4, '0');  convert_element_type_default_5 = None
+    div_tensor_3 = torch.ops.aten.div.Tensor(wait_tensor_default_3, 2);  wait_tensor_default_3 = None
+    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_4, 'sum', 4, '0');  div_tensor_4 = None
     _to_copy_1 = torch.ops.aten._to_copy.default(mm_5, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'));  mm_5 = None
     wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
-    div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 4);  wait_tensor_default_5 = None
-    return (_to_copy_1, div_tensor_2, div_tensor_1, div_tensor)""",
+    div_tensor_5 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 2);  wait_tensor_default_5 = None
+    return (_to_copy_1, div_tensor_5, div_tensor_3, div_tensor_1)""",
     )
