@@ -6,8 +6,10 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import importlib
 import inspect
 import itertools
+import pkgutil
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -22,7 +24,8 @@ import passes
 from fsdp_graph import ir, ops
 from fsdp_graph.compile_options import OWNED_VALUES, inductor_config_patches, patches_key
 from fsdp_graph.dump import GraphDumper, no_caches_when_dumping
-from passes.inspect import CollectiveSummary
+from passes.collective_counts import CollectiveSummary
+from passes.fx_nodes import bind_args
 
 
 @dataclass
@@ -39,10 +42,11 @@ class GraphReport:
 
 @functools.cache
 def _code_hash() -> str:
-    """Code of every pass and of the op semantics: a changed pass never reuses stale code. Computed at the first
-    compile, not at import: `import passes` imports this package (for `fsdp_graph.ir`) before `passes` is whole."""
-    modules = [ops, ir, passes.dedup, passes.reshard, passes.lower, passes.bucket, passes.all_to_all, passes.schedule]
-    modules += [passes.inspect, passes.flat_grad, passes.verify]
+    """Code of every module of `passes` and of the op semantics: a changed pass (or helper) never reuses stale code.
+    Computed at the first compile, not at import: `import passes` imports this package (for `fsdp_graph.ir`) before
+    `passes` is whole."""
+    names = sorted(m.name for m in pkgutil.iter_modules(passes.__path__))
+    modules = [ops, ir] + [importlib.import_module(f"passes.{name}") for name in names]
     h = hashlib.sha256()
     for module in modules:
         h.update(inspect.getsource(module).encode())
@@ -233,18 +237,14 @@ def _gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
     names = set()
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in ir.UNSHARD_TARGETS:
-            device = _unshard_arg(node, "compute_device")
+            args = bind_args(node)
+            device = args["compute_device"]
             if device is None:  # gathers and reductions run where the shard is
-                shard = node.args[0].meta.get("example_value") if isinstance(node.args[0], fx.Node) else None
+                shard = args["shard"].meta.get("example_value") if isinstance(args["shard"], fx.Node) else None
                 device = shard.device if isinstance(shard, torch.Tensor) else torch.device("cpu")
             for arg in ("group", "reduce_group", "replicate_group"):
-                names.add((_unshard_arg(node, arg) or "", device))
+                names.add((args[arg] or "", device))
     return frozenset(name for name, device in names if name and ops.is_gloo_group(name, device))
-
-
-def _unshard_arg(node: fx.Node, name: str):
-    index = ir.UNSHARD_ARGS.index(name)
-    return node.kwargs.get(name, node.args[index] if len(node.args) > index else ir.UNSHARD_DEFAULTS.get(name))
 
 
 def _check_sharded(gm: fx.GraphModule, example_inputs) -> None:

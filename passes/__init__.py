@@ -2,9 +2,9 @@
 
 from passes.all_to_all import reduce_scatter_as_all_to_all
 from passes.bucket import bucket_collectives
+from passes.collective_counts import collective_summary
 from passes.dedup import dedup_unshard
 from passes.flat_grad import cat_flat_grads
-from passes.inspect import collective_summary
 from passes.lower import lower_fsdp_ops
 from passes.reshard import tag_reshard
 from passes.schedule import schedule_collectives

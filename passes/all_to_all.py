@@ -11,17 +11,9 @@ import torch
 import torch.fx as fx
 
 from fsdp_graph.ir import ALL_TO_ALL, META_BUCKET, META_ROLE, META_UNIT, REDUCE_SCATTER, WAIT
+from passes.fx_nodes import NodeEmitter, bind_args, fake_value, finish
 
 _aten = torch.ops.aten
-
-
-def _emit(graph: fx.Graph, anchor: fx.Node, meta: dict, target, args: tuple, val) -> fx.Node:
-    with graph.inserting_before(anchor):
-        node = graph.call_function(target, args)
-    node.meta.update(meta)
-    if val is not None:
-        node.meta["val"] = val
-    return node
 
 
 def reduce_scatter_as_all_to_all(gm: fx.GraphModule, groups: frozenset[str] | set[str]) -> fx.GraphModule:
@@ -38,26 +30,24 @@ def reduce_scatter_as_all_to_all(gm: fx.GraphModule, groups: frozenset[str] | se
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not REDUCE_SCATTER:
             continue
-        grad, op, world, group = node.args[:4]
+        a = bind_args(node)
+        grad, op, world, group = a["input"], a["reduce_op"], a["group_size"], a["group_name"]
         waits = list(node.users)
-        val = grad.meta.get("val") if isinstance(grad, fx.Node) else None
+        val = fake_value(grad)
         if group not in groups or op != "sum" or len(waits) != 1 or waits[0].target is not WAIT or val is None:
             continue
         numel = val.numel()
         if not isinstance(numel, int) or val.dim() != 1 or numel % world:
             continue
         chunk = numel // world
-        meta = {k: node.meta[k] for k in (META_UNIT, META_ROLE, META_BUCKET) if k in node.meta}
+        emit = NodeEmitter(graph, {k: node.meta[k] for k in (META_UNIT, META_ROLE, META_BUCKET) if k in node.meta})
         wait = waits[0]
-        issue = _emit(graph, node, meta, ALL_TO_ALL, (grad, [chunk] * world, [chunk] * world, group), val)
-        arrived = _emit(graph, wait, meta, WAIT, (issue,), val)
-        blocks = _emit(graph, wait, meta, _aten.view.default, (arrived, [world, chunk]), val.view(world, chunk))
-        summed = _emit(graph, wait, meta, _aten.sum.dim_IntList, (blocks, [0]), val.new_empty(chunk))
+        issue = emit(ALL_TO_ALL, (grad, [chunk] * world, [chunk] * world, group), before=node, val=val)
+        arrived = emit(WAIT, (issue,), before=wait, val=val)
+        blocks = emit(_aten.view.default, (arrived, [world, chunk]), before=wait, val=val.view(world, chunk))
+        summed = emit(_aten.sum.dim_IntList, (blocks, [0]), before=wait, val=val.new_empty(chunk))
         wait.replace_all_uses_with(summed)
         graph.erase_node(wait)
         graph.erase_node(node)
         changed = True
-    if changed:
-        graph.lint()
-        gm.recompile()
-    return gm
+    return finish(gm, changed)

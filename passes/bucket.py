@@ -19,6 +19,7 @@ from fsdp_graph.ir import (
     ROLE_UNSHARD,
     WAIT,
 )
+from passes.fx_nodes import NodeEmitter, bind_args, fake_value, finish
 
 _aten, _prims = torch.ops.aten, torch.ops.prims
 
@@ -37,14 +38,15 @@ class _Collective:
     key: tuple
     numel: int
     nbytes: int
+    args: dict[str, Any]  # the issue node's arguments by name
 
     @property
     def source(self) -> fx.Node:
-        return self.start.args[0]
+        return self.args["input"]
 
 
 def _static_1d(node: Any) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    val = fake_value(node)
     if not isinstance(val, torch.Tensor) or val.dim() != 1 or not isinstance(val.numel(), int):
         return None  # unknown or symbolic size: this collective is left alone
     return val
@@ -54,22 +56,21 @@ def _match(node: fx.Node, target, role: str) -> _Collective | None:
     """The collective at `node` if it is a lowering's `target` with a static 1-D input and a single wait."""
     if node.op != "call_function" or node.target is not target or node.meta.get(META_ROLE) != role:
         return None
-    users = list(node.users)
-    val = _static_1d(node.args[0])
+    users, a = list(node.users), bind_args(node)
+    val = _static_1d(a["input"])
     if val is None or len(users) != 1 or users[0].target is not WAIT:
         return None
+    world, group = a["group_size"], a["group_name"]
     if target is ALL_GATHER:
-        world, group = node.args[1], node.args[2]
         numel, key = val.numel(), ("all_gather", group, world)
         nbytes = world * numel * val.element_size()
     else:
-        op, world, group = node.args[1], node.args[2], node.args[3]
         if val.numel() % world:
             return None
-        numel, key = val.numel() // world, ("reduce_scatter", op, group, world)
+        numel, key = val.numel() // world, ("reduce_scatter", a["reduce_op"], group, world)
         nbytes = val.numel() * val.element_size()
     key += (val.dtype, val.device)
-    return _Collective(node, users[0], node.meta.get(META_UNIT, "?"), key, numel, nbytes)
+    return _Collective(node, users[0], node.meta.get(META_UNIT, "?"), key, numel, nbytes, a)
 
 
 def _runs(graph: fx.Graph, target, role: str, cap: int, can_join) -> list[list[_Collective]]:
@@ -88,24 +89,10 @@ def _runs(graph: fx.Graph, target, role: str, cap: int, can_join) -> list[list[_
     return [run for run in runs if len(run) > 1]
 
 
-class _Emitter:
-    """Creates nodes carrying the bucket's meta and a fake value: given (collectives and waits, as the lowering
-    does), else computed by running the op on the inputs' fake values."""
-
-    def __init__(self, graph: fx.Graph, run: list[_Collective], role: str):
-        units = tuple(c.unit for c in run)
-        self.graph, self.meta = graph, {META_UNIT: "+".join(units), META_ROLE: role, META_BUCKET: units}
-
-    def __call__(self, before: fx.Node, target, args: tuple, kwargs: dict | None = None, val=None) -> fx.Node:
-        kwargs = kwargs or {}
-        with self.graph.inserting_before(before):
-            node = self.graph.call_function(target, args, kwargs)
-        node.meta.update(self.meta)
-        if val is None:
-            fake = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-            val = target(*fake[0], **fake[1])
-        node.meta["val"] = val
-        return node
+def _bucket_emitter(graph: fx.Graph, run: list[_Collective], role: str) -> NodeEmitter:
+    """Creates nodes carrying the bucket's meta (its units joined by "+", and their tuple)."""
+    units = tuple(c.unit for c in run)
+    return NodeEmitter(graph, {META_UNIT: "+".join(units), META_ROLE: role, META_BUCKET: units})
 
 
 def _erase(graph: fx.Graph, nodes: list[fx.Node]) -> None:
@@ -136,23 +123,23 @@ def _bucket_gathers(graph: fx.Graph, cap: int) -> int:
 
     runs = _runs(graph, ALL_GATHER, ROLE_UNSHARD, cap, can_join)
     for run in runs:
-        first, emit = run[0], _Emitter(graph, run, ROLE_UNSHARD)
+        first, emit = run[0], _bucket_emitter(graph, run, ROLE_UNSHARD)
         for c in run[1:]:
             for node in chains[c.start]:
                 first.start.prepend(node)
-        world, group = first.start.args[1], first.start.args[2]
+        world, group = first.args["group_size"], first.args["group_name"]
         total = sum(c.numel for c in run)
-        flat = emit(first.start, _aten.cat.default, ([c.source for c in run],))
+        flat = emit(_aten.cat.default, ([c.source for c in run],), before=first.start)
         gathered_val = flat.meta["val"].new_empty(world * total)
-        gathered = emit(first.start, ALL_GATHER, (flat, world, group), val=gathered_val)
-        wait = emit(first.wait, WAIT, (gathered,), val=gathered_val)
+        gathered = emit(ALL_GATHER, (flat, world, group), before=first.start, val=gathered_val)
+        wait = emit(WAIT, (gathered,), val=gathered_val, before=first.wait)
         # Rank-major: row r is rank r's [shard 1 | shard 2 | ...]; a unit's full flat param is its column block.
-        rows = emit(first.wait, _aten.view.default, (wait, [world, total]))
+        rows = emit(_aten.view.default, (wait, [world, total]), before=first.wait)
         offset = 0
         for c in run:
-            block = emit(first.wait, _aten.slice.Tensor, (rows, 1, offset, offset + c.numel))
-            dense = emit(first.wait, _aten.clone.default, (block,), {"memory_format": torch.contiguous_format})
-            c.wait.replace_all_uses_with(emit(first.wait, _aten.view.default, (dense, [world * c.numel])))
+            block = emit(_aten.slice.Tensor, (rows, 1, offset, offset + c.numel), before=first.wait)
+            dense = emit(_aten.clone.default, (block,), {"memory_format": torch.contiguous_format}, before=first.wait)
+            c.wait.replace_all_uses_with(emit(_aten.view.default, (dense, [world * c.numel]), before=first.wait))
             offset += c.numel
         _erase(graph, [n for c in run for n in (c.wait, c.start)])
     return len(runs)
@@ -166,7 +153,8 @@ def _replica_all_reduce(c: _Collective) -> tuple[fx.Node, fx.Node, tuple] | None
     reduce, waits = users[0], list(users[0].users)
     if len(waits) != 1 or waits[0].target is not WAIT:
         return None
-    return reduce, waits[0], tuple(reduce.args[1:])
+    a = bind_args(reduce)
+    return reduce, waits[0], (a["reduce_op"], a["group_name"])
 
 
 def _sink_dependents(graph: fx.Graph, produced: set[fx.Node], tail: fx.Node) -> None:
@@ -202,28 +190,32 @@ def _bucket_reduce_scatters(graph: fx.Graph, cap: int) -> int:
     # A gradient computed from an earlier member's reduced shard cannot wait for a reduction that needs it.
     runs = _runs(graph, REDUCE_SCATTER, ROLE_REDUCE, cap, lambda run, c: not _feeds([r.wait for r in run], c.source))
     for run in runs:
-        last, emit = run[-1], _Emitter(graph, run, ROLE_REDUCE)
-        op, world, group = last.start.args[1:4]
+        last, emit = run[-1], _bucket_emitter(graph, run, ROLE_REDUCE)
+        op, world, group = last.args["reduce_op"], last.args["group_size"], last.args["group_name"]
         total = sum(c.numel for c in run)
         # Row r of (world, total) is what rank r receives: every unit's r-th chunk, side by side.
-        rows = [emit(last.start, _aten.view.default, (c.source, [world, c.numel])) for c in run]
-        flat = emit(last.start, _aten.view.default, (emit(last.start, _aten.cat.default, (rows, 1)), [world * total]))
+        rows = [emit(_aten.view.default, (c.source, [world, c.numel]), before=last.start) for c in run]
+        flat = emit(
+            _aten.view.default,
+            (emit(_aten.cat.default, (rows, 1), before=last.start), [world * total]),
+            before=last.start,
+        )
         shard_val = flat.meta["val"].new_empty(total)
-        scattered = emit(last.start, REDUCE_SCATTER, (flat, op, world, group), val=shard_val)
-        reduced = emit(last.wait, WAIT, (scattered,), val=shard_val)
+        scattered = emit(REDUCE_SCATTER, (flat, op, world, group), val=shard_val, before=last.start)
+        reduced = emit(WAIT, (scattered,), val=shard_val, before=last.wait)
         old = [n for c in run for n in (c.wait, c.start)]
         replicas = [_replica_all_reduce(c) for c in run]
         if all(r is not None for r in replicas) and len({r[2] for r in replicas}) == 1:
             # HSDP: the replica all-reduce of the bucket's shard is one collective too.
-            all_reduce = emit(last.wait, ALL_REDUCE, (reduced, *replicas[0][2]), val=shard_val)
-            reduced = emit(last.wait, WAIT, (all_reduce,), val=shard_val)
+            all_reduce = emit(ALL_REDUCE, (reduced, *replicas[0][2]), val=shard_val, before=last.wait)
+            reduced = emit(WAIT, (all_reduce,), val=shard_val, before=last.wait)
             ends = [r[1] for r in replicas]
             old = [n for r in replicas for n in (r[1], r[0])] + old
         else:
             ends = [c.wait for c in run]
         offset, pieces = 0, []
         for c, end in zip(run, ends):
-            pieces.append(emit(last.wait, _aten.slice.Tensor, (reduced, 0, offset, offset + c.numel)))
+            pieces.append(emit(_aten.slice.Tensor, (reduced, 0, offset, offset + c.numel), before=last.wait))
             end.replace_all_uses_with(pieces[-1])
             offset += c.numel
         _erase(graph, old)
@@ -254,7 +246,4 @@ def bucket_collectives(gm: fx.GraphModule, bucket_bytes: int) -> fx.GraphModule:
     if bucket_bytes <= 0:
         return gm
     changed = _bucket_gathers(gm.graph, bucket_bytes) + _bucket_reduce_scatters(gm.graph, bucket_bytes)
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return gm
+    return finish(gm, bool(changed))

@@ -20,30 +20,9 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
 from fsdp_graph.ir import META_ROLE, META_UNIT, ROLE_UNSHARD, WAIT
+from passes.fx_nodes import alias_source, bind_args, fake_value, hint, tensor_bytes, value_bytes, written_args
 
-_aten, _prims = torch.ops.aten, torch.ops.prims
-
-
-def _hint(x) -> int:
-    """A concrete int for an int or SymInt (its hint: the value the graph was traced with)."""
-    if isinstance(x, torch.SymInt):
-        node = x.node
-        return int(node.hint) if node.has_hint() else int(node.optimization_hint(fallback=1))
-    return int(x)
-
-
-def _tensor_bytes(val) -> int:
-    if not isinstance(val, torch.Tensor):
-        return 0
-    return _hint(val.numel()) * val.element_size()
-
-
-def _tensors(val) -> list[torch.Tensor]:
-    return [v for v in tree_flatten(val)[0] if isinstance(v, torch.Tensor)]
-
-
-def _val(node) -> object:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
+_aten = torch.ops.aten
 
 
 def _input_nodes(node: fx.Node) -> list[fx.Node]:
@@ -92,7 +71,7 @@ def unit_labels(gm: fx.GraphModule) -> list[str | None]:
         if node.op == "call_function" and node.meta.get(META_ROLE) == ROLE_UNSHARD and own is not None:
             params[node] = own
         elif node.op == "call_function":
-            source = node.args[0] if node.target is operator.getitem else _alias_source(node)
+            source = node.args[0] if node.target is operator.getitem else alias_source(node)
             if isinstance(source, fx.Node) and source in params:
                 params[node] = params[source]
         read = next((params[a] for a in _input_nodes(node) if a in params), None)
@@ -102,48 +81,12 @@ def unit_labels(gm: fx.GraphModule) -> list[str | None]:
     return [first if label is None else label for label in labels]
 
 
-def _first_arg_bound(node: fx.Node, name: str, default=None):
-    """Argument `name` of an OpOverload call, positional or keyword."""
-    if name in node.kwargs:
-        return node.kwargs[name]
-    for i, arg in enumerate(node.target._schema.arguments):
-        if arg.name == name:
-            return node.args[i] if i < len(node.args) else default
-    return default
-
-
 @dataclass(eq=False)
 class _Storage:
     nbytes: int
     persistent: bool = False
     alloc: int = 0
     last_use: int = 0
-
-
-def _alias_source(node: fx.Node) -> fx.Node | None:
-    """The input whose storage `node`'s output shares, or None when the op allocates. View ops and in-place ops
-    (schema alias annotations), `_unsafe_view`, `wait_tensor` (returns the collective's buffer), a same-device
-    `device_put` and a `reshape` of a contiguous tensor allocate nothing."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        return None
-    first = node.args[0] if node.args else None
-    if target in (WAIT, _aten._unsafe_view.default):
-        return first
-    if target == _prims.device_put.default:
-        val, out = _val(first), _val(node)
-        same = isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) and val.device == out.device
-        return first if same else None
-    if target.overloadpacket == _aten.reshape:
-        val = _val(first)
-        return first if isinstance(val, torch.Tensor) and val.is_contiguous() else None
-    schema = target._schema
-    if target.is_view or any(r.alias_info is not None for r in schema.returns):
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is not None:
-                value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-                return value if isinstance(value, fx.Node) else None
-    return None
 
 
 class _Liveness:
@@ -160,14 +103,14 @@ class _Liveness:
         return storage
 
     def allocate(self, node: fx.Node, position: int, persistent: bool = False) -> None:
-        val = _val(node)
+        val = fake_value(node)
         if isinstance(val, (tuple, list)):
             self.elems[node] = [
-                [self.new(_tensor_bytes(v), position, persistent)] if isinstance(v, torch.Tensor) else [] for v in val
+                [self.new(tensor_bytes(v), position, persistent)] if isinstance(v, torch.Tensor) else [] for v in val
             ]
             self.refs[node] = [s for elem in self.elems[node] for s in elem]
         elif isinstance(val, torch.Tensor):
-            self.refs[node] = [self.new(_tensor_bytes(val), position, persistent)]
+            self.refs[node] = [self.new(tensor_bytes(val), position, persistent)]
         else:
             self.refs[node] = []
 
@@ -177,10 +120,10 @@ class _Liveness:
             elems = self.elems.get(base)
             self.refs[node] = elems[index] if elems is not None and index < len(elems) else self.refs.get(base, [])
             return
-        source = _alias_source(node)
+        source = alias_source(node)
         if source is not None:
             self.refs[node] = self.refs.get(source, [])
-            val = _val(node)
+            val = fake_value(node)
             if isinstance(val, (tuple, list)):  # split/unbind/chunk: every piece views the input
                 self.elems[node] = [self.refs[node]] * len(val)
             return
@@ -369,11 +312,11 @@ class Simulation:
 def _concrete(val):
     """A meta tensor with `val`'s concrete (hinted) shape, so flop formulas see plain ints."""
     if isinstance(val, torch.Tensor):
-        return torch.empty([_hint(s) for s in val.shape], dtype=val.dtype, device="meta")
+        return torch.empty([hint(s) for s in val.shape], dtype=val.dtype, device="meta")
     if isinstance(val, (list, tuple)):
         return type(val)(_concrete(v) for v in val)
     if isinstance(val, torch.SymInt):
-        return _hint(val)
+        return hint(val)
     return val
 
 
@@ -393,23 +336,21 @@ def node_flops(node: fx.Node) -> int:
     formula = flop_registry.get(target.overloadpacket) or _EXTRA_FLOPS.get(target.overloadpacket)
     if formula is None:
         return 0
-    args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: _concrete(_val(n)))
-    return _hint(formula(*args, **kwargs, out_val=_concrete(_val(node))))
+    args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: _concrete(fake_value(n)))
+    return hint(formula(*args, **kwargs, out_val=_concrete(fake_value(node))))
 
 
 def _is_free(node: fx.Node) -> bool:
     """Views cost nothing; an in-place op aliases its input too but still moves its bytes."""
     if node.target is operator.getitem:
         return True
-    if _alias_source(node) is None:
+    if alias_source(node) is None:
         return False
-    arguments = node.target._schema.arguments
-    return not any(a.alias_info is not None and a.alias_info.is_write for a in arguments)
+    return not written_args(node)
 
 
 def _moved_bytes(node: fx.Node) -> int:
-    inputs = sum(_tensor_bytes(t) for n in _input_nodes(node) for t in _tensors(_val(n)))
-    return inputs + sum(_tensor_bytes(t) for t in _tensors(_val(node)))
+    return sum(value_bytes(fake_value(n)) for n in _input_nodes(node)) + value_bytes(fake_value(node))
 
 
 def collective_cost(
@@ -418,14 +359,15 @@ def collective_cost(
     """(group size, unsharded payload bytes, seconds) of a collective node under the ring alpha-beta model. The
     group size is the op's `group_size` argument, else `group_sizes[group_name]`, else `world`."""
     kind = collective_kind(node)
-    n = _first_arg_bound(node, "group_size")
+    args = bind_args(node)
+    n = args.get("group_size")
     if n is None:
-        n = (group_sizes or {}).get(_first_arg_bound(node, "group_name"), world)
-    n = _hint(n)
+        n = (group_sizes or {}).get(args.get("group_name"), world)
+    n = hint(n)
     if kind == "all_gather":
-        payload = sum(_tensor_bytes(t) for t in _tensors(_val(node)))
+        payload = value_bytes(fake_value(node))
     else:
-        payload = sum(_tensor_bytes(t) for a in _input_nodes(node) for t in _tensors(_val(a)))
+        payload = sum(value_bytes(fake_value(a)) for a in _input_nodes(node))
     if n <= 1:
         return n, payload, 0.0
     rounds = 2 if kind == "all_reduce" else 1

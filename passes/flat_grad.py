@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from passes.fx_nodes import bind_args, finish
+
 _aten = torch.ops.aten
 
 
@@ -21,13 +23,11 @@ def _padded_slot(node: fx.Node) -> tuple[fx.Node, int, int, int] | None:
     if node.op != "call_function":
         return None
     if node.target is _aten.slice_backward.default:
-        grad, sizes, dim, start, end, step = node.args
+        a = bind_args(node)
+        grad, sizes = a["grad_output"], a["input_sizes"]
     elif node.target is _aten.slice_scatter.default:
-        defaults = {"dim": 0, "start": None, "end": None, "step": 1}
-        bound = dict(zip(("base", "grad", "dim", "start", "end", "step"), node.args))
-        bound.update(node.kwargs)
-        base, grad = bound["base"], bound["grad"]
-        dim, start, end, step = (bound.get(k, v) for k, v in defaults.items())
+        a = bind_args(node)
+        base, grad = a["self"], a["src"]
         if not (
             isinstance(base, fx.Node)
             and base.target is _aten.full.default
@@ -38,6 +38,7 @@ def _padded_slot(node: fx.Node) -> tuple[fx.Node, int, int, int] | None:
         sizes = base.args[0]
     else:
         return None
+    dim, start, end, step = a["dim"], a["start"], a["end"], a["step"]
     val = node.meta.get("val")
     if not (isinstance(val, torch.Tensor) and val.dim() == 1 and dim == 0 and step == 1 and len(sizes) == 1):
         return None
@@ -119,10 +120,7 @@ def cat_flat_grads(gm: fx.GraphModule) -> fx.GraphModule:
                 if not base.users:
                     graph.erase_node(base)
         changed = True
-    if changed:
-        graph.lint()
-        gm.recompile()
-    return gm
+    return finish(gm, changed)
 
 
 def _zeros(graph: fx.Graph, like: torch.Tensor, numel: int) -> fx.Node:

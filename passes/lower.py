@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.fx as fx
 
@@ -12,48 +10,34 @@ from fsdp_graph.ir import (
     ALL_REDUCE,
     META_ROLE,
     META_UNIT,
-    REDUCE_ARGS,
-    REDUCE_DEFAULTS,
     REDUCE_GRAD_TARGETS,
     REDUCE_SCATTER,
     ROLE_REDUCE,
     ROLE_UNSHARD,
-    UNSHARD_ARGS,
-    UNSHARD_DEFAULTS,
     UNSHARD_TARGETS,
     WAIT,
     gradient_divide_factors,
 )
+from passes.fx_nodes import NodeEmitter, bind_args, fake_value, finish
 
 _aten, _prims = torch.ops.aten, torch.ops.prims
 
 
-def _bind(node: fx.Node, names: tuple[str, ...], defaults: dict[str, Any]) -> dict[str, Any]:
-    bound = dict(defaults)
-    bound.update(zip(names, node.args))
-    bound.update(node.kwargs)
-    return bound
-
-
-class _Emitter:
-    """Inserts nodes before `anchor`, each carrying a fake value and the fsdp meta of the op it lowers."""
+class _Lowering(NodeEmitter):
+    """Inserts nodes before the fsdp op `anchor`, each carrying the fsdp meta of the op it lowers."""
 
     def __init__(self, graph: fx.Graph, anchor: fx.Node, unit: str, role: str):
-        self.graph, self.anchor, self.meta = graph, anchor, {META_UNIT: unit, META_ROLE: role}
+        super().__init__(graph, {META_UNIT: unit, META_ROLE: role}, before=anchor)
 
-    def __call__(self, target, args: tuple, val: torch.Tensor | None) -> fx.Node:
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(target, args)
-        node.meta.update(self.meta)
-        if val is not None:
-            node.meta["val"] = val
-        return node
+    def op(self, target, args: tuple, val: torch.Tensor | None) -> fx.Node:
+        """A node whose fake value the lowering knows (None: its input has none, so neither does it)."""
+        return self(target, args, val=val)
 
     def cast(self, node: fx.Node, dtype: torch.dtype | None) -> fx.Node:
-        val = node.meta.get("val")
+        val = fake_value(node)
         if dtype is None or (val is not None and val.dtype == dtype):
             return node
-        return self(_prims.convert_element_type.default, (node, dtype), None if val is None else val.to(dtype))
+        return self.op(_prims.convert_element_type.default, (node, dtype), None if val is None else val.to(dtype))
 
     def to_device(self, node: fx.Node, device: torch.device | None) -> fx.Node:
         """CPU offload's copies are kept even when the device is the same (a CPU-only run exercises the path).
@@ -62,38 +46,38 @@ class _Emitter:
         copy (fsdp_graph.offload.GradFence)."""
         if device is None:
             return node
-        val = node.meta.get("val")
-        return self(_prims.device_put.default, (node, device, True), None if val is None else val.to(device))
+        val = fake_value(node)
+        return self.op(_prims.device_put.default, (node, device, True), None if val is None else val.to(device))
 
 
 def _lower_unshard(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    a = _bind(node, UNSHARD_ARGS, UNSHARD_DEFAULTS)
-    emit = _Emitter(graph, node, a["unit"], ROLE_UNSHARD)
+    a = bind_args(node)
+    emit = _Lowering(graph, node, a["unit"], ROLE_UNSHARD)
     shard = emit.to_device(a["shard"], a["compute_device"])
     shard = emit.cast(shard, a["dtype"])
     if a["world"] == 1:
         return shard
     out_val = node.meta.get("val")
-    gathered = emit(ALL_GATHER, (shard, a["world"], a["group"]), out_val)
-    return emit(WAIT, (gathered,), out_val)
+    gathered = emit.op(ALL_GATHER, (shard, a["world"], a["group"]), out_val)
+    return emit.op(WAIT, (gathered,), out_val)
 
 
 def _lower_reduce(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    a = _bind(node, REDUCE_ARGS, REDUCE_DEFAULTS)
-    emit = _Emitter(graph, node, a["unit"], ROLE_REDUCE)
+    a = bind_args(node)
+    emit = _Lowering(graph, node, a["unit"], ROLE_REDUCE)
     grad = emit.cast(a["full_grad"], a["dtype"])
     gval = grad.meta.get("val")
     pre, post = gradient_divide_factors(a["world"] * a["replicate_world"])
     if pre > 1:
-        grad = emit(_aten.div.Tensor, (grad, pre), gval)
+        grad = emit.op(_aten.div.Tensor, (grad, pre), gval)
     shard_val = None if gval is None else gval.new_empty(gval.numel() // a["world"])
     if a["world"] > 1:
-        grad = emit(REDUCE_SCATTER, (grad, "sum", a["world"], a["group"]), shard_val)
-        grad = emit(WAIT, (grad,), shard_val)
+        grad = emit.op(REDUCE_SCATTER, (grad, "sum", a["world"], a["group"]), shard_val)
+        grad = emit.op(WAIT, (grad,), shard_val)
     if a["replicate_world"] > 1:
-        grad = emit(ALL_REDUCE, (grad, "sum", a["replicate_group"]), shard_val)
-        grad = emit(WAIT, (grad,), shard_val)
-    averaged = emit(_aten.div.Tensor, (grad, post), shard_val)
+        grad = emit.op(ALL_REDUCE, (grad, "sum", a["replicate_group"]), shard_val)
+        grad = emit.op(WAIT, (grad,), shard_val)
+    averaged = emit.op(_aten.div.Tensor, (grad, post), shard_val)
     return emit.to_device(emit.cast(averaged, a["out_dtype"]), a["out_device"])
 
 
@@ -122,7 +106,4 @@ def lower_fsdp_ops(gm: fx.GraphModule) -> fx.GraphModule:
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
         changed = True
-    if changed:
-        graph.lint()
-        gm.recompile()
-    return gm
+    return finish(gm, changed)

@@ -8,15 +8,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fsdp_graph.ir import UNSHARD_ARGS, UNSHARD_TARGETS
-
-_RESHARD_INDEX = UNSHARD_ARGS.index("reshard_after_forward")
-
-
-def reshard_after_forward(node: fx.Node) -> bool:
-    if len(node.args) > _RESHARD_INDEX:
-        return bool(node.args[_RESHARD_INDEX])
-    return bool(node.kwargs.get("reshard_after_forward", True))
+from fsdp_graph.ir import UNSHARD_TARGETS
+from passes.fx_nodes import bind_args
 
 
 def _is_view_of(user: fx.Node, base: fx.Node) -> bool:
@@ -42,7 +35,7 @@ def tag_reshard(graph: fx.Graph) -> fx.Graph:
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in UNSHARD_TARGETS:
             continue
-        if not reshard_after_forward(node):
+        if not bind_args(node)["reshard_after_forward"]:
             _tag(node, CheckpointPolicy.MUST_SAVE)
             continue
         todo, seen = [node], set()

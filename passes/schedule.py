@@ -22,13 +22,7 @@ from fsdp_graph.ir import (
     ROLE_UNSHARD,
     WAIT,
 )
-from passes.inspect import collective_group, node_nbytes
-
-
-def _is_alias(node: fx.Node) -> bool:
-    """The node's output shares storage with its first input (a view, or the wait returning its collective's
-    buffer)."""
-    return node.op == "call_function" and (node.target is WAIT or getattr(node.target, "is_view", False))
+from passes.fx_nodes import alias_source, collective_group, finish, node_bytes
 
 
 def _live_spans(nodes: list[fx.Node], order: dict[fx.Node, int]) -> dict[fx.Node, tuple[int, int, int]]:
@@ -39,17 +33,18 @@ def _live_spans(nodes: list[fx.Node], order: dict[fx.Node, int]) -> dict[fx.Node
         if (
             buf.op != "call_function"
             or buf.meta.get(META_ROLE) != ROLE_UNSHARD
-            or _is_alias(buf)
-            or not node_nbytes(buf)
+            or alias_source(buf) is not None
+            or not node_bytes(buf)
         ):
             continue
         last, stack = order[buf], [buf]
         while stack:
-            for user in stack.pop().users:
+            current = stack.pop()
+            for user in current.users:
                 last = max(last, order[user])
-                if _is_alias(user):
+                if alias_source(user) is current:
                     stack.append(user)
-        spans[buf] = (order[buf], last, node_nbytes(buf))
+        spans[buf] = (order[buf], last, node_bytes(buf))
     return spans
 
 
@@ -114,7 +109,7 @@ def _prefetch_gathers(graph: fx.Graph, max_inflight_bytes: int | None, serial_gr
     if max_inflight_bytes is None:
         # One typical unit more in flight than the graph holds without scheduling. The median, not the largest:
         # a big root (embedding + head) must not let every block's gather start at once.
-        max_inflight_bytes = max(live, default=0) + statistics.median_low(node_nbytes(g) for g in gathers)
+        max_inflight_bytes = max(live, default=0) + statistics.median_low(node_bytes(g) for g in gathers)
     changed = False
     # Chains placed before the same anchor keep their order, so the floor is the previous gather's anchor if it
     # moved, else the index right after it.
@@ -123,7 +118,7 @@ def _prefetch_gathers(graph: fx.Graph, max_inflight_bytes: int | None, serial_gr
     previous_on_group, _ = _same_group_neighbours(nodes, serial_groups)
     for gather in gathers[1:]:
         chain = _issue_chain(gather, order)
-        first, own = order[chain[0]], node_nbytes(gather)
+        first, own = order[chain[0]], node_bytes(gather)
         start, end, _ = spans.get(gather, (order[gather], order[gather], 0))
         for p in range(start, end + 1):  # the curve without this buffer
             live[p] -= own
@@ -253,7 +248,4 @@ def schedule_collectives(
         changed |= _prefetch_gathers(gm.graph, max_inflight_bytes, serial)
         changed |= _sink_reduce_waits(gm.graph, serial)
     changed |= _serialize_groups(gm.graph, serial)
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return gm
+    return finish(gm, changed)

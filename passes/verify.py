@@ -6,25 +6,11 @@ from __future__ import annotations
 import torch.fx as fx
 
 from fsdp_graph.ir import COLLECTIVES, WAIT
-from passes.inspect import collective_group
+from passes.fx_nodes import alias_source, collective_group, written_args
 
 
 def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node]) -> fx.Node:
     return roots.get(node, node)
-
-
-def _written_args(node: fx.Node) -> list[fx.Node]:
-    """The tensor arguments an op writes to (its schema's `(a!)` annotations)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
-    written = []
-    for index, argument in enumerate(schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
-        written.extend(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, fx.Node))
-    return written
 
 
 def check_collectives(gm: fx.GraphModule, serial_groups: frozenset[str] | set[str] = frozenset()) -> None:
@@ -79,13 +65,13 @@ def check_collectives(gm: fx.GraphModule, serial_groups: frozenset[str] | set[st
                 buffers.add(_storage_root(source, roots))
             in_flight[node] = buffers
             continue
-        for written in _written_args(node):
+        for written in written_args(node):
             root = _storage_root(written, roots)
             for issue, buffers in in_flight.items():
                 if root in buffers:
                     raise RuntimeError(
                         f"check_collectives: {node.name} writes to a buffer of {issue.name} while it is in flight"
                     )
-        if getattr(node.target, "is_view", False) and node.args and isinstance(node.args[0], fx.Node):
-            roots[node] = _storage_root(node.args[0], roots)
-
+        source = alias_source(node)
+        if source is not None:
+            roots[node] = _storage_root(source, roots)

@@ -80,7 +80,7 @@ def separate_reduce_group_parity(rank: int, world: int, strategy: str) -> dict:
 def activation_budget(rank: int, world: int) -> dict:
     """make_backend(activation_memory_budget=0.3): training is unchanged, and the forward hands the backward fewer
     saved bytes than with the default budget."""
-    from passes.inspect import node_nbytes
+    from passes.fx_nodes import node_bytes
     from tests.training import Case, run_case
 
     saved = {}
@@ -94,7 +94,7 @@ def activation_budget(rank: int, world: int) -> dict:
         loss_fn(compiled, make_batch(torch.Generator().manual_seed(0), 4)).backward()
         fw = next(r.graph for r in backend.reports if r.stage == "fw")
         outputs = next(n for n in fw.graph.nodes if n.op == "output").args[0]
-        saved[budget] = sum(node_nbytes(n) for n in outputs[1:] if isinstance(n, torch.fx.Node))  # [0]: the logits
+        saved[budget] = sum(node_bytes(n) for n in outputs[1:] if isinstance(n, torch.fx.Node))  # [0]: the logits
     torch._dynamo.reset()
     result = run_case(Case("gpt", "adamw", activation_memory_budget=0.3), rank, world)
     return {"diff": result.max_param_diff, "saved_default": saved[None], "saved_budget": saved[0.3]}

@@ -41,10 +41,32 @@ def test_pass_uuid_tracks_options_and_is_stable():
     assert fsdp_graph.make_backend()._cache_key() != fsdp_graph.make_backend(inductor=False)._cache_key()
 
 
-def test_import_passes_before_fsdp_graph():
-    """`import passes` first used to fail with a circular import (issue 12)."""
+@pytest.mark.parametrize("first", ["passes", "passes.fx_nodes", "passes.cost"])
+def test_import_passes_before_fsdp_graph(first):
+    """`import passes` first used to fail with a circular import (issue 12); so may any module of it imported first."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", "import passes; import fsdp_graph"], capture_output=True, text=True)
+    code = f"import {first}; import passes; import fsdp_graph; fsdp_graph.make_backend()._cache_key()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("module", ["passes.fx_nodes", "passes.collective_counts", "passes.lower"])
+def test_code_hash_covers_every_passes_module(monkeypatch, module):
+    """Editing any module of `passes`, the shared helpers included, changes the compiled code's cache key."""
+    import inspect
+
+    from fsdp_graph import backend
+
+    getsource = inspect.getsource
+    backend._code_hash.cache_clear()
+    before = backend._code_hash()
+    edited = lambda m: getsource(m) + ("\n# edited" if m.__name__ == module else "")  # noqa: E731
+    monkeypatch.setattr(backend.inspect, "getsource", edited)
+    backend._code_hash.cache_clear()
+    try:
+        assert backend._code_hash() != before
+    finally:
+        monkeypatch.undo()
+        backend._code_hash.cache_clear()

@@ -1,11 +1,10 @@
-"""Read-only analysis: the collectives a graph issues, per kind and unit."""
+"""Read-only analysis: how many collectives of each kind a graph issues, their bytes, and for which units."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 
 from fsdp_graph.ir import (
@@ -17,6 +16,7 @@ from fsdp_graph.ir import (
     REDUCE_SCATTER,
     UNSHARD_TARGETS,
 )
+from passes.fx_nodes import node_bytes
 
 _KIND = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce", ALL_TO_ALL: "all_to_all"}
 
@@ -38,25 +38,6 @@ class CollectiveSummary:
         return "; ".join(parts)
 
 
-def node_nbytes(node: fx.Node) -> int:
-    """Bytes of the node's value; a symbolic size (dynamic shapes) counts at its current hint."""
-    val = node.meta.get("val")
-    if val is None:
-        return 0
-    numel = val.numel()
-    if isinstance(numel, torch.SymInt):
-        numel = numel.node.hint if numel.node.has_hint() else 0
-    return int(numel) * val.element_size()
-
-
-def collective_group(node: fx.Node) -> str | None:
-    """The process-group name a `_c10d_functional` collective issue node runs on (its last argument), else None."""
-    if node.op != "call_function" or node.target not in _KIND:
-        return None
-    group = node.kwargs.get("group_name", node.args[-1] if node.args else None)
-    return group if isinstance(group, str) else None
-
-
 def collective_summary(gm: fx.GraphModule) -> CollectiveSummary:
     """Counts `_c10d_functional` collectives (bytes of the unsharded side: gather output, scatter / all-to-all input)
     and any `fsdp` op not yet lowered. Pure; changes nothing."""
@@ -70,6 +51,6 @@ def collective_summary(gm: fx.GraphModule) -> CollectiveSummary:
         if kind is None:
             continue
         summary.counts[kind] += 1
-        summary.bytes[kind] += node_nbytes(node if kind == "all_gather" else node.args[0])
+        summary.bytes[kind] += node_bytes(node if kind == "all_gather" else node.args[0])
         summary.units.append((kind, node.meta.get(META_UNIT, "?")))
     return summary
