@@ -2,19 +2,23 @@
 
     python benchmarks/bucketing.py
 
-Demo GPT (5 units: root 0.38 MiB, each block 3.01 MiB of fp32 parameters), 2 gloo ranks, eager kernels. Bucketing only
-re-lays out the data, so the bytes stay the same and the count drops.
+The benchmark Llama (benchmarks/workload.py; 5 units: 4 blocks of 2.8 MiB of fp32 parameters and
+the root, 0.25 MiB), 2 gloo ranks, eager kernels. Bucketing only re-lays out the data, so the bytes stay the same and the count drops.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
 import fsdp_graph
-from fsdp_graph.demo import DEMO_CONFIG, batches, corpus
 from fsdp_graph.launch import spawn
 from fsdp_graph.measure import executed_collectives
-from fsdp_graph.models import GPT, gpt_loss
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.workload import batches, bench_model, llama_loss  # noqa: E402
 
 MIB = 2**20
 BF16 = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -22,13 +26,13 @@ BF16 = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.
 
 def measure(rank: int, world: int, strategy: str, mp: bool, bucket_bytes: int) -> dict:
     torch.manual_seed(0)
-    model = GPT(DEMO_CONFIG)
+    model = bench_model()
     fsdp_graph.fully_shard(model, strategy=fsdp_graph.ShardingStrategy[strategy], mixed_precision=BF16 if mp else None)
     backend = fsdp_graph.make_backend(inductor=False, bucket_bytes=bucket_bytes)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
-    batch = next(batches(corpus(), 4, DEMO_CONFIG.seq, rank, world, seed=0))
-    gpt_loss(compiled, batch).backward()
-    executed = executed_collectives(lambda: gpt_loss(compiled, batch).backward())
+    batch = next(batches(4, rank, world, seed=0))
+    llama_loss(compiled, batch).backward()
+    executed = executed_collectives(lambda: llama_loss(compiled, batch).backward())
     return {
         "counts": dict(executed.counts),
         "payload": sum(executed.payload_bytes.values()),

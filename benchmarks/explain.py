@@ -1,4 +1,4 @@
-"""explain()'s cost model against measurements, and a plan for a GPT-2-small-sized model on 8 GPUs.
+"""explain()'s cost model against measurements, and a plan for a 12-layer Llama (GPT-2-small-sized) on 8 GPUs.
 
     python benchmarks/explain.py memory            # predicted vs measured peak memory, 2 gloo ranks
     python benchmarks/explain.py plan [--png PATH]  # 12 layers, 8 ranks, NVLink: exposed communication
@@ -7,7 +7,8 @@
 memory: each model and its loss compiled as one graph with make_backend(inductor=False); measured = peak bytes
 allocated above the step's start (profiler memory events, least of 5 steps after a compiling one), predicted =
 explain(..., inductor=False).memory.peak_bytes; rank 0 shown (rank 1 is the same within gloo's buffers).
-plan: GPT(vocab 50304, dim 768, 12 heads, 12 layers, seq 1024; 124 M params, fp32) built on the meta device, so no
+plan: Llama(vocab 50304, dim 768, 12 heads, 4 key/value heads, SwiGLU 2048, 12 layers, seq 1024, tied; fp32) built
+on the meta device, so no
 kernel runs and nothing is allocated; fake process group of 8 ranks; batch 8 x 1024 tokens per rank; FULL_SHARD.
 Writes nothing but stdout (and the PNG when asked).
 """
@@ -26,18 +27,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test models 
 
 import fsdp_graph  # noqa: E402
 from fsdp_graph.launch import spawn  # noqa: E402
-from fsdp_graph.models import GPT, GPTConfig  # noqa: E402
+from fsdp_graph.llama import Llama, LlamaConfig  # noqa: E402
 
 MIB = 2**20
 MEMORY_CASES = [  # (model, per-rank batch, what it is)
     ("gpt", 8, "test GPT (2 layers, dim 32)"),
-    ("demo", 8, "demo GPT (4 layers, dim 256, seq 128)"),
+    ("llama", 8, "main job's tiny Llama (4 layers, dim 128, seq 128)"),
     ("hf", 64, "HF-style net (loss inside)"),
     ("mlp", 512, "MLP + F.mse_loss"),
     ("bn", 64, "BatchNorm net"),
     ("conv", 16, "conv net"),
 ]
-PLAN_CONFIG = GPTConfig(vocab=50304, dim=768, heads=12, layers=12, seq=1024)
+PLAN_CONFIG = LlamaConfig(vocab=50304, dim=768, layers=12, heads=12, kv_heads=4, hidden=2048, seq=1024)
 
 
 def memory() -> None:
@@ -55,7 +56,7 @@ def plan(png: str | None, world: int, hardware: str, batch: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         with torch.device("meta"):
-            model = GPT(PLAN_CONFIG)
+            model = Llama(PLAN_CONFIG)
         fsdp_graph.fully_shard(model, device="meta")
         idx = torch.empty(batch, PLAN_CONFIG.seq, dtype=torch.long, device="meta")
 
@@ -69,7 +70,7 @@ def plan(png: str | None, world: int, hardware: str, batch: int) -> None:
         dist.destroy_process_group()
     params = sum(r.params for r in reports[True].units)
     print(
-        f"\nplan: {PLAN_CONFIG.layers}-layer GPT ({params / 1e6:.1f} M params, dim {PLAN_CONFIG.dim}), {world} ranks, "
+        f"\nplan: {PLAN_CONFIG.layers}-layer Llama ({params / 1e6:.1f} M params, dim {PLAN_CONFIG.dim}), {world} ranks, "
         f"batch {batch} x {PLAN_CONFIG.seq} tokens per rank, hardware {hardware}, FULL_SHARD fp32:"
     )
     for prefetch, report in reports.items():

@@ -2,7 +2,7 @@
 
     python benchmarks/memory.py
 
-Demo GPT, 2 gloo ranks, FULL_SHARD, compiled with eager kernels; peak bytes allocated above the step's
+The benchmark Llama (benchmarks/workload.py), 2 gloo ranks, FULL_SHARD, compiled with eager kernels; peak bytes allocated above the step's
 starting point (profiler memory events, so it works on CPU), median of 3 measured steps after 2 warm-up.
 """
 
@@ -11,19 +11,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
 import fsdp_graph
-from fsdp_graph.demo import DEMO_CONFIG, batches, corpus
 from fsdp_graph.launch import spawn
 from fsdp_graph.measure import peak_allocated_bytes
-from fsdp_graph.models import GPT, gpt_loss
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.workload import BENCH_CONFIG, batches, bench_model, llama_loss  # noqa: E402
 
 
 def measure(rank: int, world: int, in_backward: bool, compiled_step: bool, batch: int, seq: int, layers: int) -> float:
     torch.manual_seed(0)
-    model = GPT(dataclasses.replace(DEMO_CONFIG, layers=layers))
+    model = bench_model(dataclasses.replace(BENCH_CONFIG, layers=layers, seq=max(seq, BENCH_CONFIG.seq)))
     fsdp_graph.fully_shard(model)
     compiled = model
     if compiled_step:
@@ -33,10 +36,10 @@ def measure(rank: int, world: int, in_backward: bool, compiled_step: bool, batch
         optimizer = None
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    data = batches(corpus(), batch, seq, rank, world, seed=1)
+    data = batches(batch, rank, world, seed=1, seq=seq)
 
     def step():
-        gpt_loss(compiled, next(data)).backward()
+        llama_loss(compiled, next(data)).backward()
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad()
@@ -52,12 +55,12 @@ def measure(rank: int, world: int, in_backward: bool, compiled_step: bool, batch
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=DEMO_CONFIG.seq)
-    parser.add_argument("--layers", type=int, default=DEMO_CONFIG.layers)
+    parser.add_argument("--seq", type=int, default=BENCH_CONFIG.seq)
+    parser.add_argument("--layers", type=int, default=BENCH_CONFIG.layers)
     args = parser.parse_args()
-    n_params = sum(p.numel() for p in GPT(dataclasses.replace(DEMO_CONFIG, layers=args.layers)).parameters())
+    n_params = dataclasses.replace(BENCH_CONFIG, layers=args.layers).num_params()
     print(
-        f"demo GPT ({n_params / 1e6:.2f} M params), 2 ranks, FULL_SHARD, batch {args.batch}x{args.seq} per rank: "
+        f"benchmark Llama ({n_params / 1e6:.2f} M params), 2 ranks, FULL_SHARD, batch {args.batch}x{args.seq} per rank: "
         "peak allocated per step (rank 0)"
     )
     for compiled_step in (True, False):

@@ -3,20 +3,24 @@ the ZeRO minimum; and the peak memory of initialisation, full vs meta-device con
 
     python benchmarks/strategies.py
 
-Demo GPT (3.25 M params); 2 gloo ranks, HYBRID_SHARD on 4 (2x2). Bytes are what each rank sends with ring
+The benchmark Llama (benchmarks/workload.py, 3.0 M params); 2 gloo ranks, HYBRID_SHARD on 4 (2x2). Bytes are what each rank sends with ring
 algorithms: (N-1)/N of each gather/scatter payload, 2(N-1)/N of each all-reduce.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
 import fsdp_graph
-from fsdp_graph.demo import DEMO_CONFIG, batches, corpus
 from fsdp_graph.launch import spawn
 from fsdp_graph.measure import executed_collectives, peak_allocated_bytes
-from fsdp_graph.models import GPT, gpt_loss
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.workload import BENCH_CONFIG, batches, bench_model, llama_loss  # noqa: E402
 
 BF16 = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -38,21 +42,21 @@ def measure(rank: int, world: int, strategy: str, mp: bool) -> dict:
 
         mesh = init_device_mesh("cpu", (2, world // 2))
     torch.manual_seed(0)
-    model = GPT(DEMO_CONFIG)
+    model = bench_model()
     fsdp_graph.fully_shard(
         model, mesh, strategy=fsdp_graph.ShardingStrategy[strategy], mixed_precision=BF16 if mp else None
     )
     compiled = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
-    batch = next(batches(corpus(), 4, DEMO_CONFIG.seq, rank, world, seed=0))
-    gpt_loss(compiled, batch).backward()
+    batch = next(batches(4, rank, world, seed=0))
+    llama_loss(compiled, batch).backward()
     state = fsdp_graph.unit.flat_params(model)[0]
     # Every group in these runs has the shard group's size (or the replicas', for NO_SHARD): gloo's own events
     # carry no group, so their ring bytes are computed for that size.
     group = state.world if state.world > 1 else state.replicate_world
     executed = executed_collectives(
-        lambda: gpt_loss(compiled, batch).backward(), state.replicate_world, group_size=group
+        lambda: llama_loss(compiled, batch).backward(), state.replicate_world, group_size=group
     )
-    psi = sum(p.numel() for p in GPT(DEMO_CONFIG).parameters())
+    psi = BENCH_CONFIG.num_params()
     minimum = zero_minimum(strategy, psi, state.world, state.replicate_world, 2 if mp else 4, 4)
     return {
         "counts": dict(executed.counts),
@@ -65,15 +69,15 @@ def init_peak(rank: int, world: int, meta: bool) -> dict:
     def build():
         if meta:
             with torch.device("meta"):
-                model = GPT(DEMO_CONFIG)
+                model = bench_model()
         else:
             torch.manual_seed(0)
-            model = GPT(DEMO_CONFIG)
+            model = bench_model()
         return fsdp_graph.fully_shard(model)
 
     peak, model = peak_allocated_bytes(build)
     dist.barrier()
-    return {"peak": peak, "full": sum(p.numel() * 4 for p in GPT(DEMO_CONFIG).parameters())}
+    return {"peak": peak, "full": BENCH_CONFIG.num_params() * 4}
 
 
 def main() -> None:

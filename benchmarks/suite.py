@@ -2,7 +2,7 @@
 
     python benchmarks/suite.py [--steps 15] [--warmup 3] [--world 2] [--batch 8] [--out docs/benchmarks.md]
 
-Peers (demo GPT, gloo ranks on this machine):
+Peers (the benchmark Llama of benchmarks/workload.py, gloo ranks on this machine):
 - fsdp_graph: `fully_shard` + `torch.compile(backend=fsdp_backend)` (Inductor), FULL_SHARD, default scheduling;
 - fsdp_graph without scheduling (`prefetch=False, reduce_scatter="native"`): what the schedule passes buy;
 - fsdp_graph with `activation_memory_budget=0.5`: the partitioner recomputes activations to cut the peak;
@@ -15,7 +15,7 @@ of its own), warm compile (the same again in a fresh Dynamo state over the now w
 during a step per rank (profiler memory events, above the step's starting point, so the persistent parameter,
 gradient and optimizer shards are not in it), and the bytes gloo itself sent in a step (its profiler events,
 ring-algorithm bytes per rank) against the ZeRO-3 minimum 3(N-1)/N * params * 4.
-Then the wall time of our passes on a 12-layer and a 48-layer GPT (fake process group, 8 ranks).
+Then the wall time of our passes on a 12-layer and a 48-layer Llama (fake process group, 8 ranks).
 Writes the tables, the machine and the versions to `--out` and a bar chart next to it.
 """
 
@@ -28,6 +28,7 @@ import datetime
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,10 +37,12 @@ import torch
 import torch.distributed as dist
 
 import fsdp_graph
-from fsdp_graph.demo import DEMO_CONFIG, batches, corpus
 from fsdp_graph.launch import spawn
+from fsdp_graph.llama import LlamaConfig
 from fsdp_graph.measure import executed_collectives, peak_allocated_bytes
-from fsdp_graph.models import GPT, GPTConfig, gpt_loss
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.workload import BENCH_CONFIG, batches, bench_model, llama_loss  # noqa: E402
 
 OURS = "fsdp_graph (Inductor)"
 MEMORY_PEER = "fsdp_graph, activation_memory_budget=0.5"
@@ -88,7 +91,7 @@ def _train(setup, base, data, steps: int, warmup: int, distributed: bool) -> dic
     opt = torch.optim.AdamW(list(params), lr=3e-3)
 
     def step():
-        gpt_loss(model, next(data)).backward()
+        llama_loss(model, next(data)).backward()
         opt.step()
         opt.zero_grad()
 
@@ -115,8 +118,7 @@ def measure_peers(rank: int, world: int, args: argparse.Namespace) -> dict:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"suite-warmup-rank{rank}-")
     torch.compile(lambda x: torch.nn.functional.gelu(x @ x).sum())(torch.randn(16, 16, requires_grad=True)).backward()
     torch.manual_seed(0)
-    base = GPT(DEMO_CONFIG)
-    tokens = corpus()
+    base = bench_model()
     results = {}
     for name, setup in PEERS.items():
         # Each peer compiles from an empty Inductor cache of its own (cold), then once more over it (warm).
@@ -125,7 +127,7 @@ def measure_peers(rank: int, world: int, args: argparse.Namespace) -> dict:
         runs = []
         for _ in range(2):
             torch._dynamo.reset()
-            data = batches(tokens, args.batch, DEMO_CONFIG.seq, rank, world, seed=1)
+            data = batches(args.batch, rank, world, seed=1)
             runs.append(_train(setup, base, data, args.steps, args.warmup, name in DISTRIBUTED))
         cold, warm = runs
         results[name] = {
@@ -141,14 +143,14 @@ def measure_peers(rank: int, world: int, args: argparse.Namespace) -> dict:
 
 def pass_seconds(rank: int, world: int, layers: int) -> float:
     """Wall time of our passes (dedup, reshard, lower, bucket, all-to-all, schedule) for one training step's graphs
-    of a `layers`-layer GPT, planned on the fake process group at `world` ranks."""
+    of a `layers`-layer Llama, planned on the fake process group at `world` ranks."""
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab=256, dim=64, heads=4, layers=layers, seq=32)
-    model = fsdp_graph.fully_shard(GPT(cfg))
+    cfg = LlamaConfig(dim=64, layers=layers, heads=4, kv_heads=2, hidden=192, seq=32)
+    model = fsdp_graph.fully_shard(bench_model(cfg))
     backend = fsdp_graph.make_backend(inductor=False)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     idx = torch.randint(0, cfg.vocab, (1, cfg.seq))
-    gpt_loss(compiled, (idx, idx)).backward()
+    llama_loss(compiled, (idx, idx)).backward()
     return sum(backend.pass_seconds.values())
 
 
@@ -219,7 +221,7 @@ def main() -> None:
     passes = {layers: _fake_world(pass_seconds, 8, layers) for layers in (12, 48)}
     ours, base, ddp = results[OURS], results[BASELINE], results["DDP"]
     single = results["single process (torch.compile)"]
-    n_params = sum(p.numel() for p in GPT(DEMO_CONFIG).parameters())
+    n_params = BENCH_CONFIG.num_params()
     targets = [
         ("step time <= 0.9x FSDP2 eager", ours["median"] / base["median"], 0.9),
         ("step time <= 1.1x DDP", ours["median"] / ddp["median"], 1.1),
@@ -230,14 +232,14 @@ def main() -> None:
         ("cold compile <= 1.25x plain torch.compile", ours["cold_compile"] / single["cold_compile"], 1.25),
         ("pass time 48 layers <= 4.5x 12 layers", passes[48] / passes[12], 4.5),
     ]
-    cfg = dataclasses.asdict(DEMO_CONFIG)
+    cfg = dataclasses.asdict(BENCH_CONFIG)
     lines = [
         "# Benchmarks",
         "",
         f"Written by `python benchmarks/suite.py` on {datetime.date.today()}, in {time.perf_counter() - started:.0f} s.",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; Python "
         f"{platform.python_version()}, torch {torch.__version__}; {args.world} gloo ranks on this machine.",
-        f"Model: the demo GPT ({n_params / 1e6:.2f} M params, {cfg}), batch {args.batch}x{DEMO_CONFIG.seq} per "
+        f"Model: the benchmark Llama ({n_params / 1e6:.2f} M params, {cfg}), batch {args.batch}x{BENCH_CONFIG.seq} per "
         f"rank, AdamW; median of 2x{args.steps} steps after {args.warmup} warm-up each.",
         "",
         *_table(results, zero_min),

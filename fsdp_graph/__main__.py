@@ -1,4 +1,4 @@
-"""`python -m fsdp_graph COMMAND` / `fsdp-graph COMMAND`: `train` (the main job) or `demo` (the small GPT demo)."""
+"""`python -m fsdp_graph COMMAND` / `fsdp-graph COMMAND`: `train`, the main job."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ _USAGE = """usage: fsdp-graph COMMAND [options]
 
 commands:
   train   train a Llama-style model on the shipped corpus (fsdp-graph train --help)
-  demo    the small GPT demo (python -m fsdp_graph.demo)
 """
 
 
@@ -22,11 +21,6 @@ def main(argv: list[str] | None = None) -> int:
         from fsdp_graph.train import cli
 
         return cli(rest)
-    if command == "demo":
-        from fsdp_graph.demo import main as demo
-
-        demo(rest)
-        return 0
     print(f"fsdp-graph: unknown command {command!r}\n\n{_USAGE}", end="", file=sys.stderr)
     return 2
 

@@ -77,12 +77,22 @@ def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_met
     root: RootState = module.__dict__["_fsdp_root"]
     with torch.no_grad():
         for state in root.flat_params:
-            full = gather_flat(state, state.flat_shard.detach())
-            for slot, value in zip(state.layout.slots, state.layout.unflatten(full)):
-                entry = value if root.full_state_dict else to_dtensor(value, root)
-                for fqn in slot.fqns:
-                    if prefix + fqn in state_dict:
-                        state_dict[prefix + fqn] = entry
+            _put_flat_param(state_dict, prefix, state, root)
+
+
+def _put_flat_param(state_dict: dict, prefix: str, state: UnitState, root: RootState) -> None:
+    """Gather one flat parameter into the state dict's entries of its parameters. A function of its own so the
+    gathered tensor dies on return unless the entries keep it (full_state_dict's streaming relies on that)."""
+    full = gather_flat(state, state.flat_shard.detach())
+    for slot, value in zip(state.layout.slots, state.layout.unflatten(full)):
+        entry = root.full_state_dict(value) if root.full_state_dict else to_dtensor(value, root)
+        for fqn in slot.fqns:
+            if prefix + fqn not in state_dict:
+                continue
+            if entry is None:
+                del state_dict[prefix + fqn]
+            else:
+                state_dict[prefix + fqn] = entry
 
 
 def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:

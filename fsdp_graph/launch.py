@@ -1,4 +1,4 @@
-"""Start N local gloo ranks from one process (CPU machines, tests, the demo). Under torchrun use its env."""
+"""Start N local gloo ranks from one process (CPU machines, tests, the main job). Under torchrun use its env."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A small GPT built from a config (random init, nothing downloaded): the demo and benchmark model."""
+"""A small GPT built from a config (random init, nothing downloaded): the tests' and the soak run's model."""
 
 from __future__ import annotations
 

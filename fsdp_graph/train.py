@@ -329,6 +329,7 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
     bar = tqdm(total=args.steps, initial=start, disable=rank != 0, desc="train", unit="step", dynamic_ncols=True)
     for step in range(start, args.steps):
         _fail_if_asked(rank, step)
+        ticker = compile_ticker(bar, rank == 0 and step == start and args.compile)
         batch = tuple(t.to(device) for t in batch_at(tokens, step, args.seed, args.batch, args.seq, rank, world))
         began = time.perf_counter()
         if step == profile_at:
@@ -341,7 +342,8 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
             loss = out[0]
             stats.profiled = len(stats.step_s)
         else:
-            loss = step_fn(batch)
+            with ticker:
+                loss = step_fn(batch)
         dist.all_reduce(loss)
         value = loss.item() / world
         stats.step_s.append(time.perf_counter() - began)
@@ -369,3 +371,38 @@ def _print_header(args, cfg, world: int, device: torch.device, start: int) -> No
         f", batch {args.batch}x{args.seq} per rank, {args.steps} steps{resumed}",
         flush=True,
     )
+    if args.compile:
+        print(f"The first step compiles the model into one graph: {expected_compile_wait(args)}.", flush=True)
+
+
+def expected_compile_wait(args: argparse.Namespace) -> str:
+    """What a newcomer should expect the first step to take (measured on the tiny preset, 2 ranks, 2 CPU cores)."""
+    if args.backend_mode == "aot":
+        return "seconds rather than tens of seconds (--backend-mode aot: eager kernels, no code generation)"
+    return (
+        "expect 30-50 s on a 2-core CPU with an empty Inductor cache (tiny preset; larger presets take longer), "
+        "about 10 s when the cache is warm"
+    )
+
+
+@contextlib.contextmanager
+def compile_ticker(bar, active: bool, every_s: float = 1.0):
+    """While the first step compiles, the progress bar says so and counts the seconds: a cold compile takes tens of
+    seconds on a small machine, and a bar standing at 0 looks hung."""
+    if not active:
+        yield
+        return
+    began, stop = time.perf_counter(), threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(every_s):
+            bar.set_description_str(f"compiling {time.perf_counter() - began:.0f} s", refresh=True)
+
+    thread = threading.Thread(target=tick, name="compile-ticker", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        bar.set_description_str("train", refresh=False)

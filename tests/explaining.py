@@ -6,17 +6,16 @@ import torch
 import torch.nn.functional as F
 
 import fsdp_graph
-from fsdp_graph.demo import DEMO_CONFIG
+from fsdp_graph.llama import Llama, preset
 from fsdp_graph.measure import peak_allocated_bytes
-from fsdp_graph.models import GPT
 from tests.training import build
 
 
 def _build(name: str):
-    """(model, make_batch(generator, batch_size)): tests.training's models, plus "demo" (the demo's 4-layer GPT)."""
-    if name == "demo":
-        cfg = DEMO_CONFIG
-        return GPT(cfg), lambda g, b: tuple(torch.randint(0, cfg.vocab, (b, cfg.seq), generator=g) for _ in range(2))
+    """(model, make_batch(generator, batch_size)): tests.training's models, plus "llama" (the main job's tiny preset)."""
+    if name == "llama":
+        cfg = preset("tiny")
+        return Llama(cfg), lambda g, b: tuple(torch.randint(0, cfg.vocab, (b, cfg.seq), generator=g) for _ in range(2))
     model, _, make_batch = build(name)
     return model, make_batch
 
@@ -25,7 +24,7 @@ def inputs_and_loss(name: str, batch: tuple) -> tuple[tuple, object]:
     """The model's inputs and its loss as a function of its output (explain's `loss_fn`; None: the model
     returns its loss)."""
     inputs, target = batch[0], batch[1]
-    if name in ("gpt", "demo"):
+    if name in ("gpt", "llama"):
         return (inputs,), lambda logits: F.cross_entropy(logits.flatten(0, 1), target.flatten())
     if name == "hf":
         return (inputs, target), None

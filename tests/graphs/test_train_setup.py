@@ -1,6 +1,9 @@
-"""The main job's process group under torchrun: `cpu:gloo,cuda:nccl` with CUDA (gloo without), LOCAL_RANK's GPU."""
+"""The main job's setup: its process group under torchrun (`cpu:gloo,cuda:nccl` with CUDA, gloo without, LOCAL_RANK's
+GPU), and what a newcomer sees while the first step compiles."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -58,3 +61,34 @@ def test_train_rank_computes_on_the_mixed_groups_gpu(monkeypatch, fake_pg):
     with pytest.raises(_StopError) as stopped:
         train.train_rank(0, 4, train.parse_args([]))
     assert stopped.value.args == (torch.device("cuda", 3),)
+
+
+class _RecordingBar:
+    def __init__(self):
+        self.descriptions: list[str] = []
+
+    def set_description_str(self, text: str, refresh: bool = True) -> None:
+        self.descriptions.append(text)
+
+
+def test_compile_ticker_counts_the_first_steps_seconds_then_says_train():
+    bar = _RecordingBar()
+    with train.compile_ticker(bar, active=True, every_s=0.05):
+        time.sleep(0.3)
+    assert any(d.startswith("compiling ") and d.endswith(" s") for d in bar.descriptions), bar.descriptions
+    assert bar.descriptions[-1] == "train"
+    idle = _RecordingBar()
+    with train.compile_ticker(idle, active=False, every_s=0.05):
+        time.sleep(0.15)
+    assert idle.descriptions == []
+
+
+def test_header_states_the_expected_compile_wait(capsys, fake_pg):
+    args = train.parse_args(["--steps", "3"])
+    train._print_header(args, train.preset("tiny"), 2, torch.device("cpu"), 0)
+    assert "The first step compiles the model into one graph: expect 30-50 s" in capsys.readouterr().out
+    args = train.parse_args(["--backend-mode", "aot"])
+    train._print_header(args, train.preset("tiny"), 2, torch.device("cpu"), 0)
+    assert "no code generation" in capsys.readouterr().out
+    train._print_header(train.parse_args(["--no-compile"]), train.preset("tiny"), 2, torch.device("cpu"), 0)
+    assert "compiles" not in capsys.readouterr().out
