@@ -86,7 +86,11 @@ def run_once(options: dict, timeout_s: float) -> dict:
         results = spawn(soak_rank, 2, (options,), timeout_s=timeout_s)
     except RankFailedError as error:
         text = error.failures[0][2].strip().splitlines()
-        return {"ok": False, "error": f"rank {error.rank} ({error.signal or 'raised'}): {text[-1] if text else ''}"}
+        return {
+            "ok": False,
+            "error": f"rank {error.rank} ({error.signal or 'raised'}): {text[-1] if text else ''}",
+            "traceback": "\n".join(text[-40:]),  # the root cause's own end, for the report: a last line rarely says
+        }
     summary = dict(results[0])
     summary["rss_growth_mib"] = max(r["rss_growth_mib"] for r in results)
     summary["recompiles"] = max(r["recompiles"] for r in results)
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         else:
-            print(f"run {index + 1}: FAILED  {result['error']}", flush=True)
+            print(f"run {index + 1}: FAILED  {result['error']}\n{result.get('traceback', '')}", flush=True)
     failed = sum(not r["ok"] for r in runs)
     print(f"{len(runs) - failed} of {len(runs)} runs passed")
     if args.json:
