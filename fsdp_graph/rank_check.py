@@ -34,13 +34,19 @@ class GraphCollectives:
     lines: tuple[str, ...]
     groups: tuple[str, ...]
 
+    @property
+    def stage(self) -> str:
+        """ "fw", "bw" or "inference": what ranks compare (the index may differ when a rank compiled an extra graph
+        without collectives, e.g. one that only rank 0 traces)."""
+        return self.name.split()[0]
+
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks compiled graphs whose collectives differ; raised on every rank of the exchange."""
 
 
 def digest(graphs: Sequence[GraphCollectives]) -> bytes:
-    text = "\n".join(f"{g.name}:{'|'.join(g.lines)}" for g in graphs)
+    text = "\n".join(f"{g.stage}:{'|'.join(g.lines)}" for g in graphs)
     return hashlib.sha256(text.encode()).digest()
 
 
@@ -49,7 +55,7 @@ def first_difference(ranks: tuple[int, int], lists: tuple[Sequence[GraphCollecti
     (ra, rb), (a, b) = ranks, lists
     for index in range(max(len(a), len(b))):
         ga, gb = (a[index] if index < len(a) else None), (b[index] if index < len(b) else None)
-        if ga is None or gb is None or ga.name != gb.name:
+        if ga is None or gb is None or ga.stage != gb.stage:
             da, db = (f"graph '{g.name}'" if g else "no graph" for g in (ga, gb))
             return f"compiled graph #{index + 1}: rank {ra} has {da}, rank {rb} has {db}"
         for position in range(max(len(ga.lines), len(gb.lines))):
@@ -57,7 +63,8 @@ def first_difference(ranks: tuple[int, int], lists: tuple[Sequence[GraphCollecti
             lb = gb.lines[position] if position < len(gb.lines) else "nothing"
             if la != lb:
                 counts = f"{len(ga.lines)} vs {len(gb.lines)} collectives"
-                return f"graph '{ga.name}' collective #{position + 1} ({counts}): rank {ra} {la} vs rank {rb} {lb}"
+                name = f"'{ga.name}'" + ("" if gb.name == ga.name else f" (rank {rb}: '{gb.name}')")
+                return f"graph {name} collective #{position + 1} ({counts}): rank {ra} {la} vs rank {rb} {lb}"
     return None
 
 

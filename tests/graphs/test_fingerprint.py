@@ -81,6 +81,9 @@ def test_first_difference_names_graph_and_collective():
         == "graph 'bw 0' collective #2 (1 vs 2 collectives): rank 0 nothing vs rank 1 extra"
     )
     assert first_difference((2, 3), (a, a[:1])) == "compiled graph #2: rank 2 has graph 'bw 0', rank 3 has no graph"
+    renumbered = [GraphCollectives("fw 3", ("x", "w"), ("0",))]  # rank 1 compiled other graphs before this one
+    assert first_difference((0, 1), (a[:1], renumbered)).startswith("graph 'fw 0' (rank 1: 'fw 3') collective #2")
+    assert rank_check.digest(a[:1]) == rank_check.digest([GraphCollectives("fw 3", ("x", "y"), ("0",))])
 
 
 @pytest.mark.parametrize("verify", [True, False])
