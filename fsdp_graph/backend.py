@@ -210,7 +210,7 @@ class FSDPBackend:
             if lowered:
                 STORE.save(store_key, lowered)
                 return lowered
-            return [GraphCollectives(f"{g.name.split()[0]} {index}", g.lines, g.groups) for g in stored or []]
+            return [GraphCollectives(f"{g.stage} {index}", g.lines, g.groups) for g in stored or []]
 
         graphs()  # stores the lists now: a later compile of the same graph may hit the cache before this one runs
         return check_first_call(compiled, graphs, self.verify_timeout_s)
@@ -341,6 +341,8 @@ def make_backend(
         raise ValueError(f"make_backend: reduce_scatter must be 'auto' or 'native', got {reduce_scatter!r}")
     if activation_memory_budget is not None and not 0 < activation_memory_budget <= 1:
         raise ValueError(f"make_backend: activation_memory_budget must be in (0, 1], got {activation_memory_budget}")
+    if not verify_timeout_s > 0:
+        raise ValueError(f"make_backend: verify_timeout_s must be a positive number of seconds, got {verify_timeout_s}")
     options = ScheduleOptions(prefetch, max_inflight_bytes, bucket_bytes, reduce_scatter, activation_memory_budget)
     return FSDPBackend(
         inductor=inductor,

@@ -99,6 +99,11 @@ def test_check_runs_once_per_compiled_graph(fake_pg, monkeypatch, verify):
     assert [(g.name, g.lines) for g in calls[0]] == [(f"{r.stage} 0", r.fingerprint) for r in backend.reports]
 
 
+def test_bad_timeout_is_refused():
+    with pytest.raises(ValueError, match="verify_timeout_s must be a positive number of seconds, got 0"):
+        fsdp_graph.make_backend(verify_timeout_s=0)
+
+
 @pytest.mark.slow
 def test_cache_hit_takes_the_lists_from_the_store(fake_pg, monkeypatch, tmp_path):
     """On an AOTAutograd cache hit our passes do not run: the lists come from the store; without a stored entry
