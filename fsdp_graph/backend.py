@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch._functorch.config as functorch_config
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -24,6 +25,7 @@ import passes
 from fsdp_graph import ir, ops
 from fsdp_graph.compile_options import OWNED_VALUES, inductor_config_patches, patches_key
 from fsdp_graph.dump import GraphDumper, no_caches_when_dumping
+from fsdp_graph.rank_check import STORE, GraphCollectives, check_first_call
 from passes.collective_counts import CollectiveSummary
 from passes.fx_nodes import bind_args
 
@@ -31,13 +33,19 @@ from passes.fx_nodes import bind_args
 @dataclass
 class GraphReport:
     """What one lowered graph communicates. `stage` is "fw", "bw" or "inference"; `code` is the graph's
-    Python code after lowering (before Inductor); `graph` a copy of it when the backend keeps graphs."""
+    Python code after lowering (before Inductor); `graph` a copy of it when the backend keeps graphs;
+    `fingerprint` its collective sequence (`passes.collective_fingerprint`) on the process `groups` it uses."""
 
     graph_index: int
     stage: str
     collectives: CollectiveSummary
     code: str
     graph: fx.GraphModule | None = None
+    fingerprint: tuple[str, ...] = ()
+    groups: tuple[str, ...] = ()
+
+    def collectives_to_compare(self) -> GraphCollectives:
+        return GraphCollectives(f"{self.stage} {self.graph_index}", self.fingerprint, self.groups)
 
 
 @functools.cache
@@ -112,7 +120,10 @@ class _LowerPass(CustomGraphPass):
         timed["schedule"] += time.perf_counter() - bucketed
         summary = passes.collective_summary(gm)
         kept = copy.deepcopy(gm) if self.keep_graphs else None
-        self.reports.append(GraphReport(self.dumper.graph_index, self.stage, summary, gm.code.strip(), kept))
+        fingerprint = tuple(passes.collective_fingerprint(gm))
+        groups = tuple(sorted({g for n in gm.graph.nodes if (g := passes.fx_nodes.collective_group(n)) is not None}))
+        index = self.dumper.graph_index
+        self.reports.append(GraphReport(index, self.stage, summary, gm.code.strip(), kept, fingerprint, groups))
         number = {"fw": "03", "inference": "03", "bw": "04"}[self.stage]
         self.dumper.graph(f"{number}_{self.stage}_lowered", gm, header=summary.to_text())
         stage = self.stage
@@ -124,7 +135,9 @@ class _LowerPass(CustomGraphPass):
 
 class FSDPBackend:
     """A torch.compile backend. `reports` lists each lowered graph's collectives; `dynamo_graphs` counts
-    the Dynamo graphs compiled (graph breaks and recompiles each add one)."""
+    the Dynamo graphs compiled (graph breaks and recompiles each add one). With `verify_collectives`, each
+    compiled Dynamo graph checks on its first call that every rank compiled the same collectives
+    (`fsdp_graph.rank_check`), waiting at most `verify_timeout_s` for the other ranks."""
 
     def __init__(
         self,
@@ -133,8 +146,11 @@ class FSDPBackend:
         dump_dir: str | None = None,
         keep_graphs: bool = False,
         schedule: ScheduleOptions = ScheduleOptions(),
+        verify_collectives: bool = True,
+        verify_timeout_s: float = 600.0,
     ):
         self.inductor = inductor
+        self.verify_collectives, self.verify_timeout_s = verify_collectives, verify_timeout_s
         self.dump_dir = dump_dir
         self.keep_graphs = keep_graphs
         self.schedule = schedule
@@ -166,11 +182,42 @@ class FSDPBackend:
             uuid, dumper, self.reports, self.schedule, self.keep_graphs, all_to_all, self.pass_seconds, gloo
         )
         budget = self.schedule.activation_memory_budget
-        partitioner = {} if budget is None else {"activation_memory_budget": budget}
-        with no_caches_when_dumping(dumper.enabled), functorch_config.patch(partitioner):
-            if self.inductor:
-                return _compile_inductor(gm, example_inputs, reshard, lower, dumper.enabled, inductor_patches)
-            return _compile_eager(gm, example_inputs, reshard, lower)
+        functorch_patches = {} if budget is None else {"activation_memory_budget": budget}
+        verify = self.verify_collectives and dist.is_initialized() and dist.get_world_size() > 1
+        if verify:  # the backward compiles now (not at its first run), so the first forward checks it too
+            functorch_patches["force_non_lazy_backward_lowering"] = True
+
+        def compile_graph(caches: bool = True):
+            with no_caches_when_dumping(dumper.enabled or not caches), functorch_config.patch(functorch_patches):
+                if self.inductor:
+                    return _compile_inductor(
+                        gm, example_inputs, reshard, lower, dumper.enabled or not caches, inductor_patches
+                    )
+                return _compile_eager(gm, example_inputs, reshard, lower)
+
+        if not verify:
+            return compile_graph()
+        return self._compile_verified(compile_graph, dumper.graph_index, STORE.key(uuid, gm, example_inputs))
+
+    def _compile_verified(self, compile_graph, index: int, store_key: str):
+        """Compiles, and wraps the result to check the ranks' collectives on its first call. The lists come from
+        our passes, or on a compile-cache hit (the passes did not run) from `rank_check.STORE`; a hit with no
+        stored lists compiles again without the caches (once: the lists are then stored)."""
+        stored = STORE.load(store_key)
+        first = len(self.reports)
+        compiled = compile_graph()
+        if stored is None and not any(r.graph_index == index for r in self.reports[first:]):
+            compiled = compile_graph(caches=False)
+
+        def graphs() -> list[GraphCollectives]:
+            lowered = [r.collectives_to_compare() for r in self.reports[first:] if r.graph_index == index]
+            if lowered:
+                STORE.save(store_key, lowered)
+                return lowered
+            return [GraphCollectives(f"{g.stage} {index}", g.lines, g.groups) for g in stored or []]
+
+        graphs()  # stores the lists now: a later compile of the same graph may hit the cache before this one runs
+        return check_first_call(compiled, graphs, self.verify_timeout_s)
 
     def _cache_key(self) -> str:
         """The passes' code and this backend's options: what every compiled graph's cache key includes."""
@@ -274,6 +321,8 @@ def make_backend(
     reduce_scatter: str = "auto",
     activation_memory_budget: float | None = None,
     keep_graphs: bool = False,
+    verify_collectives: bool = True,
+    verify_timeout_s: float = 600.0,
 ) -> FSDPBackend:
     """A new backend. `inductor=False` runs the same passes and executes with eager kernels (fast compile).
     `dump_dir` (or env FSDP_GRAPH_DUMP) writes each stage's graph as code plus a collective summary.
@@ -284,13 +333,25 @@ def make_backend(
     reduce-scatter as an all-reduce: twice the bytes); "native" always uses `reduce_scatter_tensor`.
     `activation_memory_budget`: the share (0-1] of the activations the partitioner may save for backward; below 1 it
     recomputes the cheapest others (torch._functorch's solver), trading compute for peak memory. None: 1.0.
-    `keep_graphs`: each report keeps a copy of its lowered graph (for `explain`)."""
+    `keep_graphs`: each report keeps a copy of its lowered graph (for `explain`).
+    `verify_collectives`: on each compiled graph's first call, the ranks all-gather a 32-byte digest of its forward
+    and backward collectives and raise on every rank, naming the graph and the first difference, if they differ
+    (instead of hanging); `verify_timeout_s` bounds the wait for the other ranks."""
     if reduce_scatter not in ("auto", "native"):
         raise ValueError(f"make_backend: reduce_scatter must be 'auto' or 'native', got {reduce_scatter!r}")
     if activation_memory_budget is not None and not 0 < activation_memory_budget <= 1:
         raise ValueError(f"make_backend: activation_memory_budget must be in (0, 1], got {activation_memory_budget}")
+    if not verify_timeout_s > 0:
+        raise ValueError(f"make_backend: verify_timeout_s must be a positive number of seconds, got {verify_timeout_s}")
     options = ScheduleOptions(prefetch, max_inflight_bytes, bucket_bytes, reduce_scatter, activation_memory_budget)
-    return FSDPBackend(inductor=inductor, dump_dir=dump_dir, keep_graphs=keep_graphs, schedule=options)
+    return FSDPBackend(
+        inductor=inductor,
+        dump_dir=dump_dir,
+        keep_graphs=keep_graphs,
+        schedule=options,
+        verify_collectives=verify_collectives,
+        verify_timeout_s=verify_timeout_s,
+    )
 
 
 fsdp_backend = make_backend()

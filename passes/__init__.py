@@ -4,6 +4,7 @@ from passes.all_to_all import reduce_scatter_as_all_to_all
 from passes.bucket import bucket_collectives
 from passes.collective_counts import collective_summary
 from passes.dedup import dedup_unshard
+from passes.fingerprint import collective_fingerprint
 from passes.flat_grad import cat_flat_grads
 from passes.lower import lower_fsdp_ops
 from passes.reshard import tag_reshard
@@ -14,6 +15,7 @@ __all__ = [
     "bucket_collectives",
     "cat_flat_grads",
     "check_collectives",
+    "collective_fingerprint",
     "collective_summary",
     "dedup_unshard",
     "lower_fsdp_ops",

@@ -46,6 +46,7 @@ class Case:
     separate_reduce_group: bool = False  # fully_shard's option
     activation_memory_budget: float | None = None  # make_backend's option
     bucket_bytes: int = 0  # make_backend(bucket_bytes=...): merge consecutive units' collectives
+    verify_collectives: bool = True  # make_backend's option: ranks compare each graph's collectives at its first call
 
 
 @dataclass
@@ -168,6 +169,7 @@ def shard_and_compile(model: nn.Module, case: Case):
         inductor=case.mode == "inductor",
         bucket_bytes=case.bucket_bytes,
         activation_memory_budget=case.activation_memory_budget,
+        verify_collectives=case.verify_collectives,
     )
     return torch.compile(model, backend=backend, fullgraph=True), backend
 

@@ -1,0 +1,127 @@
+"""`passes.collective_fingerprint` on a tiny model, and the runtime's first-call check around compiled graphs."""
+
+import pytest
+import torch
+import torch.fx as fx
+from expecttest import assert_expected_inline
+
+import fsdp_graph
+from fsdp_graph import rank_check
+from fsdp_graph.ir import ALL_GATHER, WAIT
+from fsdp_graph.rank_check import GraphCollectives, first_difference
+from passes import collective_fingerprint
+from tests.graphs.capture import TwoBlock
+
+
+def _compile_two_block(backend, steps: int = 1) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = fsdp_graph.fully_shard(TwoBlock(dim=6))
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for _ in range(steps):
+        compiled(torch.randn(3, 6)).sum().backward()
+
+
+def _text(backend) -> str:
+    return "\n".join(f"{r.stage}: {line}" for r in backend.reports for line in r.fingerprint)
+
+
+def test_fingerprint_of_two_block(fake_pg):
+    backend = fsdp_graph.make_backend(inductor=False)
+    _compile_two_block(backend)
+    group = backend.reports[0].groups[0]
+    assert [r.groups for r in backend.reports] == [(group,), (group,)]
+    assert_expected_inline(
+        _text(backend).replace(f"group={group},", "group=G,"),
+        """\
+fw: all_gather_into_tensor(group=G, group_size=4, 11 x float32 -> 44 x float32)
+fw: all_gather_into_tensor(group=G, group_size=4, 11 x float32 -> 44 x float32)
+fw: all_gather_into_tensor(group=G, group_size=4, 3 x float32 -> 12 x float32)
+bw: all_gather_into_tensor(group=G, group_size=4, 3 x float32 -> 12 x float32)
+bw: all_gather_into_tensor(group=G, group_size=4, 11 x float32 -> 44 x float32)
+bw: reduce_scatter_tensor(group=G, reduce_op=sum, group_size=4, 12 x float32 -> 3 x float32)
+bw: reduce_scatter_tensor(group=G, reduce_op=sum, group_size=4, 44 x float32 -> 11 x float32)
+bw: reduce_scatter_tensor(group=G, reduce_op=sum, group_size=4, 44 x float32 -> 11 x float32)""",
+    )
+
+
+def test_bucketing_changes_the_fingerprint(fake_pg):
+    plain, bucketed = (
+        fsdp_graph.make_backend(inductor=False),
+        fsdp_graph.make_backend(inductor=False, bucket_bytes=1 << 20),
+    )
+    _compile_two_block(plain)
+    _compile_two_block(bucketed)
+    lists = [[r.collectives_to_compare() for r in b.reports] for b in (plain, bucketed)]
+    assert rank_check.digest(lists[0]) != rank_check.digest(lists[1])
+    assert first_difference((0, 1), lists).startswith("graph 'fw 0' collective #1 (3 vs 1 collectives): rank 0 all_ga")
+
+
+def test_fingerprint_without_collectives_is_empty():
+    assert collective_fingerprint(fx.symbolic_trace(torch.nn.Linear(2, 2))) == []
+
+
+def test_fingerprint_of_a_hand_built_graph():
+    graph = fx.Graph()
+    shard = graph.placeholder("shard")
+    shard.meta["val"] = torch.empty(5, dtype=torch.bfloat16, device="meta")
+    gathered = graph.call_function(ALL_GATHER, (shard, 2, "7"))
+    gathered.meta["val"] = torch.empty(10, dtype=torch.bfloat16, device="meta")
+    graph.output(graph.call_function(WAIT, (gathered,)))
+    lines = collective_fingerprint(fx.GraphModule(torch.nn.Module(), graph))
+    assert lines == ["all_gather_into_tensor(group=7, group_size=2, 5 x bfloat16 -> 10 x bfloat16)"]
+
+
+def test_first_difference_names_graph_and_collective():
+    a = [GraphCollectives("fw 0", ("x", "y"), ("0",)), GraphCollectives("bw 0", ("z",), ("0",))]
+    assert first_difference((0, 1), (a, a)) is None
+    b = [a[0], GraphCollectives("bw 0", ("z", "extra"), ("0",))]
+    assert (
+        first_difference((0, 1), (a, b))
+        == "graph 'bw 0' collective #2 (1 vs 2 collectives): rank 0 nothing vs rank 1 extra"
+    )
+    assert first_difference((2, 3), (a, a[:1])) == "compiled graph #2: rank 2 has graph 'bw 0', rank 3 has no graph"
+    renumbered = [GraphCollectives("fw 3", ("x", "w"), ("0",))]  # rank 1 compiled other graphs before this one
+    assert first_difference((0, 1), (a[:1], renumbered)).startswith("graph 'fw 0' (rank 1: 'fw 3') collective #2")
+    assert rank_check.digest(a[:1]) == rank_check.digest([GraphCollectives("fw 3", ("x", "y"), ("0",))])
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_check_runs_once_per_compiled_graph(fake_pg, monkeypatch, verify):
+    calls = []
+    monkeypatch.setattr(rank_check, "verify_ranks_agree", lambda graphs, timeout_s: calls.append(list(graphs)))
+    backend = fsdp_graph.make_backend(inductor=False, verify_collectives=verify)
+    _compile_two_block(backend, steps=3)
+    if not verify:
+        assert calls == []
+        return
+    assert len(calls) == 1  # the first call only
+    assert [(g.name, g.lines) for g in calls[0]] == [(f"{r.stage} 0", r.fingerprint) for r in backend.reports]
+
+
+def test_bad_timeout_is_refused():
+    with pytest.raises(ValueError, match="verify_timeout_s must be a positive number of seconds, got 0"):
+        fsdp_graph.make_backend(verify_timeout_s=0)
+
+
+@pytest.mark.slow
+def test_cache_hit_takes_the_lists_from_the_store(fake_pg, monkeypatch, tmp_path):
+    """On an AOTAutograd cache hit our passes do not run: the lists come from the store; without a stored entry
+    the graph compiles again, uncached, so the lists are the passes' own (full Inductor)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(rank_check, "verify_ranks_agree", lambda graphs, timeout_s: calls.append(list(graphs)))
+    first = fsdp_graph.make_backend()
+    _compile_two_block(first)
+    assert [r.stage for r in first.reports] == ["fw", "bw"]
+    hit = fsdp_graph.make_backend()
+    _compile_two_block(hit)
+    assert hit.reports == [] and calls[1] == calls[0]  # served by the cache, checked with the stored lists
+
+    monkeypatch.setattr(rank_check, "STORE", rank_check.FingerprintStore())
+    monkeypatch.setattr(fsdp_graph.backend, "STORE", rank_check.STORE)
+    for stored in (tmp_path / "fsdp_graph_collectives").iterdir():
+        stored.unlink()
+    unstored = fsdp_graph.make_backend()
+    _compile_two_block(unstored)
+    assert [r.stage for r in unstored.reports] == ["fw", "bw"] and calls[2] == calls[0]
