@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fsdp_graph.ir import COLLECTIVES
+from passes.fx_nodes import bind_args, collective_group, fake_value
 
 
 def _numel(value: torch.Tensor) -> str:
@@ -16,23 +16,19 @@ def _numel(value: torch.Tensor) -> str:
 
 
 def _describe(value) -> str:
-    if isinstance(value, fx.Node):
-        value = value.meta.get("val")
+    value = fake_value(value)
     if isinstance(value, torch.Tensor):
         return f"{_numel(value)} x {str(value.dtype).removeprefix('torch.')}"
     return "?"
 
 
-def _arguments(node: fx.Node) -> list[str]:
-    """The issue node's non-tensor arguments (group size, reduce op, split sizes) in schema order, group last."""
-    schema = node.target._schema
-    words = []
-    for index, argument in enumerate(schema.arguments):
-        value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name, argument.default_value)
-        if isinstance(value, fx.Node) or argument.name == "group_name":
-            continue
-        words.append(f"{argument.name}={value}")
-    return words
+def _arguments(arguments: dict) -> list[str]:
+    """The issue node's non-tensor arguments (group size, reduce op, split sizes) in schema order, group left out."""
+    return [
+        f"{name}={value}"
+        for name, value in arguments.items()
+        if not isinstance(value, fx.Node) and name != "group_name"
+    ]
 
 
 def collective_fingerprint(gm: fx.GraphModule) -> list[str]:
@@ -47,9 +43,10 @@ def collective_fingerprint(gm: fx.GraphModule) -> list[str]:
     """
     lines = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in COLLECTIVES:
+        group = collective_group(node)
+        if group is None:
             continue
-        group = node.kwargs.get("group_name", node.args[-1])
-        words = [f"group={group}", *_arguments(node), f"{_describe(node.args[0])} -> {_describe(node)}"]
+        arguments = bind_args(node)
+        words = [f"group={group}", *_arguments(arguments), f"{_describe(node.args[0])} -> {_describe(node)}"]
         lines.append(f"{node.target._schema.name.split('::')[-1]}({', '.join(words)})")
     return lines
