@@ -243,8 +243,7 @@ def _gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
 
 
 def _unshard_arg(node: fx.Node, name: str):
-    index = ir.UNSHARD_ARGS.index(name)
-    return node.kwargs.get(name, node.args[index] if len(node.args) > index else ir.UNSHARD_DEFAULTS.get(name))
+    return getattr(ir.unshard_args(node), name)
 
 
 def _check_sharded(gm: fx.GraphModule, example_inputs) -> None:

@@ -7,6 +7,9 @@ the un-lowered graph, the eager path and the lowered graph all compute the same 
 
 from __future__ import annotations
 
+from collections import namedtuple
+from typing import Any
+
 import torch
 
 _c10d = torch.ops._c10d_functional
@@ -38,6 +41,49 @@ def gradient_divide_factors(data_parallel_size: int) -> tuple[int, int | float]:
     pre = 1 << ((data_parallel_size - 1).bit_length() + 1) // 2
     post = data_parallel_size // pre if data_parallel_size % pre == 0 else data_parallel_size / pre
     return pre, post
+
+
+class OpSignature:
+    """The argument list of a registered op, read from its schema: the op's Python definition below is the one
+    place an argument is declared; the fake, the autograd formula, the runtime's call and the passes (through
+    `fsdp_graph.ir`) all derive names, defaults and arity from here."""
+
+    def __init__(self, op: torch._ops.OpOverload):
+        arguments = op._schema.arguments
+        self.names: tuple[str, ...] = tuple(a.name for a in arguments)
+        self.defaults: dict[str, Any] = {a.name: a.default_value for a in arguments if a.has_default_value()}
+        self.Args = namedtuple(f"{op._schema.name.split('::')[-1]}_args", self.names)
+
+    @property
+    def arity(self) -> int:
+        return len(self.names)
+
+    def bind(self, args: tuple | list, kwargs: dict[str, Any]) -> Any:
+        """The call's arguments by name (an `Args` namedtuple), defaults filled in."""
+        values = dict(self.defaults)
+        values.update(zip(self.names, args))
+        values.update(kwargs)
+        return self.Args(**values)
+
+    def call_args(self, values: dict[str, Any]) -> tuple:
+        """Positional arguments for a call with `values` (by name): up to the last one that differs from its
+        default, so a graph shows only the facts that matter (no `no_sync` arguments for a model without it)."""
+        unknown = set(values) - set(self.names)
+        if unknown:
+            raise TypeError(f"unknown op arguments {sorted(unknown)}; the op takes {self.names}")
+        full = [values[n] if n in values else self.defaults[n] for n in self.names]
+        end = len(full)
+        while end and self.names[end - 1] in self.defaults and _same(full[end - 1], self.defaults[self.names[end - 1]]):
+            end -= 1
+        return tuple(full[:end])
+
+    def gradients(self, **grads: torch.Tensor | None) -> tuple:
+        """An autograd formula's return value: `grads` by input name, None for every other input."""
+        return tuple(grads.get(n) for n in self.names)
+
+
+def _same(value: Any, default: Any) -> bool:
+    return value is default or (type(value) is type(default) and value == default)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -82,23 +128,15 @@ def unshard(
     return _c10d.wait_tensor(_c10d.all_gather_into_tensor(cast.contiguous(), world, group))
 
 
+UNSHARD_SIGNATURE = OpSignature(torch.ops.fsdp.unshard.default)
+
+
 @unshard.register_fake
-def _unshard_fake(
-    shard,
-    unit,
-    group,
-    world,
-    dtype=None,
-    reduce_dtype=None,
-    reshard_after_forward=True,
-    replicate_group="",
-    replicate_world=1,
-    sync=True,
-    unsynced=None,
-    compute_device=None,
-    reduce_group="",
-):
-    return shard.new_empty(shard.numel() * world, dtype=dtype or shard.dtype, device=compute_device or shard.device)
+def _unshard_fake(*args, **kwargs):
+    a = UNSHARD_SIGNATURE.bind(args, kwargs)
+    return a.shard.new_empty(
+        a.shard.numel() * a.world, dtype=a.dtype or a.shard.dtype, device=a.compute_device or a.shard.device
+    )
 
 
 @torch.library.custom_op("fsdp::reduce_grad", mutates_args=())
@@ -124,7 +162,9 @@ def reduce_grad(
     grad = _cast(full_grad, dtype).contiguous()
     if pre > 1:
         grad = grad / pre
-    if world > 1 and is_gloo_group(group, grad.device):  # as passes.all_to_all lowers it: gloo has no native reduce-scatter
+    if world > 1 and is_gloo_group(
+        group, grad.device
+    ):  # as passes.all_to_all lowers it: gloo has no native reduce-scatter
         chunk = grad.numel() // world
         grad = _c10d.wait_tensor(_c10d.all_to_all_single(grad, [chunk] * world, [chunk] * world, group))
         grad = grad.view(world, chunk).sum(0)
@@ -136,34 +176,44 @@ def reduce_grad(
     return averaged if out_device is None else averaged.to(out_device, non_blocking=True)
 
 
+REDUCE_SIGNATURE = OpSignature(torch.ops.fsdp.reduce_grad.default)
+
+
 @reduce_grad.register_fake
-def _reduce_grad_fake(
-    full_grad, unit, group, world, dtype, out_dtype, replicate_group="", replicate_world=1, out_device=None
-):
-    return full_grad.new_empty(full_grad.numel() // world, dtype=out_dtype, device=out_device or full_grad.device)
+def _reduce_grad_fake(*args, **kwargs):
+    a = REDUCE_SIGNATURE.bind(args, kwargs)
+    return a.full_grad.new_empty(
+        a.full_grad.numel() // a.world, dtype=a.out_dtype, device=a.out_device or a.full_grad.device
+    )
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    (shard, unit, group, world, _dtype, reduce_dtype, _reshard, replicate_group, replicate_world, sync, unsynced,
-     compute_device, reduce_group) = inputs  # fmt: skip
-    out_device = None if compute_device is None else shard.device
-    ctx.reduce_args = (
-        unit, reduce_group or group, world, reduce_dtype, shard.dtype, replicate_group, replicate_world, out_device
-    )  # fmt: skip
-    ctx.sync = sync
-    if unsynced is not None:
-        ctx.save_for_backward(unsynced)
+    a = UNSHARD_SIGNATURE.bind(inputs, {})
+    ctx.reduce_args = {
+        "unit": a.unit,
+        "group": a.reduce_group or a.group,
+        "world": a.world,
+        "dtype": a.reduce_dtype,
+        "out_dtype": a.shard.dtype,
+        "replicate_group": a.replicate_group,
+        "replicate_world": a.replicate_world,
+        "out_device": None if a.compute_device is None else a.shard.device,
+    }
+    ctx.sync = a.sync
+    if a.unsynced is not None:
+        ctx.save_for_backward(a.unsynced)
 
 
 def _unshard_backward(ctx, grad: torch.Tensor):
-    no_grads = (None,) * 9
     if not ctx.sync:  # no_sync: the unreduced gradient goes to the accumulator leaf, nothing to the shard
         (leaf,) = ctx.saved_tensors
-        return (None,) + no_grads + (grad.to(leaf.dtype), None, None)
+        return UNSHARD_SIGNATURE.gradients(unsynced=grad.to(leaf.dtype))
     if ctx.saved_tensors:  # the last microbatch after no_sync: one reduction of everything accumulated
         (accumulated,) = ctx.saved_tensors
         grad = grad.to(accumulated.dtype) + accumulated
-    return (reduce_grad(grad, *ctx.reduce_args),) + no_grads + (None, None, None)
+    return UNSHARD_SIGNATURE.gradients(
+        shard=reduce_grad(*REDUCE_SIGNATURE.call_args({"full_grad": grad, **ctx.reduce_args}))
+    )
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_map
 from fsdp_graph import offload
 from fsdp_graph.flat_param import FlatParamLayout
 from fsdp_graph.grads import install_grad_hook
+from fsdp_graph.ops import UNSHARD_SIGNATURE
 
 
 @dataclass(eq=False)
@@ -98,27 +99,25 @@ def unsharded_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
 
 
 def _call_unshard(shard: torch.Tensor, state: UnitState) -> torch.Tensor:
-    # Passed only when they matter, so a model that never uses no_sync has the plain op call in its graph.
-    sync_args = {}
+    values = {
+        "shard": shard,
+        "unit": state.name,
+        "group": state.group_name,
+        "world": state.world,
+        "dtype": state.param_dtype,
+        "reduce_dtype": state.reduce_dtype,
+        "reshard_after_forward": state.reshard_after_forward,
+        "replicate_group": state.replicate_group,
+        "replicate_world": state.replicate_world,
+        "compute_device": state.compute_device,
+        "reduce_group": state.reduce_group,
+    }
     if state.unsynced is not None and shard.requires_grad:
         if not state.root.requires_gradient_sync:
-            sync_args = {"sync": False, "unsynced": state.unsynced}
+            values.update(sync=False, unsynced=state.unsynced)
         elif state.unsynced.grad is not None:
-            sync_args = {"unsynced": state.unsynced.grad}
-    return torch.ops.fsdp.unshard(
-        shard,
-        state.name,
-        state.group_name,
-        state.world,
-        state.param_dtype,
-        state.reduce_dtype,
-        state.reshard_after_forward,
-        state.replicate_group,
-        state.replicate_world,
-        **sync_args,
-        **({"compute_device": state.compute_device} if state.compute_device is not None else {}),
-        **({"reduce_group": state.reduce_group} if state.reduce_group else {}),
-    )
+            values["unsynced"] = state.unsynced.grad
+    return torch.ops.fsdp.unshard(*UNSHARD_SIGNATURE.call_args(values))
 
 
 def _make_property(name: str) -> property:

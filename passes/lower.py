@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.fx as fx
 
@@ -12,27 +10,18 @@ from fsdp_graph.ir import (
     ALL_REDUCE,
     META_ROLE,
     META_UNIT,
-    REDUCE_ARGS,
-    REDUCE_DEFAULTS,
     REDUCE_GRAD_TARGETS,
     REDUCE_SCATTER,
     ROLE_REDUCE,
     ROLE_UNSHARD,
-    UNSHARD_ARGS,
-    UNSHARD_DEFAULTS,
     UNSHARD_TARGETS,
     WAIT,
     gradient_divide_factors,
+    reduce_args,
+    unshard_args,
 )
 
 _aten, _prims = torch.ops.aten, torch.ops.prims
-
-
-def _bind(node: fx.Node, names: tuple[str, ...], defaults: dict[str, Any]) -> dict[str, Any]:
-    bound = dict(defaults)
-    bound.update(zip(names, node.args))
-    bound.update(node.kwargs)
-    return bound
 
 
 class _Emitter:
@@ -67,7 +56,7 @@ class _Emitter:
 
 
 def _lower_unshard(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    a = _bind(node, UNSHARD_ARGS, UNSHARD_DEFAULTS)
+    a = unshard_args(node)._asdict()
     emit = _Emitter(graph, node, a["unit"], ROLE_UNSHARD)
     shard = emit.to_device(a["shard"], a["compute_device"])
     shard = emit.cast(shard, a["dtype"])
@@ -79,7 +68,7 @@ def _lower_unshard(graph: fx.Graph, node: fx.Node) -> fx.Node:
 
 
 def _lower_reduce(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    a = _bind(node, REDUCE_ARGS, REDUCE_DEFAULTS)
+    a = reduce_args(node)._asdict()
     emit = _Emitter(graph, node, a["unit"], ROLE_REDUCE)
     grad = emit.cast(a["full_grad"], a["dtype"])
     gval = grad.meta.get("val")

@@ -8,15 +8,11 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fsdp_graph.ir import UNSHARD_ARGS, UNSHARD_TARGETS
-
-_RESHARD_INDEX = UNSHARD_ARGS.index("reshard_after_forward")
+from fsdp_graph.ir import UNSHARD_TARGETS, unshard_args
 
 
 def reshard_after_forward(node: fx.Node) -> bool:
-    if len(node.args) > _RESHARD_INDEX:
-        return bool(node.args[_RESHARD_INDEX])
-    return bool(node.kwargs.get("reshard_after_forward", True))
+    return bool(unshard_args(node).reshard_after_forward)
 
 
 def _is_view_of(user: fx.Node, base: fx.Node) -> bool:
