@@ -7,6 +7,7 @@ the un-lowered graph, the eager path and the lowered graph all compute the same 
 
 from __future__ import annotations
 
+import math
 from collections import namedtuple
 from typing import Any
 
@@ -27,19 +28,23 @@ def is_gloo_group(group: str, device: torch.device | str = "cpu") -> bool:
     return backend_for(dist.distributed_c10d._resolve_process_group(group), device) in GLOO_BACKENDS
 
 
-def gradient_divide_factors(data_parallel_size: int) -> tuple[int, int | float]:
+def gradient_divide_factors(data_parallel_size: int, divide_factor: float | None = None) -> tuple[int, int | float]:
     """(pre, post): a gradient is divided by `pre` before its reduction and by `post` after it, pre * post ==
-    `data_parallel_size`, so the result is the mean. The one definition the eager op and `passes.lower` share.
+    `divide_factor` (None: `data_parallel_size`, so the result is the mean; `set_gradient_divide_factor` sets
+    another, e.g. 1.0 for a plain sum). The one definition the eager op and `passes.lower` share.
 
     A plain sum grows with the world: at 512 ranks a bf16/fp16 sum overflows fp16's range or rounds away the
     small terms, and dividing only afterwards cannot recover them. Splitting the division keeps every partial
-    sum within about sqrt(world) times one gradient. `pre` is the smallest power of two not below sqrt(world):
+    sum within about sqrt(world) times one gradient. `pre` is the smallest power of two not below sqrt(total):
     dividing by a power of two is exact in binary floating point (short of underflow), so an fp32 reduction
     gives bit for bit the sum-then-divide result, and the parity tests keep their precision."""
     if data_parallel_size < 1:
         raise ValueError(f"gradient_divide_factors: data_parallel_size must be >= 1, got {data_parallel_size}")
-    pre = 1 << ((data_parallel_size - 1).bit_length() + 1) // 2
-    post = data_parallel_size // pre if data_parallel_size % pre == 0 else data_parallel_size / pre
+    if divide_factor is not None and not divide_factor > 0:
+        raise ValueError(f"gradient_divide_factors: divide_factor must be > 0, got {divide_factor}")
+    total = data_parallel_size if divide_factor is None else divide_factor
+    pre = 1 << ((max(math.ceil(total), 1) - 1).bit_length() + 1) // 2
+    post = total // pre if isinstance(total, int) and total % pre == 0 else total / pre
     return pre, post
 
 
@@ -105,6 +110,7 @@ def unshard(
     unsynced: torch.Tensor | None = None,
     compute_device: torch.device | None = None,
     reduce_group: str = "",
+    divide_factor: float | None = None,
 ) -> torch.Tensor:
     """The unit's full padded flat parameter: `shard` copied to `compute_device` (CPU offload; None: where it
     is), cast to `dtype`, then all-gathered over `group` (`world` == 1: nothing to gather, NO_SHARD). With a
@@ -114,18 +120,31 @@ def unshard(
     `reduce_dtype` is the dtype its gradient is reduced in (None: the gradient's own dtype);
     `reshard_after_forward` tells the reshard pass whether the backward re-gathers (True) or the forward
     saves the gathered tensor (False); `replicate_group`/`replicate_world` name the group the gradient is
-    all-reduced over after the reduce-scatter (HYBRID_SHARD, NO_SHARD; 1: none).
+    all-reduced over after the reduce-scatter (HYBRID_SHARD, NO_SHARD; 1: none); `divide_factor` is what the
+    reduced gradient is divided by (None: the data-parallel size, a mean; see `gradient_divide_factors`).
 
     Gradient sync (`no_sync`) only changes the backward, through `sync` and `unsynced`:
     - `sync=False`: `unsynced` is a full-size leaf; the unreduced gradient becomes ITS gradient (autograd
       accumulates it over microbatches) and the shard gets none, so nothing is communicated.
     - `sync=True` with `unsynced` (the accumulated gradient): it is added before the one reduction.
     """
+    return wait_gather(start_gather(shard, group, world, dtype, compute_device), world)
+
+
+def start_gather(
+    shard: torch.Tensor, group: str, world: int, dtype: torch.dtype | None, compute_device: torch.device | None
+) -> torch.Tensor:
+    """The first half of `unshard` (also `FSDPModule.unshard(async_op=True)`): the copy, cast and all-gather
+    issued; `wait_gather` gives the full flat parameter."""
     moved = shard if compute_device is None else shard.to(compute_device, non_blocking=True)
     cast = _cast(moved, dtype)
     if world == 1:
         return cast.clone() if cast is shard else cast
-    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(cast.contiguous(), world, group))
+    return _c10d.all_gather_into_tensor(cast.contiguous(), world, group)
+
+
+def wait_gather(started: torch.Tensor, world: int) -> torch.Tensor:
+    return started if world == 1 else _c10d.wait_tensor(started)
 
 
 UNSHARD_SIGNATURE = OpSignature(torch.ops.fsdp.unshard.default)
@@ -150,15 +169,17 @@ def reduce_grad(
     replicate_group: str = "",
     replicate_world: int = 1,
     out_device: torch.device | None = None,
+    divide_factor: float | None = None,
 ) -> torch.Tensor:
-    """This rank's shard of the gradient averaged over all `world * replicate_world` data-parallel ranks:
+    """This rank's shard of the gradient averaged over all `world * replicate_world` data-parallel ranks (or
+    summed and divided by `divide_factor`):
     cast to `dtype`, divided by `pre`, reduce-scattered (sum) over `group`, all-reduced (sum) over
     `replicate_group`, divided by `post` (`gradient_divide_factors`), returned in `out_dtype` (on `out_device`,
     CPU offload; None: where it was computed).
 
     Sums and divisions: "avg" has no autograd formula and is not supported by every process-group backend.
     """
-    pre, post = gradient_divide_factors(world * replicate_world)
+    pre, post = gradient_divide_factors(world * replicate_world, divide_factor)
     grad = _cast(full_grad, dtype).contiguous()
     if pre > 1:
         grad = grad / pre
@@ -198,6 +219,7 @@ def _unshard_setup_context(ctx, inputs, output) -> None:
         "replicate_group": a.replicate_group,
         "replicate_world": a.replicate_world,
         "out_device": None if a.compute_device is None else a.shard.device,
+        "divide_factor": a.divide_factor,
     }
     ctx.sync = a.sync
     if a.unsynced is not None:

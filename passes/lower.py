@@ -72,7 +72,7 @@ def _lower_reduce(graph: fx.Graph, node: fx.Node) -> fx.Node:
     emit = _Emitter(graph, node, a["unit"], ROLE_REDUCE)
     grad = emit.cast(a["full_grad"], a["dtype"])
     gval = grad.meta.get("val")
-    pre, post = gradient_divide_factors(a["world"] * a["replicate_world"])
+    pre, post = gradient_divide_factors(a["world"] * a["replicate_world"], a["divide_factor"])
     if pre > 1:
         grad = emit(_aten.div.Tensor, (grad, pre), gval)
     shard_val = None if gval is None else gval.new_empty(gval.numel() // a["world"])
