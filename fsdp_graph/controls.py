@@ -71,6 +71,30 @@ class FSDPModule:
         for state in _states(self, "set_gradient_divide_factor"):
             state.divide_factor = None if factor is None else float(factor)
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
+        """HYBRID strategies: False skips the all-reduce across replicas in the next backwards; each adds its
+        reduce-scattered sum to a shard-size partial sum instead (`.grad` is untouched). The first backward with it
+        True again adds the partial sum before its all-reduce, so the gradients equal reducing every backward
+        (FSDP2's semantics). No effect without replicas. Compiled: one graph per setting, compiled once."""
+        for state in _states(self, "set_requires_all_reduce"):
+            if not requires_all_reduce and state.partial is None and state.flat_shard.requires_grad:
+                _add_partial(state)
+            state.requires_all_reduce = bool(requires_all_reduce)
+
+
+def _add_partial(state) -> None:
+    shard = state.flat_shard
+    # An expanded scalar (as no_sync's accumulator): only its `.grad` takes memory, one shard's worth.
+    leaf = torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.numel())
+    state.partial = leaf.requires_grad_()
+    torch._dynamo.mark_static(leaf)
+
+    def drop_all_reduced() -> None:
+        if state.requires_all_reduce:
+            leaf.grad = None
+
+    state.after_grad.insert(0, drop_all_reduced)
+
 
 def _states(module: nn.Module, method: str) -> list:
     states = module.__dict__.get("_fsdp_states")

@@ -111,6 +111,8 @@ def unshard(
     compute_device: torch.device | None = None,
     reduce_group: str = "",
     divide_factor: float | None = None,
+    all_reduce: bool = True,
+    partial: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The unit's full padded flat parameter: `shard` copied to `compute_device` (CPU offload; None: where it
     is), cast to `dtype`, then all-gathered over `group` (`world` == 1: nothing to gather, NO_SHARD). With a
@@ -127,6 +129,11 @@ def unshard(
     - `sync=False`: `unsynced` is a full-size leaf; the unreduced gradient becomes ITS gradient (autograd
       accumulates it over microbatches) and the shard gets none, so nothing is communicated.
     - `sync=True` with `unsynced` (the accumulated gradient): it is added before the one reduction.
+
+    Replica all-reduce (`set_requires_all_reduce`, HYBRID) likewise, through `all_reduce` and `partial`:
+    - `all_reduce=False`: `partial` is a shard-size leaf; the reduce-scattered, not yet all-reduced sum becomes ITS
+      gradient (accumulated by autograd) and the shard gets none.
+    - `all_reduce=True` with `partial` (the accumulated partial sum): it is added before the all-reduce.
     """
     return wait_gather(start_gather(shard, group, world, dtype, compute_device), world)
 
@@ -170,12 +177,16 @@ def reduce_grad(
     replicate_world: int = 1,
     out_device: torch.device | None = None,
     divide_factor: float | None = None,
+    all_reduce: bool = True,
+    partial: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's shard of the gradient averaged over all `world * replicate_world` data-parallel ranks (or
     summed and divided by `divide_factor`):
     cast to `dtype`, divided by `pre`, reduce-scattered (sum) over `group`, all-reduced (sum) over
     `replicate_group`, divided by `post` (`gradient_divide_factors`), returned in `out_dtype` (on `out_device`,
-    CPU offload; None: where it was computed).
+    CPU offload; None: where it was computed). `partial` (a partial sum accumulated without all-reduce) is added
+    after the reduce-scatter; `all_reduce=False` stops there and returns the partial sum (neither all-reduced nor
+    divided by `post`).
 
     Sums and divisions: "avg" has no autograd formula and is not supported by every process-group backend.
     """
@@ -191,6 +202,11 @@ def reduce_grad(
         grad = grad.view(world, chunk).sum(0)
     elif world > 1:
         grad = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, "sum", world, group))
+    if partial is not None:
+        grad = grad + partial.to(grad.device, grad.dtype)
+    if not all_reduce:
+        averaged = _cast(grad, out_dtype)
+        return averaged if out_device is None else averaged.to(out_device, non_blocking=True)
     if replicate_world > 1:
         grad = _c10d.wait_tensor(_c10d.all_reduce(grad, "sum", replicate_group))
     averaged = _cast(grad / post, out_dtype)
@@ -220,22 +236,26 @@ def _unshard_setup_context(ctx, inputs, output) -> None:
         "replicate_world": a.replicate_world,
         "out_device": None if a.compute_device is None else a.shard.device,
         "divide_factor": a.divide_factor,
+        "all_reduce": a.all_reduce,
     }
     ctx.sync = a.sync
-    if a.unsynced is not None:
-        ctx.save_for_backward(a.unsynced)
+    ctx.has_unsynced, ctx.has_partial = a.unsynced is not None, a.partial is not None
+    ctx.save_for_backward(*(t for t in (a.unsynced, a.partial) if t is not None))
 
 
 def _unshard_backward(ctx, grad: torch.Tensor):
+    saved = list(ctx.saved_tensors)
+    unsynced = saved.pop(0) if ctx.has_unsynced else None
+    partial = saved.pop(0) if ctx.has_partial else None
     if not ctx.sync:  # no_sync: the unreduced gradient goes to the accumulator leaf, nothing to the shard
-        (leaf,) = ctx.saved_tensors
-        return UNSHARD_SIGNATURE.gradients(unsynced=grad.to(leaf.dtype))
-    if ctx.saved_tensors:  # the last microbatch after no_sync: one reduction of everything accumulated
-        (accumulated,) = ctx.saved_tensors
-        grad = grad.to(accumulated.dtype) + accumulated
-    return UNSHARD_SIGNATURE.gradients(
-        shard=reduce_grad(*REDUCE_SIGNATURE.call_args({"full_grad": grad, **ctx.reduce_args}))
-    )
+        return UNSHARD_SIGNATURE.gradients(unsynced=grad.to(unsynced.dtype))
+    if unsynced is not None:  # the last microbatch after no_sync: one reduction of everything accumulated
+        grad = grad.to(unsynced.dtype) + unsynced
+    if not ctx.reduce_args["all_reduce"]:  # the partial sum goes to the partial leaf, nothing to the shard
+        reduced = reduce_grad(*REDUCE_SIGNATURE.call_args({"full_grad": grad, **ctx.reduce_args}))
+        return UNSHARD_SIGNATURE.gradients(partial=reduced.to(partial.dtype))
+    reduced = reduce_grad(*REDUCE_SIGNATURE.call_args({"full_grad": grad, **ctx.reduce_args, "partial": partial}))
+    return UNSHARD_SIGNATURE.gradients(shard=reduced)
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

@@ -64,6 +64,8 @@ class UnitState:
     compute_device: torch.device | None = None  # CPUOffload: the shard lives on the CPU, gathers happen here
     reduce_group: str = ""  # the group gradients are reduced over, when not `group_name` (separate_reduce_group)
     divide_factor: float | None = None  # set_gradient_divide_factor (None: the data-parallel size, a mean)
+    requires_all_reduce: bool = True  # set_requires_all_reduce(False): replicas' sums accumulate in `partial`
+    partial: torch.Tensor | None = None  # shard-size leaf; its `.grad` is the partial sum not all-reduced yet
 
     @property
     def flat_shard(self) -> torch.Tensor:
@@ -136,6 +138,11 @@ def _call_unshard(shard: torch.Tensor, state: UnitState) -> torch.Tensor:
             values.update(sync=False, unsynced=state.unsynced)
         elif state.unsynced.grad is not None:
             values["unsynced"] = state.unsynced.grad
+    if state.partial is not None and shard.requires_grad:
+        if not state.requires_all_reduce:
+            values.update(all_reduce=False, partial=state.partial)
+        elif state.partial.grad is not None:
+            values["partial"] = state.partial.grad
     return torch.ops.fsdp.unshard(*UNSHARD_SIGNATURE.call_args(values))
 
 

@@ -79,6 +79,12 @@ def _lower_reduce(graph: fx.Graph, node: fx.Node) -> fx.Node:
     if a["world"] > 1:
         grad = emit(REDUCE_SCATTER, (grad, "sum", a["world"], a["group"]), shard_val)
         grad = emit(WAIT, (grad,), shard_val)
+    if a["partial"] is not None:  # set_requires_all_reduce: the partial sum accumulated since the last all-reduce
+        grad = emit(
+            _aten.add.Tensor, (grad, emit.cast(a["partial"], None if shard_val is None else shard_val.dtype)), shard_val
+        )
+    if not a["all_reduce"]:
+        return emit.to_device(emit.cast(grad, a["out_dtype"]), a["out_device"])
     if a["replicate_world"] > 1:
         grad = emit(ALL_REDUCE, (grad, "sum", a["replicate_group"]), shard_val)
         grad = emit(WAIT, (grad,), shard_val)
