@@ -33,11 +33,21 @@ class _Regather:
 
 
 @dataclass(eq=False)
+class _Outer:
+    """A saved tensor packed by the saved-tensor hooks that were active when the forward began (e.g. the user's
+    `save_on_cpu`): ours are entered inside them, so everything that is not ours goes to them."""
+
+    unpack: Callable
+    packed: object
+
+
+@dataclass(eq=False)
 class ForwardSession:
     """One eager forward of a sharded model and the backward of its graph; the `_Regather` handles autograd holds
     keep it alive exactly as long as that graph."""
 
     gather: Gather
+    outer: tuple[Callable, Callable] | None = None  # (pack, unpack) of the enclosing saved-tensor hooks
     # storage address -> (the gathered flat parameter, weakly: its storage can't be reused while it lives; state)
     tracked: dict[int, tuple[weakref.ref, object]] = field(default_factory=dict)
     regathered: dict[str, torch.Tensor] = field(default_factory=dict)  # unit flat-param name -> backward's gather
@@ -48,20 +58,20 @@ class ForwardSession:
         self.tracked[flat.untyped_storage().data_ptr()] = (weakref.ref(flat), state)
 
     def pack(self, tensor: torch.Tensor):
-        if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
-            return tensor
-        entry = self.tracked.get(tensor.untyped_storage().data_ptr())
-        if entry is None:
-            return tensor
-        flat, state = entry[0](), entry[1]
+        entry = None
+        if type(tensor) is torch.Tensor and tensor.layout == torch.strided:
+            entry = self.tracked.get(tensor.untyped_storage().data_ptr())
+        flat, state = (entry[0](), entry[1]) if entry is not None else (None, None)
         if flat is None or flat.dtype != tensor.dtype or flat.device != tensor.device:
-            return tensor
+            return tensor if self.outer is None else _Outer(self.outer[1], self.outer[0](tensor))
         self.pending[state.name] += 1
         offset = tensor.storage_offset() - flat.storage_offset()
         return _Regather(self, state, tensor.size(), tensor.stride(), offset)
 
     @staticmethod
     def unpack(saved):
+        if isinstance(saved, _Outer):
+            return saved.unpack(saved.packed)
         if not isinstance(saved, _Regather):
             return saved
         session, name = saved.session, saved.state.name
@@ -78,7 +88,7 @@ class ForwardSession:
 
 def begin(gather: Gather) -> tuple[ForwardSession, torch.autograd.graph.saved_tensors_hooks]:
     """Start a session for an outermost eager forward; the returned hooks are entered (call `end` after)."""
-    session = ForwardSession(gather)
+    session = ForwardSession(gather, torch._C._autograd._top_saved_tensors_default_hooks(False))
     hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, ForwardSession.unpack)
     hooks.__enter__()
     return session, hooks
