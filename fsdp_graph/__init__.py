@@ -5,6 +5,7 @@ from fsdp_graph.backend import FSDPBackend, GraphReport, fsdp_backend, make_back
 from fsdp_graph.checkpoint_io import load_checkpoint, save_checkpoint
 from fsdp_graph.clip import clip_grad_norm_
 from fsdp_graph.config import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_graph.controls import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from fsdp_graph.explain import ExplainReport, explain
 from fsdp_graph.full_params import summon_full_params
 from fsdp_graph.optim import optimizer_in_backward
@@ -17,10 +18,12 @@ __all__ = [
     "CPUOffload",
     "ExplainReport",
     "FSDPBackend",
+    "FSDPModule",
     "GraphReport",
     "MixedPrecision",
     "ModuleWrapPolicy",
     "ShardingStrategy",
+    "UnshardHandle",
     "clip_grad_norm_",
     "explain",
     "fsdp_backend",
@@ -34,6 +37,7 @@ __all__ = [
     "save_checkpoint",
     "set_requires_gradient_sync",
     "optimizer_in_backward",
+    "register_fsdp_forward_method",
     "summon_full_params",
     "size_based_wrap_policy",
 ]

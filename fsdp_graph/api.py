@@ -19,6 +19,7 @@ from fsdp_graph.config import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_graph.flat_param import FlatParamLayout
 from fsdp_graph.gloo import gloo_timeout, single_thread_gloo_group
 from fsdp_graph.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
+from fsdp_graph.misuse import make_view
 from fsdp_graph.unit import (
     RootState,
     UnitState,
@@ -459,8 +460,7 @@ def _shard_flat_param(
         compute_device=compute_device,
     )
     for slot_index, (orig, slot_uses) in enumerate(zip(params, param_uses)):
-        view = nn.Parameter(torch.empty(0, dtype=shard.dtype, device=shard.device), requires_grad=orig.requires_grad)
-        view.__dict__.update({k: v for k, v in orig.__dict__.items() if not k.startswith("_")})
+        view = make_view(orig, layout.slots[slot_index].fqns[0], shard)
         state.views.append(view)
         for _, module, pname in slot_uses:
             module._parameters[pname] = view

@@ -33,42 +33,11 @@ META_BUCKET = "fsdp_bucket"
 ROLE_UNSHARD = "unshard"
 ROLE_REDUCE = "reduce_grad"
 
-# Positional argument indices of fsdp::unshard / fsdp::reduce_grad (the schema is the contract).
-UNSHARD_ARGS = (
-    "shard",
-    "unit",
-    "group",
-    "world",
-    "dtype",
-    "reduce_dtype",
-    "reshard_after_forward",
-    "replicate_group",
-    "replicate_world",
-    "sync",
-    "unsynced",
-    "compute_device",
-    "reduce_group",
-)
-REDUCE_ARGS = (
-    "full_grad",
-    "unit",
-    "group",
-    "world",
-    "dtype",
-    "out_dtype",
-    "replicate_group",
-    "replicate_world",
-    "out_device",
-)
-UNSHARD_DEFAULTS = {
-    "dtype": None,
-    "reduce_dtype": None,
-    "reshard_after_forward": True,
-    "replicate_group": "",
-    "replicate_world": 1,
-    "sync": True,
-    "unsynced": None,
-    "compute_device": None,
-    "reduce_group": "",
-}
-REDUCE_DEFAULTS = {"replicate_group": "", "replicate_world": 1, "out_device": None}
+# The ops' arguments, derived from their registered schemas (fsdp_graph/ops.py defines each op once).
+UNSHARD_SIGNATURE = _ops.UNSHARD_SIGNATURE
+REDUCE_SIGNATURE = _ops.REDUCE_SIGNATURE
+UNSHARD_ARGS = UNSHARD_SIGNATURE.names
+REDUCE_ARGS = REDUCE_SIGNATURE.names
+UNSHARD_DEFAULTS = UNSHARD_SIGNATURE.defaults
+REDUCE_DEFAULTS = REDUCE_SIGNATURE.defaults
+

@@ -16,9 +16,11 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from fsdp_graph import offload
+from fsdp_graph import eager_reshard, offload
+from fsdp_graph.controls import FSDPModule
 from fsdp_graph.flat_param import FlatParamLayout
 from fsdp_graph.grads import install_grad_hook
+from fsdp_graph.ops import UNSHARD_SIGNATURE
 
 
 @dataclass(eq=False)
@@ -36,6 +38,9 @@ class RootState:
     full_state_dict: Callable[[torch.Tensor], torch.Tensor | None] | None = None
     requires_gradient_sync: bool = True  # False inside `no_sync`: backwards accumulate unreduced gradients
     grad_fence: offload.GradFence = field(default_factory=offload.GradFence)  # CPU offload's end-of-backward wait
+    session: eager_reshard.ForwardSession | None = None  # the eager forward running now (None: none, or compiled)
+    saved_hooks: object = None  # that forward's saved_tensors_hooks, entered by the outermost pre-hook
+    unsharded: dict[str, torch.Tensor] = field(default_factory=dict)  # FSDPModule.unshard's flats, outside forward
 
 
 @dataclass(eq=False)
@@ -60,6 +65,9 @@ class UnitState:
     unsynced: torch.Tensor | None = None  # no_sync's full-size leaf; its `.grad` holds the unreduced gradient
     compute_device: torch.device | None = None  # CPUOffload: the shard lives on the CPU, gathers happen here
     reduce_group: str = ""  # the group gradients are reduced over, when not `group_name` (separate_reduce_group)
+    divide_factor: float | None = None  # set_gradient_divide_factor (None: the data-parallel size, a mean)
+    requires_all_reduce: bool = True  # set_requires_all_reduce(False): replicas' sums accumulate in `partial`
+    partial: torch.Tensor | None = None  # shard-size leaf; its `.grad` is the partial sum not all-reduced yet
 
     @property
     def flat_shard(self) -> torch.Tensor:
@@ -76,7 +84,8 @@ class ViewSpec:
 
 
 def unsharded_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
-    """The full flat parameter, or None outside forward in eager mode (then callers expose shards).
+    """The full flat parameter, or outside forward in eager mode the one `FSDPModule.unshard` left (None without
+    one: then callers expose shards).
 
     Compiled: always the op (the dedup pass keeps one per flat parameter and dtype). Eager: one gather per
     flat parameter per forward, cached until the outermost unit forward returns; inside a backward (activation
@@ -89,38 +98,54 @@ def unsharded_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
     if root.forward_depth == 0:
         task = torch._C._current_graph_task_id()
         if task == -1:
-            return None
+            return root.unsharded.get(state.name)
         if root.recompute_task != task:
             root.gathered.clear()
             root.recompute_task = task
     cached = root.gathered.get(state.name)
     if cached is None:
         cached = root.gathered[state.name] = _call_unshard(unit._fsdp_flat_shards[index], state)
+        if root.session is not None and resharded_in_eager(state):
+            root.session.track(state, cached)
     return cached
 
 
+def resharded_in_eager(state: UnitState) -> bool:
+    """Whether an eager forward frees `state`'s gathered flat parameter after its unit's forward (the backward
+    gathers it again). NO_SHARD (world 1) has nothing to gather: its "gather" is the shard itself or a cast."""
+    return state.reshard_after_forward and state.world > 1
+
+
+def _regather(state: UnitState) -> torch.Tensor:
+    return _call_unshard(state.flat_shard.detach(), state)
+
+
 def _call_unshard(shard: torch.Tensor, state: UnitState) -> torch.Tensor:
-    # Passed only when they matter, so a model that never uses no_sync has the plain op call in its graph.
-    sync_args = {}
+    values = {
+        "shard": shard,
+        "unit": state.name,
+        "group": state.group_name,
+        "world": state.world,
+        "dtype": state.param_dtype,
+        "reduce_dtype": state.reduce_dtype,
+        "reshard_after_forward": state.reshard_after_forward,
+        "replicate_group": state.replicate_group,
+        "replicate_world": state.replicate_world,
+        "compute_device": state.compute_device,
+        "reduce_group": state.reduce_group,
+        "divide_factor": state.divide_factor,
+    }
     if state.unsynced is not None and shard.requires_grad:
         if not state.root.requires_gradient_sync:
-            sync_args = {"sync": False, "unsynced": state.unsynced}
+            values.update(sync=False, unsynced=state.unsynced)
         elif state.unsynced.grad is not None:
-            sync_args = {"unsynced": state.unsynced.grad}
-    return torch.ops.fsdp.unshard(
-        shard,
-        state.name,
-        state.group_name,
-        state.world,
-        state.param_dtype,
-        state.reduce_dtype,
-        state.reshard_after_forward,
-        state.replicate_group,
-        state.replicate_world,
-        **sync_args,
-        **({"compute_device": state.compute_device} if state.compute_device is not None else {}),
-        **({"reduce_group": state.reduce_group} if state.reduce_group else {}),
-    )
+            values["unsynced"] = state.unsynced.grad
+    if state.partial is not None and shard.requires_grad:
+        if not state.requires_all_reduce:
+            values.update(all_reduce=False, partial=state.partial)
+        elif state.partial.grad is not None:
+            values["partial"] = state.partial.grad
+    return torch.ops.fsdp.unshard(*UNSHARD_SIGNATURE.call_args(values))
 
 
 def _make_property(name: str) -> property:
@@ -206,27 +231,44 @@ def swap_class(
             members["_apply"] = _unit_apply
         if cast_inputs_to is not None:
             members["forward"] = _casting_forward(cast_inputs_to)
-        _SWAPPED_CLASSES[key] = type(f"FSDP{cls.__name__}", (cls,), members)
+        bases = (cls, FSDPModule) if is_unit else (cls,)  # the model's own methods win over FSDPModule's
+        _SWAPPED_CLASSES[key] = type(f"FSDP{cls.__name__}", bases, members)
     module.__class__ = _SWAPPED_CLASSES[key]
 
 
+def enter_forward(root: RootState) -> None:
+    """An eager forward of a unit (or an `register_fsdp_forward_method` method) starts: property reads gather. The
+    outermost one outside backward opens an `eager_reshard` session."""
+    if torch.compiler.is_compiling():
+        return
+    if root.forward_depth == 0 and torch._C._current_graph_task_id() == -1:
+        root.session, root.saved_hooks = eager_reshard.begin(_regather)
+    root.forward_depth += 1
+
+
+def exit_forward(root: RootState, own_states: list[UnitState]) -> None:
+    """The forward `enter_forward` started ends: `own_states` that reshard after forward leave the gather cache
+    (autograd holds handles, not the gathers); the outermost one clears it and closes the session."""
+    if torch.compiler.is_compiling():
+        return
+    root.forward_depth -= 1
+    for state in own_states:
+        if resharded_in_eager(state):
+            root.gathered.pop(state.name, None)
+    if root.forward_depth == 0:
+        root.gathered.clear()
+        root.recompute_task = -1
+        if root.saved_hooks is not None:
+            eager_reshard.end(root.saved_hooks)
+            root.session = root.saved_hooks = None
+
+
 def install_forward_hooks(module: nn.Module, root: RootState) -> None:
-    """Marks eager forwards of `module` so property reads inside them gather (once per flat parameter).
-    The hooks touch no tensor, so under torch.compile they add no graph."""
-
-    def pre_hook(module, args):
-        if not torch.compiler.is_compiling():
-            root.forward_depth += 1
-
-    def post_hook(module, args, output):
-        if not torch.compiler.is_compiling():
-            root.forward_depth -= 1
-            if root.forward_depth == 0:
-                root.gathered.clear()
-                root.recompute_task = -1
-
-    module.register_forward_pre_hook(pre_hook)
-    module.register_forward_hook(post_hook, always_call=True)
+    """`enter_forward`/`exit_forward` around eager forwards of `module`. The hooks touch no tensor, so under
+    torch.compile they add no graph."""
+    own_states: list[UnitState] = module.__dict__.get("_fsdp_states", [])
+    module.register_forward_pre_hook(lambda module, args: enter_forward(root))
+    module.register_forward_hook(lambda module, args, output: exit_forward(root, own_states), always_call=True)
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -67,13 +67,19 @@ def _lower_reduce(graph: fx.Graph, node: fx.Node) -> fx.Node:
     emit = _Lowering(graph, node, a["unit"], ROLE_REDUCE)
     grad = emit.cast(a["full_grad"], a["dtype"])
     gval = grad.meta.get("val")
-    pre, post = gradient_divide_factors(a["world"] * a["replicate_world"])
+    pre, post = gradient_divide_factors(a["world"] * a["replicate_world"], a["divide_factor"])
     if pre > 1:
         grad = emit.op(_aten.div.Tensor, (grad, pre), gval)
     shard_val = None if gval is None else gval.new_empty(gval.numel() // a["world"])
     if a["world"] > 1:
         grad = emit.op(REDUCE_SCATTER, (grad, "sum", a["world"], a["group"]), shard_val)
         grad = emit.op(WAIT, (grad,), shard_val)
+    if a["partial"] is not None:  # set_requires_all_reduce: the partial sum accumulated since the last all-reduce
+        grad = emit.op(
+            _aten.add.Tensor, (grad, emit.cast(a["partial"], None if shard_val is None else shard_val.dtype)), shard_val
+        )
+    if not a["all_reduce"]:
+        return emit.to_device(emit.cast(grad, a["out_dtype"]), a["out_device"])
     if a["replicate_world"] > 1:
         grad = emit.op(ALL_REDUCE, (grad, "sum", a["replicate_group"]), shard_val)
         grad = emit.op(WAIT, (grad,), shard_val)

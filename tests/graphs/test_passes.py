@@ -36,7 +36,7 @@ def test_dedup_merges_repeated_reads(fake_pg):
 def forward(self, L_self_fsdp_flat_shards_0_ : torch.Tensor, L_x_ : torch.Tensor):
     l_self_fsdp_flat_shards_0_ = L_self_fsdp_flat_shards_0_
     l_x_ = L_x_
-    flat = torch.ops.fsdp.unshard(l_self_fsdp_flat_shards_0_, '', '0', 4, None, None, True, '', 1);  l_self_fsdp_flat_shards_0_ = None
+    flat = torch.ops.fsdp.unshard(l_self_fsdp_flat_shards_0_, '', '0', 4);  l_self_fsdp_flat_shards_0_ = None
     getitem = flat[slice(0, 9, None)]
     view = getitem.view((3, 3));  getitem = None
     matmul = l_x_ @ view;  view = None
