@@ -107,7 +107,9 @@ class _LowerPass(CustomGraphPass):
         timed["bucket+all_to_all"] += bucketed - lowered
         timed["schedule"] += time.perf_counter() - bucketed
         summary = passes.collective_summary(gm)
-        kept = copy.deepcopy(gm) if self.keep_graphs else None
+        # A copy of the graph, sharing the module's tensors: deep-copying a graph's constant tensors (Hugging Face
+        # Llama has some) fails under the fake mode compiling it, and `explain` only reads the nodes' metadata.
+        kept = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if self.keep_graphs else None
         self.reports.append(GraphReport(self.dumper.graph_index, self.stage, summary, gm.code.strip(), kept))
         number = {"fw": "03", "inference": "03", "bw": "04"}[self.stage]
         self.dumper.graph(f"{number}_{self.stage}_lowered", gm, header=summary.to_text())
