@@ -119,7 +119,9 @@ class _LowerPass(CustomGraphPass):
         timed["bucket+all_to_all"] += bucketed - lowered
         timed["schedule"] += time.perf_counter() - bucketed
         summary = passes.collective_summary(gm)
-        kept = copy.deepcopy(gm) if self.keep_graphs else None
+        # A copy of the graph, sharing the module's tensors: deep-copying a graph's constant tensors (Hugging Face
+        # Llama has some) fails under the fake mode compiling it, and `explain` only reads the nodes' metadata.
+        kept = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if self.keep_graphs else None
         fingerprint = tuple(passes.collective_fingerprint(gm))
         groups = tuple(sorted({g for n in gm.graph.nodes if (g := passes.fx_nodes.collective_group(n)) is not None}))
         index = self.dumper.graph_index

@@ -50,7 +50,9 @@ class LlamaConfig:
         return self.layers * block + self.vocab * self.dim + head + self.dim
 
 
-# Byte-level vocabulary (256) everywhere; the larger shapes follow Llama 3.2 1B / 3B and Llama 3 8B otherwise.
+# Byte-level vocabulary (256) everywhere; the larger shapes follow Llama 3.2 1B / 3B and Llama 3 / 3.1 8B, 70B and
+# 405B otherwise (Llama 3's own vocabulary: `preset("70b", vocab=LLAMA3_VOCAB)`).
+LLAMA3_VOCAB = 128256
 PRESETS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(dim=128, layers=4, heads=4, kv_heads=2, hidden=384, seq=128),
     "small": LlamaConfig(dim=512, layers=10, heads=8, kv_heads=4, hidden=1536, seq=256, tied=False),
@@ -58,6 +60,12 @@ PRESETS: dict[str, LlamaConfig] = {
     "3b": LlamaConfig(dim=3072, layers=28, heads=24, kv_heads=8, hidden=8192, seq=2048, rope_theta=500000.0),
     "8b": LlamaConfig(
         dim=4096, layers=32, heads=32, kv_heads=8, hidden=14336, seq=2048, rope_theta=500000.0, tied=False
+    ),
+    "70b": LlamaConfig(
+        dim=8192, layers=80, heads=64, kv_heads=8, hidden=28672, seq=2048, rope_theta=500000.0, tied=False
+    ),
+    "405b": LlamaConfig(
+        dim=16384, layers=126, heads=128, kv_heads=8, hidden=53248, seq=2048, rope_theta=500000.0, tied=False
     ),
 }
 

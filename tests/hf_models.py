@@ -19,9 +19,9 @@ PER_RANK_BATCH = 4
 LR = 1e-3
 
 
-def build_hf(name: str) -> nn.Module:
+def build_hf(name: str, vocab: int = VOCAB) -> nn.Module:
     """A 2-layer GPT-2 (tied embedding and head) or Llama (untied, grouped-query attention, RoPE), SDPA attention,
-    fp32, initialised from the current RNG state."""
+    fp32, initialised from the current RNG state, with a vocabulary of `vocab` tokens."""
     if name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -29,7 +29,7 @@ def build_hf(name: str) -> nn.Module:
             n_layer=2,
             n_embd=64,
             n_head=4,
-            vocab_size=VOCAB,
+            vocab_size=vocab,
             n_positions=32,
             attn_pdrop=0.0,
             embd_pdrop=0.0,
@@ -53,7 +53,7 @@ def build_hf(name: str) -> nn.Module:
             num_attention_heads=4,
             num_key_value_heads=2,
             intermediate_size=128,
-            vocab_size=VOCAB,
+            vocab_size=vocab,
             max_position_embeddings=32,
             tie_word_embeddings=False,
             attn_implementation="sdpa",

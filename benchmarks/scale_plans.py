@@ -1,0 +1,211 @@
+"""Plans of Llama 3 8B, 70B and 405B at real world sizes, from `explain()` on the meta device with the fake
+process group: per-rank memory, communication, and the plan's own wall time, against the ZeRO-3 formula.
+
+    python benchmarks/scale_plans.py                                   # every model x world x dtype -> docs/
+    python benchmarks/scale_plans.py --models 8b --worlds 8 --dtypes bf16 --out -   # one plan, to stdout
+
+Each plan: `Llama(preset(name, vocab=128256))` built on the meta device (no memory), `fully_shard` with the default
+wrap (blocks, embedding, head) and FULL_SHARD, one sequence of 2048 tokens per rank, the loss written with
+log_softmax (cross_entropy has no meta autograd kernel), `explain(hardware=...)`. bf16 is `MixedPrecision(bf16
+params, fp32 reduce)` over fp32 master shards; fp32 is no mixed precision. One process per plan: Dynamo's caches
+and the previous model's graphs would otherwise pile up over 24 plans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODELS = ("8b", "70b", "405b")
+WORLDS = (8, 64, 512, 1024)
+DTYPES = ("bf16", "fp32")
+BATCH, SEQ = 1, 2048
+ADAM_STATE_PER_PARAM = 8  # AdamW's exp_avg and exp_avg_sq, fp32, per element of the rank's shard
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One plan, bytes per rank. `peak_bytes` is explain's peak (shards, buffers, batch, the step's own
+    allocations: gathered units, activations, gradients) plus the optimizer state explain does not model."""
+
+    model: str
+    world: int
+    dtype: str
+    params: int
+    param_bytes: int  # this rank's fp32 master shards
+    grad_bytes: int  # its fp32 gradient shards
+    optim_bytes: int  # AdamW state of its shards
+    largest_unit_bytes: int  # the largest gathered unit, in the gather's dtype
+    activation_bytes: int  # the formula's activation estimate (`activation_estimate`)
+    peak_bytes: int
+    comm_bytes: float  # sent by this rank per step (ring algorithms)
+    step_seconds: float  # explain's step time on `hardware`
+    hardware: str
+    plan_seconds: float  # build on meta + fully_shard + explain, on this machine
+
+    @property
+    def zero3_bytes(self) -> float:
+        return zero3_formula(self.params, self.world, 2 * self.largest_unit_bytes, self.activation_bytes)
+
+
+def zero3_formula(params: int, world: int, unsharded_bytes: float, activation_bytes: float) -> float:
+    """ZeRO-3's per-rank model state with mixed-precision Adam, 16 bytes per parameter sharded over `world` ranks
+    (fp32 master 4, gradient 4, Adam 8 here; ZeRO's paper: fp16 param 2 + grad 2 + fp32 master, m, v 12), plus
+    the units gathered at once and the activations."""
+    return 16 * params / world + unsharded_bytes + activation_bytes
+
+
+def activation_estimate(dim: int, kv_dim: int, hidden: int, layers: int, vocab: int, tokens: int, elem: int) -> int:
+    """Activations saved for backward without recomputation, per rank: per layer and token the two norm inputs
+    and outputs, q, k, v, the attention output (7 x dim + 2 x kv_dim counting the residual sums) and SwiGLU's w1,
+    w3, silu and product (4 x hidden), in the compute dtype; plus the logits in the compute dtype and their fp32
+    log-softmax and its gradient."""
+    per_token_layer = (7 * dim + 2 * kv_dim + 4 * hidden) * elem
+    logits = tokens * vocab * (elem + 4 + 4)
+    return layers * tokens * per_token_layer + logits
+
+
+def hardware_for(world: int) -> str:
+    """NVLink within one 8-GPU node; InfiniBand beyond (the ring's slowest link)."""
+    return "nvlink" if world <= 8 else "infiniband"
+
+
+def plan(model: str, world: int, dtype: str, batch: int = BATCH, seq: int = SEQ, vocab: int | None = None) -> PlanRow:
+    """Plan one configuration in this process (it starts and ends a fake process group of `world` ranks)."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fsdp_graph
+    from fsdp_graph.llama import LLAMA3_VOCAB, Llama, preset
+    from passes.cost import collective_cost, iter_collectives
+
+    cfg = preset(model, vocab=vocab or LLAMA3_VOCAB, seq=seq)
+    hw = hardware_for(world)
+    mp = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" else None
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        start = time.perf_counter()
+        with torch.device("meta"):
+            llama = Llama(cfg)
+        fsdp_graph.fully_shard(llama, device="meta", param_init_fn=llama.init_module, mixed_precision=mp)
+        idx = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+
+        def lm_loss(logits: torch.Tensor) -> torch.Tensor:
+            return -logits.float().log_softmax(-1).gather(-1, idx.unsqueeze(-1)).mean()
+
+        report = fsdp_graph.explain(llama, idx, loss_fn=lm_loss, hardware=hw)
+        seconds = time.perf_counter() - start
+    finally:
+        dist.destroy_process_group()
+    comm = 0.0
+    for graph in report.graphs:
+        for node, kind, _ in iter_collectives(graph.graph):
+            n, payload, _ = collective_cost(node, report.hardware, world, report.group_sizes)
+            comm += payload * (n - 1) / n * (2 if kind == "all_reduce" else 1) if n > 1 else 0.0
+    shard_bytes = sum(r.shard_bytes for r in report.units)
+    elem = 2 if dtype == "bf16" else 4
+    return PlanRow(
+        model=model,
+        world=world,
+        dtype=dtype,
+        params=sum(r.params for r in report.units),
+        param_bytes=shard_bytes,
+        grad_bytes=shard_bytes,
+        optim_bytes=shard_bytes // 4 * ADAM_STATE_PER_PARAM,
+        largest_unit_bytes=max(r.unsharded_bytes for r in report.units),
+        activation_bytes=activation_estimate(
+            cfg.dim, cfg.kv_heads * cfg.head_dim, cfg.hidden, cfg.layers, cfg.vocab, batch * seq, elem
+        ),
+        peak_bytes=report.peak_memory_bytes + shard_bytes // 4 * ADAM_STATE_PER_PARAM,
+        comm_bytes=comm,
+        step_seconds=report.step_time,
+        hardware=hw,
+        plan_seconds=seconds,
+    )
+
+
+def format_table(rows: Iterable[PlanRow]) -> str:
+    """A Markdown table, GiB per rank."""
+    header = (
+        "| model | ranks | dtype | params/rank | grads/rank | AdamW/rank | largest unit | predicted peak | "
+        "ZeRO-3 formula | peak / formula | sent/rank/step | step (hardware) | plan time |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        lines.append(
+            f"| {r.model} | {r.world} | {r.dtype} | {r.param_bytes / GIB:.2f} | {r.grad_bytes / GIB:.2f} | "
+            f"{r.optim_bytes / GIB:.2f} | {r.largest_unit_bytes / GIB:.2f} | {r.peak_bytes / GIB:.2f} | "
+            f"{r.zero3_bytes / GIB:.2f} | {r.peak_bytes / r.zero3_bytes:.2f} | {r.comm_bytes / GIB:.1f} | "
+            f"{r.step_seconds:.2f} s ({r.hardware}) | {r.plan_seconds:.0f} s |"
+        )
+    return header + "\n".join(lines) + "\n"
+
+
+def _plan_in_subprocess(model: str, world: int, dtype: str) -> PlanRow:
+    args = [sys.executable, __file__, "--one", model, str(world), dtype]
+    out = subprocess.run(args, check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    return PlanRow(**json.loads(out.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--worlds", nargs="+", type=int, default=list(WORLDS))
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--out", default=str(ROOT / "docs" / "scale-plans.md"), help="'-' for stdout")
+    parser.add_argument("--one", nargs=3, metavar=("MODEL", "WORLD", "DTYPE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        model, world, dtype = args.one
+        print(json.dumps(asdict(plan(model, int(world), dtype))))
+        return
+    rows = []
+    for model in args.models:
+        for world in args.worlds:
+            for dtype in args.dtypes:
+                rows.append(_plan_in_subprocess(model, world, dtype))
+                print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+    text = format_table(rows)
+    if args.out == "-":
+        print(text)
+    else:
+        Path(args.out).write_text(_document(text))
+        print(f"wrote {args.out}")
+
+
+def _document(table: str) -> str:
+    return f"""# Plans at real scale: Llama 3 8B, 70B, 405B
+
+Written by `python benchmarks/scale_plans.py` (see its docstring for the setup): `explain()` on the meta device
+with the fake process group, FULL_SHARD, the default wrap (a unit per block, the embedding and the head), one
+sequence of {SEQ} tokens per rank ({BATCH} x {SEQ}), vocabulary 128256, untied. GiB per rank.
+
+- params / grads / AdamW: this rank's fp32 master shards, their fp32 gradients, AdamW's two fp32 states.
+- largest unit: the largest gathered flat parameter (bf16 or fp32).
+- predicted peak: explain's peak (shards, buffers, batch, and what the step allocates: gathered units, saved
+  activations, gradients) plus the AdamW state, which explain does not model.
+- ZeRO-3 formula: 16 Psi / N + 2 x largest unit (one in use, one prefetched) + activations, the activations
+  estimated without recomputation (`activation_estimate`: per layer and token 7 dim + 2 kv_dim + 4 ffn values,
+  plus the logits and their fp32 log-softmax and gradient).
+- sent/rank/step: what this rank sends per step under ring algorithms, (N-1)/N of each gather's and
+  reduce-scatter's payload.
+- step: explain's two-lane replay, eager-kernel roofline, NVLink at 8 ranks, InfiniBand beyond.
+- plan time: building on meta, `fully_shard` and `explain`, on the shared 2-core development machine.
+
+{table}"""
+
+
+if __name__ == "__main__":
+    main()
