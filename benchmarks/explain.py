@@ -26,8 +26,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test models live in tests/
 
 import fsdp_graph  # noqa: E402
-from fsdp_graph.launch import spawn  # noqa: E402
-from fsdp_graph.llama import Llama, LlamaConfig  # noqa: E402
+from fsdp_graph.train.launch import spawn  # noqa: E402
+from fsdp_graph.train.llama import Llama, LlamaConfig  # noqa: E402
 
 MIB = 2**20
 MEMORY_CASES = [  # (model, per-rank batch, what it is)
@@ -42,7 +42,7 @@ PLAN_CONFIG = LlamaConfig(vocab=50304, dim=768, layers=12, heads=12, kv_heads=4,
 
 
 def memory() -> None:
-    from tests.explaining import predicted_vs_measured
+    from tests.workers.explaining import predicted_vs_measured
 
     print("peak memory of one forward + backward above its start, rank 0 of 2 (eager kernels):")
     print(f"  {'model':46s} {'predicted KiB':>14s} {'measured KiB':>13s} {'error':>7s}")

@@ -158,8 +158,7 @@ def _torchrun_env(rank: int = 0, world: int = 1, port: int | None = None) -> Non
 
 def _train_child(params: dict) -> dict:
     """The main job itself, as torchrun would start its one rank."""
-    from fsdp_graph import train
-
+    from fsdp_graph.train import job as train
     _torchrun_env()
     argv = [*_TRAIN, "--steps", str(params["steps"]), *(["--cpu-offload"] if params.get("offload") else [])]
     argv += params.get("extra", [])  # later options win: a CPU smoke run passes a smaller preset
@@ -176,9 +175,9 @@ def _train_child(params: dict) -> dict:
 def _plain_child(params: dict) -> dict:
     """The job's model, data, optimizer and clipping with plain torch.compile, no FSDP, bf16 autocast; measured as
     the job measures itself (wall time of each step up to the loss's `.item()`, median after the first)."""
-    from fsdp_graph.corpus import batch_at, load_tokens
-    from fsdp_graph.llama import PRESETS, Llama, llama_loss
-    from fsdp_graph.train import parse_args as train_args
+    from fsdp_graph.train.corpus import batch_at, load_tokens
+    from fsdp_graph.train.job import parse_args as train_args
+    from fsdp_graph.train.llama import PRESETS, Llama, llama_loss
 
     targs = train_args([*_TRAIN, "--steps", str(params["steps"]), *params.get("extra", [])])
     device = _device(params)
@@ -247,13 +246,13 @@ def _loss_of(model, loss_fn, inputs):
 
 def _plan_child(params: dict) -> dict:
     """Llama 1b, FULL_SHARD over a fake group of 8 on this GPU: explain()'s plan, then the same forward + backward
-    compiled with Inductor and measured as tests/explaining.py measures on CPU (peak above the step's start)."""
+    compiled with Inductor and measured as tests/workers/explaining.py measures on CPU (peak above the step's start)."""
     import torch.nn.functional as F
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import fsdp_graph
-    from fsdp_graph.corpus import batch_at, load_tokens
-    from fsdp_graph.llama import Llama, preset
+    from fsdp_graph.train.corpus import batch_at, load_tokens
+    from fsdp_graph.train.llama import Llama, preset
 
     device = _device(params)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
@@ -324,9 +323,9 @@ def _overlap_rank_to_file(rank: int, world: int, port: int, params: dict, path: 
 def _overlap_rank(rank: int, world: int, port: int, params: dict) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from fsdp_graph import train
-    from fsdp_graph.corpus import batch_at, load_tokens
-    from fsdp_graph.llama import llama_loss
+    from fsdp_graph.train import job as train
+    from fsdp_graph.train.corpus import batch_at, load_tokens
+    from fsdp_graph.train.llama import llama_loss
 
     _torchrun_env(rank, world, port)
     device = torch.device("cuda", rank)

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 import fsdp_graph
-from fsdp_graph.launch import spawn
-from fsdp_graph.measure import peak_allocated_bytes
+from fsdp_graph.planning.measure import peak_allocated_bytes
+from fsdp_graph.train.launch import spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.workload import BENCH_CONFIG, batches, bench_model, llama_loss  # noqa: E402

@@ -87,7 +87,7 @@ def plan(model: str, world: int, dtype: str, batch: int = BATCH, seq: int = SEQ,
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import fsdp_graph
-    from fsdp_graph.llama import LLAMA3_VOCAB, Llama, preset
+    from fsdp_graph.train.llama import LLAMA3_VOCAB, Llama, preset
     from passes.cost import collective_cost, iter_collectives
 
     cfg = preset(model, vocab=vocab or LLAMA3_VOCAB, seq=seq)

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 import fsdp_graph
-from fsdp_graph.launch import RankFailedError, spawn
-from fsdp_graph.models import GPT, GPTConfig
+from fsdp_graph.train.gpt import GPT, GPTConfig
+from fsdp_graph.train.launch import RankFailedError, spawn
 
 _WARMUP = 10  # steps before memory and recompiles are counted (the train and eval graphs compile in these)
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import fsdp_graph
-from fsdp_graph.launch import spawn
-from fsdp_graph.measure import executed_collectives, peak_allocated_bytes
+from fsdp_graph.planning.measure import executed_collectives, peak_allocated_bytes
+from fsdp_graph.train.launch import spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.workload import BENCH_CONFIG, batches, bench_model, llama_loss  # noqa: E402
@@ -49,7 +49,7 @@ def measure(rank: int, world: int, strategy: str, mp: bool) -> dict:
     compiled = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
     batch = next(batches(4, rank, world, seed=0))
     llama_loss(compiled, batch).backward()
-    state = fsdp_graph.unit.flat_params(model)[0]
+    state = fsdp_graph.runtime.unit.flat_params(model)[0]
     # Every group in these runs has the shard group's size (or the replicas', for NO_SHARD): gloo's own events
     # carry no group, so their ring bytes are computed for that size.
     group = state.world if state.world > 1 else state.replicate_world

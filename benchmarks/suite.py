@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 
 import fsdp_graph
-from fsdp_graph.launch import spawn
-from fsdp_graph.llama import LlamaConfig
-from fsdp_graph.measure import executed_collectives, peak_allocated_bytes
+from fsdp_graph.planning.measure import executed_collectives, peak_allocated_bytes
+from fsdp_graph.train.launch import spawn
+from fsdp_graph.train.llama import LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.workload import BENCH_CONFIG, batches, bench_model, llama_loss  # noqa: E402

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from fsdp_graph.corpus import batch_at, load_tokens
-from fsdp_graph.llama import Llama, LlamaConfig, llama_loss
+from fsdp_graph.train.corpus import batch_at, load_tokens
+from fsdp_graph.train.llama import Llama, LlamaConfig, llama_loss
 
 BENCH_CONFIG = LlamaConfig(dim=256, layers=4, heads=8, kv_heads=4, hidden=704, seq=128, tied=True)
 

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "train":
-        from fsdp_graph.train import cli
+        from fsdp_graph.train.job import cli
 
         return cli(rest)
     print(f"fsdp-graph: unknown command {command!r}\n\n{_USAGE}", end="", file=sys.stderr)

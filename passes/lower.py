@@ -43,7 +43,7 @@ class _Lowering(NodeEmitter):
         """CPU offload's copies are kept even when the device is the same (a CPU-only run exercises the path).
         Asynchronous (non_blocking): the host-to-device copy reads a pinned shard that nothing writes during the
         graph; Inductor gives the device-to-host copy a pinned output, which the runtime reads only after the
-        copy (fsdp_graph.offload.GradFence)."""
+        copy (fsdp_graph.runtime.offload.GradFence)."""
         if device is None:
             return node
         val = fake_value(node)

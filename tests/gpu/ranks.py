@@ -14,8 +14,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import fsdp_graph
 from benchmarks.gpu_report import kernel_intervals, length, overlap_fraction
-from fsdp_graph.models import GPT, GPTConfig, gpt_loss
-from tests.collective_order import fx_sequence, prefetched
+from fsdp_graph.train.gpt import GPT, GPTConfig, gpt_loss
+from tests.workers.collective_order import fx_sequence, prefetched
 
 # Big enough that a unit's gather (about 3 M parameters) and its matmuls take tens of microseconds each.
 OVERLAP_CONFIG = GPTConfig(vocab=512, dim=512, heads=8, layers=4, seq=256, tied=True)

@@ -13,9 +13,9 @@ import torch.multiprocessing as mp
 from torch._inductor.utils import run_and_get_code
 
 import fsdp_graph
-from tests.collective_order import code_sequence, fx_sequence, prefetched
 from tests.gpu.ranks import gather_overlap
 from tests.graphs.test_inductor_order import FourBlock
+from tests.workers.collective_order import code_sequence, fx_sequence, prefetched
 
 pytestmark = pytest.mark.gpu
 

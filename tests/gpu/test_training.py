@@ -10,7 +10,7 @@ import torch._inductor.config as inductor_config
 from torch._inductor.utils import run_and_get_code
 
 import fsdp_graph
-from tests.training import build
+from tests.workers.training import build
 
 pytestmark = pytest.mark.gpu
 

@@ -57,8 +57,7 @@ def test_code_hash_covers_every_passes_module(monkeypatch, module):
     """Editing any module of `passes`, the shared helpers included, changes the compiled code's cache key."""
     import inspect
 
-    from fsdp_graph import backend
-
+    from fsdp_graph.compiler import backend
     getsource = inspect.getsource
     backend._code_hash.cache_clear()
     before = backend._code_hash()

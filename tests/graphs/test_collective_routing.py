@@ -12,8 +12,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import fsdp_graph
-from fsdp_graph import devices, full_params
-from fsdp_graph.train_report import gather_per_rank
+from fsdp_graph.api import full_params
+from fsdp_graph.runtime import devices
+from fsdp_graph.train.report import gather_per_rank
 from tests.graphs.capture import TwoBlock
 
 META = torch.device("meta")
@@ -76,8 +77,8 @@ def test_clip_grad_norm_all_reduces_on_the_collective_device(on_meta):
 def test_save_checkpoint_broadcasts_on_the_collective_device(on_meta, monkeypatch, tmp_path):
     monkeypatch.setattr(dcp, "save", lambda *args, **kwargs: None)
     model = fsdp_graph.fully_shard(TwoBlock())
-    monkeypatch.setattr(fsdp_graph.checkpoint_io, "_state", lambda model, optimizer: {})
-    monkeypatch.setattr(fsdp_graph.checkpoint_io, "_publish", lambda staging, path: None)
+    monkeypatch.setattr(fsdp_graph.state.checkpoint, "_state", lambda model, optimizer: {})
+    monkeypatch.setattr(fsdp_graph.state.checkpoint, "_publish", lambda staging, path: None)
     with pytest.raises(_ReachedError):
         fsdp_graph.save_checkpoint(str(tmp_path / "ckpt"), model)
     assert on_meta == [("broadcast", [META])]
@@ -116,9 +117,9 @@ def test_state_dict_mesh_is_chosen_when_the_state_dict_is_made(fake_pg, monkeypa
     (Moving to meta cannot stand in for `.cuda()`: meta tensors cannot be `.data` of CPU parameters.)"""
     model = fsdp_graph.fully_shard(TwoBlock())
     root = model.__dict__["_fsdp_root"]
-    assert fsdp_graph.checkpoint.to_dtensor(torch.zeros(8), root).device_mesh.device_type == "cpu"
+    assert fsdp_graph.state.sharded.to_dtensor(torch.zeros(8), root).device_mesh.device_type == "cpu"
     monkeypatch.setattr(devices, "choose_device", lambda config, preferred=None, current_index=None: META)
-    assert fsdp_graph.checkpoint.to_dtensor(torch.zeros(8), root).device_mesh.device_type == "meta"
+    assert fsdp_graph.state.sharded.to_dtensor(torch.zeros(8), root).device_mesh.device_type == "meta"
 
 
 def test_state_dict_mesh_of_an_accelerator_resident_model(fake_pg):

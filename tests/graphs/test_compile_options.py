@@ -7,7 +7,7 @@ from torch._dynamo.exc import BackendCompilerFailed
 
 import fsdp_graph
 import passes
-from fsdp_graph import backend as backend_module
+from fsdp_graph.compiler import backend as backend_module
 from tests.graphs.capture import TwoBlock
 
 

@@ -14,7 +14,7 @@ import fsdp_graph
 from fsdp_graph.ir import META_ROLE, META_UNIT, ROLE_REDUCE, ROLE_UNSHARD
 from passes.cost import Hardware, collective_cost, estimate_memory, node_flops, simulate, unit_labels
 from tests.graphs.capture import TwoBlock
-from tests.models import GPT, GPTConfig
+from tests.workers.models import GPT, GPTConfig
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 AG, RS, AR, WAIT = (
@@ -208,7 +208,7 @@ def test_explain_world_4(fake_pg, tmp_path):
     first = next(model.parameters())
     first.grad = sentinel
     calls = []
-    states = fsdp_graph.unit.flat_params(model)
+    states = fsdp_graph.runtime.unit.flat_params(model)
     states[0].after_grad.append(lambda: calls.append(1))  # e.g. optimizer_in_backward: must not step
     report = fsdp_graph.explain(model, idx, loss_fn=_ce(idx), hardware="nvlink")
     assert first.grad is sentinel and calls == [] and len(states[0].after_grad) == 1

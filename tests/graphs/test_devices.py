@@ -1,4 +1,4 @@
-"""`fsdp_graph.devices`: which device a collective outside the compiled graph runs on, per process-group backend."""
+"""`fsdp_graph.runtime.devices`: which device a collective outside the compiled graph runs on, per process-group backend."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 import fsdp_graph
-from fsdp_graph import devices
-from fsdp_graph.devices import backend_for, choose_device, collective_device
-from fsdp_graph.unit import flat_params
+from fsdp_graph.runtime import devices
+from fsdp_graph.runtime.devices import backend_for, choose_device, collective_device
+from fsdp_graph.runtime.unit import flat_params
 from tests.graphs.capture import TwoBlock
 
 CPU, META = torch.device("cpu"), torch.device("meta")
@@ -93,8 +93,8 @@ def _mixed_nccl(monkeypatch) -> None:
 
 def test_mixed_group_runs_cpu_tensors_on_gloo(monkeypatch, fake_pg):
     """gloo's rules (all-to-all reductions, one collective in flight) hold for a mixed group's CPU collectives."""
-    from fsdp_graph import ops
-    from fsdp_graph.backend import _gloo_groups
+    from fsdp_graph.compiler.backend import _gloo_groups
+    from fsdp_graph.ir import ops
     from tests.graphs.capture import dynamo_graph
 
     _mixed_nccl(monkeypatch)

@@ -1,12 +1,12 @@
 """Gradient divide factors (issue 11): a 512-rank low-precision reduction emulated in one process, with the
-arithmetic of `fsdp_graph.ops.gradient_divide_factors` (the eager op and `passes.lower` both use it)."""
+arithmetic of `fsdp_graph.ir.ops.gradient_divide_factors` (the eager op and `passes.lower` both use it)."""
 
 import math
 
 import pytest
 import torch
 
-from fsdp_graph.ops import gradient_divide_factors
+from fsdp_graph.ir.ops import gradient_divide_factors
 
 RANKS = 512
 

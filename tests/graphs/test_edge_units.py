@@ -8,13 +8,13 @@ import torch
 import torch.nn as nn
 
 import fsdp_graph
-from fsdp_graph.llama import Llama, llama_loss, preset
-from fsdp_graph.unit import flat_params
-from fsdp_graph.wrap import auto_wrap_policy
-from tests.edge_units import all_gather_bytes, padded_bytes
+from fsdp_graph.api.wrap import auto_wrap_policy
+from fsdp_graph.runtime.unit import flat_params
+from fsdp_graph.train.llama import Llama, llama_loss, preset
 from tests.graphs.capture import TwoBlock
-from tests.hf_models import build_hf
-from tests.models import GPT, BNNet, ConvNet, GPTConfig, OddMLP, SharedBlockNet
+from tests.workers.edge_units import all_gather_bytes, padded_bytes
+from tests.workers.hf_models import build_hf
+from tests.workers.models import GPT, BNNet, ConvNet, GPTConfig, OddMLP, SharedBlockNet
 
 
 def _policy_units(model: nn.Module) -> list[str]:

@@ -6,9 +6,9 @@ import torch.fx as fx
 from expecttest import assert_expected_inline
 
 import fsdp_graph
-from fsdp_graph import rank_check
+from fsdp_graph.compiler import rank_check
+from fsdp_graph.compiler.rank_check import GraphCollectives, first_difference
 from fsdp_graph.ir import ALL_GATHER, WAIT
-from fsdp_graph.rank_check import GraphCollectives, first_difference
 from passes import collective_fingerprint
 from tests.graphs.capture import TwoBlock
 
@@ -119,7 +119,7 @@ def test_cache_hit_takes_the_lists_from_the_store(fake_pg, monkeypatch, tmp_path
     assert hit.reports == [] and calls[1] == calls[0]  # served by the cache, checked with the stored lists
 
     monkeypatch.setattr(rank_check, "STORE", rank_check.FingerprintStore())
-    monkeypatch.setattr(fsdp_graph.backend, "STORE", rank_check.STORE)
+    monkeypatch.setattr(fsdp_graph.compiler.backend, "STORE", rank_check.STORE)
     for stored in (tmp_path / "fsdp_graph_collectives").iterdir():
         stored.unlink()
     unstored = fsdp_graph.make_backend()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fsdp_graph
-from fsdp_graph import checkpoint
+from fsdp_graph.state import sharded as checkpoint
 from tests.graphs.capture import TwoBlock
 
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch._inductor.utils import run_and_get_code
 
 import fsdp_graph
-from tests.collective_order import code_sequence, fx_sequence, prefetched
+from tests.workers.collective_order import code_sequence, fx_sequence, prefetched
 
 
 class FourBlock(nn.Module):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fsdp_graph
-from fsdp_graph.unit import flat_params
+from fsdp_graph.runtime.unit import flat_params
 from tests.graphs.capture import TwoBlock
 
 

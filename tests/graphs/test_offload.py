@@ -10,10 +10,10 @@ import torch
 import torch.nn as nn
 
 import fsdp_graph
-from fsdp_graph import offload
-from fsdp_graph.grads import install_grad_hook
-from fsdp_graph.offload import GradFence
-from fsdp_graph.unit import flat_params
+from fsdp_graph.runtime import offload
+from fsdp_graph.runtime.grads import install_grad_hook
+from fsdp_graph.runtime.offload import GradFence
+from fsdp_graph.runtime.unit import flat_params
 from tests.graphs.capture import TwoBlock
 
 CPU = torch.device("cpu")

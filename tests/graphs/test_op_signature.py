@@ -4,7 +4,8 @@ import inspect
 
 import torch
 
-from fsdp_graph import ir, ops
+from fsdp_graph import ir
+from fsdp_graph.ir import ops
 
 
 def test_ir_argument_lists_are_the_registered_schemas():

@@ -10,10 +10,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_graph
-from fsdp_graph.flat_param import FlatParamLayout
-from fsdp_graph.unit import flat_params, sharded_units
+from fsdp_graph.runtime.flat_param import FlatParamLayout
+from fsdp_graph.runtime.unit import flat_params, sharded_units
 from tests.graphs.capture import TwoBlock
-from tests.models import GPT, BNNet, ConvNet, GPTConfig, OddMLP
+from tests.workers.models import GPT, BNNet, ConvNet, GPTConfig, OddMLP
 
 
 class CountOps(TorchDispatchMode):
@@ -254,7 +254,7 @@ def test_explicit_one_dimensional_mesh(fake_pg):
 
 def test_meta_init_never_holds_the_full_model(fake_pg):
     """World 4: materialising shard by shard peaks at this rank's quarter plus one unit, not the full model."""
-    from fsdp_graph.measure import peak_allocated_bytes
+    from fsdp_graph.planning.measure import peak_allocated_bytes
 
     cfg = GPTConfig(dim=64, layers=6)
     full_bytes = sum(p.numel() * 4 for p in GPT(cfg).parameters())

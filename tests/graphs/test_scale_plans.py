@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks import scale_plans
 from benchmarks.scale_plans import PlanRow, activation_estimate, format_table, zero3_formula
-from fsdp_graph.llama import preset
+from fsdp_graph.train.llama import preset
 
 GIB = 2**30
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_graph import devices, train
+from fsdp_graph.runtime import devices
+from fsdp_graph.train import job as train
 
 
 class _StopError(Exception):

@@ -1,8 +1,8 @@
 """`make_backend(bucket_bytes=...)` on 2 gloo ranks: fewer collectives, the same numbers."""
 
-from fsdp_graph.launch import spawn
+from fsdp_graph.train.launch import spawn
 from tests.numerics.test_strategies import BF16_TOL, FP32_TOL
-from tests.training import Case, run_cases
+from tests.workers.training import Case, run_cases
 
 # The test GPT's units at 2 ranks in fp32: root 14.6 KB, each block 50.4 KB. 100 KB puts the root with the block
 # next to it in graph order and leaves the other block alone (a bucket and a boundary in each graph).

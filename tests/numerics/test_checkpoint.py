@@ -2,8 +2,8 @@
 
 import torch
 
-from fsdp_graph.launch import spawn
-from tests.checkpointing import fsdp2_interop, interrupted_save, reshard_phase, resume_phase
+from fsdp_graph.train.launch import spawn
+from tests.workers.checkpointing import fsdp2_interop, interrupted_save, reshard_phase, resume_phase
 
 
 def _max_diff(a: dict, b: dict) -> float:

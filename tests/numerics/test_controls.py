@@ -2,8 +2,8 @@
 
 import pytest
 
-from fsdp_graph.launch import spawn
-from tests.controls import divide_factor, forward_method, replica_all_reduce, unshard_reshard
+from fsdp_graph.train.launch import spawn
+from tests.workers.controls import divide_factor, forward_method, replica_all_reduce, unshard_reshard
 
 
 @pytest.mark.parametrize("mode", ["eager", "aot"])

@@ -1,8 +1,8 @@
 """Issue 12: eager FULL_SHARD frees each unit's gathered parameters after its forward and gathers them again in its
 backward (FSDP's memory), SHARD_GRAD_OP keeps them; both train as single-process SGD does."""
 
-from fsdp_graph.launch import spawn
-from tests.eager_reshard import BLOCKS, eager_reshard_parity, unit_bytes
+from fsdp_graph.train.launch import spawn
+from tests.workers.eager_reshard import BLOCKS, eager_reshard_parity, unit_bytes
 
 UNITS = BLOCKS + 1  # the blocks and the root (the head)
 

@@ -1,8 +1,8 @@
 """The default wrap's embedding and head units on 2 gloo ranks: SGD parity of an untied Llama with single-process
 training, and the largest all-gather of a step no larger than the largest single piece."""
 
-from fsdp_graph.launch import spawn
-from tests.edge_units import untied_llama_sgd_parity
+from fsdp_graph.train.launch import spawn
+from tests.workers.edge_units import untied_llama_sgd_parity
 
 
 def test_untied_llama_default_units_parity_and_largest_gather():

@@ -1,4 +1,4 @@
-"""Issue 10: the graph's collectives on gloo run on single-thread gloo groups (fsdp_graph.gloo), for every
+"""Issue 10: the graph's collectives on gloo run on single-thread gloo groups (fsdp_graph.runtime.gloo), for every
 strategy, and sharding again reuses them."""
 
 import torch
@@ -6,8 +6,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_graph
-from fsdp_graph.launch import spawn
-from tests.models import OddMLP
+from fsdp_graph.train.launch import spawn
+from tests.workers.models import OddMLP
 
 
 def _threads(name: str) -> tuple[int, float]:

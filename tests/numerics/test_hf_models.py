@@ -5,14 +5,14 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from fsdp_graph.launch import spawn  # noqa: E402
-from tests.hf_models import HFResult, run_hf_models  # noqa: E402
+from fsdp_graph.train.launch import spawn  # noqa: E402
+from tests.workers.hf_models import HFResult, run_hf_models  # noqa: E402
 
 PARAM_TOL = 2e-5  # fp32 noise after 5 AdamW steps (measured 5.4e-6 GPT-2, 3.0e-6 Llama)
 LOSS_TOL = 2e-5  # measured 4.8e-7 for both
 # Inductor's fused kernels round differently from the eager reference (measured 1.3e-5 Llama, losses 9.5e-7).
 INDUCTOR_PARAM_TOL = 5e-5
-# The decoder layers, and the pieces around them (fsdp_graph.wrap.edge_units): GPT-2's tied embedding and head stay
+# The decoder layers, and the pieces around them (fsdp_graph.api.wrap.edge_units): GPT-2's tied embedding and head stay
 # in the root, its position embedding gets a unit; Llama's embedding and head get one each.
 UNITS = {
     "gpt2": ["transformer.wpe", "transformer.h.0", "transformer.h.1", ""],

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from fsdp_graph.launch import RankFailedError, spawn
+from fsdp_graph.train.launch import RankFailedError, spawn
 
 
 def _fails_on_rank_1(rank: int, world: int) -> None:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from fsdp_graph.launch import spawn
-from tests.loop import (
+from fsdp_graph.train.launch import spawn
+from tests.workers.loop import (
     checkpointing_parity,
     clip_matches_pytorch,
     no_sync_parity,

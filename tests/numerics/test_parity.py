@@ -2,8 +2,8 @@
 
 import pytest
 
-from fsdp_graph.launch import spawn
-from tests.training import Case, run_cases
+from fsdp_graph.train.launch import spawn
+from tests.workers.training import Case, run_cases
 
 PARAM_TOL = 2e-5  # fp32 noise after 5 steps (measured 3.7e-7 GPT/AdamW, 1e-7 MLP/SGD)
 LOSS_TOL = 2e-5

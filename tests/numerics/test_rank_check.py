@@ -4,10 +4,10 @@ import dataclasses
 
 import pytest
 
-from fsdp_graph import rank_check
-from fsdp_graph.launch import RankFailedError, spawn
+from fsdp_graph.compiler import rank_check
+from fsdp_graph.train.launch import RankFailedError, spawn
 from tests.numerics.test_strategies import FP32_TOL
-from tests.training import Case, CaseResult, run_case
+from tests.workers.training import Case, CaseResult, run_case
 
 # Rank 1 buckets every unit's collectives into one; rank 0 issues one per unit: the sequences differ.
 DIVERGENT_BUCKET_BYTES = 1 << 20

@@ -4,8 +4,8 @@ shard group, created by the shard group's members only (HYBRID: no world-wide gr
 import inspect
 
 import fsdp_graph
-from fsdp_graph.launch import spawn
-from tests.groups import reduce_groups
+from fsdp_graph.train.launch import spawn
+from tests.workers.groups import reduce_groups
 
 
 def test_default_off_and_opt_in_duplicates_the_shard_group():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fsdp_graph.launch import spawn
-from tests.scheduling import (
+from fsdp_graph.train.launch import spawn
+from tests.workers.scheduling import (
     activation_budget,
     forward_op_stream,
     reduce_scatter_bytes,

@@ -3,7 +3,7 @@
 Before the fix this configuration (6 units, every gather allowed in flight at once) lost a rank to glibc's heap
 checks ("malloc(): unaligned tcache chunk detected", or SIGSEGV) in 4 of 6 runs of 600 steps: torch's
 ProcessGroupGloo corrupts its heap when two collectives finish together on its two worker threads. The graph's
-collectives now run on single-thread copies of the gloo groups (fsdp_graph.gloo), and the schedule keeps at most one
+collectives now run on single-thread copies of the gloo groups (fsdp_graph.runtime.gloo), and the schedule keeps at most one
 collective in flight per gloo group, whatever the budget. 1,000 steps: with the old schedule on two-thread groups
 this run died within 24 s; 20-run soaks of both fixes are in the issue-10 note (benchmarks/soak.py --runs 20).
 """

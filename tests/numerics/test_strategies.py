@@ -2,8 +2,8 @@
 
 import pytest
 
-from fsdp_graph.launch import spawn
-from tests.strategies import (
+from fsdp_graph.train.launch import spawn
+from tests.workers.strategies import (
     executed_bytes,
     fp16_reduction,
     ignored_module_grads,
@@ -11,7 +11,7 @@ from tests.strategies import (
     meta_init_parity,
     sync_states,
 )
-from tests.training import Case, run_cases
+from tests.workers.training import Case, run_cases
 
 FP32_TOL = 2e-5
 BF16_TOL = 2e-3  # measured 2.3e-4 after 5 SGD steps; see test_bf16_mixed_precision

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from fsdp_graph import train
-from fsdp_graph.launch import RankFailedError, spawn
-from tests.train_job import llama_checks
+from fsdp_graph.train import job as train
+from fsdp_graph.train.launch import RankFailedError, spawn
+from tests.workers.train_job import llama_checks
 
 # Small and fast: eager kernels (no Inductor codegen), short sequences.
 FAST = ["--preset", "tiny", "--batch", "2", "--seq", "32", "--backend-mode", "aot"]

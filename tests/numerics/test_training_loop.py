@@ -2,8 +2,8 @@
 
 import pytest
 
-from fsdp_graph.launch import spawn
-from tests.training import grad_semantics, inference_outputs, step_counts
+from fsdp_graph.train.launch import spawn
+from tests.workers.training import grad_semantics, inference_outputs, step_counts
 
 
 @pytest.mark.parametrize("mode", ["eager", "aot"])

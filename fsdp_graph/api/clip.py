@@ -1,0 +1,80 @@
+"""Gradient clipping over a sharded model: the norm single-process training would compute."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_graph.runtime.devices import collective_device
+from fsdp_graph.runtime.unit import flat_params
+
+
+def _local_norm_part(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """max |g| for the inf-norm, sum |g|^p otherwise (fp32, so a bf16 gradient does not overflow the sum), on
+    `device`: reduced where the gradients are, then one copy per device they are on."""
+    inf = math.isinf(norm_type)
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        if inf and g.numel():
+            by_device[g.device].append(g.detach().abs().max().float())
+        elif not inf:
+            by_device[g.device].append(torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type)
+    parts = [(torch.stack(v).max() if inf else torch.stack(v).sum()).to(device) for v in by_device.values()]
+    if not parts:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(parts).max() if inf else torch.stack(parts).sum()
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    model: nn.Module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> torch.Tensor:
+    """Clip the gradients of a sharded model in place; returns the total norm (a tensor, on every rank).
+
+    Equal to `torch.nn.utils.clip_grad_norm_` on the unsharded model. Each flat parameter's gradient is
+    partitioned over its shard group, so the local parts are summed (or maxed) over that group only: replicas
+    (HYBRID_SHARD, NO_SHARD) hold identical reduced gradients. Parameters fully_shard did not shard (ignored
+    ones) count once, with this rank's gradient.
+    """
+    states = flat_params(model)
+    if not states:
+        raise RuntimeError("clip_grad_norm_: the model is not sharded; use torch.nn.utils.clip_grad_norm_.")
+    norm_type = float(norm_type)
+    # Keyed by the flat shards' device too: it is the same on every rank (a rank's own gradients may be absent),
+    # so every rank picks the same collective device for the group.
+    by_group: dict[tuple[str, int, torch.device], list[torch.Tensor]] = defaultdict(list)
+    sharded = set()
+    for state in states:
+        sharded.update(id(v) for v in state.views)
+        key = (state.group_name, state.world, state.flat_shard.device)
+        by_group[key].extend(v.grad for v in state.views if v.grad is not None)
+    others = [p.grad for p in model.parameters() if id(p) not in sharded and p.grad is not None]
+    home = states[0].flat_shard.device  # where the total is returned: with the sharded gradients
+
+    parts = []
+    for (group_name, world, device), grads in by_group.items():
+        if world == 1:
+            parts.append(_local_norm_part(grads, norm_type, home))
+            continue
+        group = dist.distributed_c10d._resolve_process_group(group_name)
+        part = _local_norm_part(grads, norm_type, collective_device(group, device))
+        dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=group)
+        parts.append(part.to(home))
+    parts.append(_local_norm_part(others, norm_type, home))
+    if math.isinf(norm_type):
+        total = torch.stack(parts).max()
+    else:
+        total = torch.stack(parts).sum() ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is non-finite ({total.item()}).")
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for g in [g for gs in by_group.values() for g in gs] + others:
+        by_device[g.device].append(g)
+    for device, grads in by_device.items():
+        torch._foreach_mul_(grads, coefficient.to(device))
+    return total

@@ -1,0 +1,474 @@
+"""`fully_shard`: turn a model's parameters into flat shards, one per unit (DESIGN §1, §4), in place."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_graph.api.config import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_graph.api.wrap import auto_wrap_policy
+from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
+from fsdp_graph.runtime import offload
+from fsdp_graph.runtime.flat_param import FlatParamLayout
+from fsdp_graph.runtime.gloo import gloo_timeout, single_thread_gloo_group
+from fsdp_graph.runtime.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
+from fsdp_graph.runtime.misuse import make_view
+from fsdp_graph.runtime.unit import (
+    FlatParamState,
+    RootState,
+    ViewSpec,
+    bind_flat_shard,
+    install_forward_hooks,
+    is_sharded,
+    swap_class,
+)
+from fsdp_graph.state.sharded import install_state_dict_hooks
+
+WrapPolicy = Callable[[nn.Module], list[nn.Module]]
+ReshardSpec = bool | None | Mapping[nn.Module | str, bool]
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """Where a flat parameter is gathered (shard) and its gradient all-reduced afterwards (replicate)."""
+
+    shard_name: str
+    shard_world: int
+    shard_rank: int
+    replicate_name: str = ""
+    replicate_world: int = 1
+    reduce_name: str = ""  # a second group over the shard group's ranks for gradient reductions ("": the same)
+
+
+def fully_shard(
+    model: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    wrap: WrapPolicy | list[nn.Module] | None = None,
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+    mixed_precision: MixedPrecision | None = None,
+    reshard_after_forward: ReshardSpec = None,
+    ignored_modules: Iterable[nn.Module] = (),
+    ignored_params: Iterable[nn.Parameter] = (),
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+    device: torch.device | str | None = None,
+    sync_module_states: bool = False,
+    cpu_offload: CPUOffload | None = None,
+    separate_reduce_group: bool = False,
+) -> nn.Module:
+    """Shard `model` in place over `mesh` and return it. Create the optimizer AFTER this call.
+
+    - `wrap`: the units. A policy (`ModuleWrapPolicy`, `size_based_wrap_policy`, any `root -> [modules]`),
+      a list of modules, or None (the blocks of the largest same-typed ModuleList/Sequential). The root is
+      always the last unit and takes what is left.
+    - `mesh`: None (the world) or a 1-D DeviceMesh; a 2-D (replicate, shard) mesh for HYBRID strategies.
+    - `reshard_after_forward`: None (the strategy's default), a bool for every unit, or a mapping from unit
+      module or FQN ("" = root) to bool; units not in the mapping keep the default.
+    - `mixed_precision`: see `MixedPrecision`.
+    - `ignored_modules` / `ignored_params`: left as ordinary replicated parameters; their gradients are not
+      reduced.
+    - Meta-device models: each unit's parameters are materialised on `device` (default cpu) one module at a
+      time with `param_init_fn(module)` or `module.reset_parameters()`; only this rank's shard is kept.
+    - `sync_module_states`: broadcast rank 0's parameters and buffers before sharding.
+    - `cpu_offload=CPUOffload(offload_params=True)`: flat shards and gradients stay in CPU memory; `device` is
+      then the compute device (default: the current CUDA device if there is one, else cpu), where gathers,
+      compute and buffers live.
+    - `separate_reduce_group`: reduce gradients over a second process group with the shard group's ranks, so a
+      reduce-scatter and a prefetched all-gather can run at the same time (NCCL runs one stream per group). Off by
+      default: the overlap it buys is unmeasured, and each rank then holds a second communicator (its buffers).
+    """
+    groups = _with_reduce_group(_resolve_groups(mesh, strategy), separate_reduce_group)
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(f"fully_shard: mixed_precision must be a fsdp_graph.MixedPrecision, got {mixed_precision!r}")
+    _check_not_sharded(model)
+    module_fqns = {id(m): name for name, m in model.named_modules()}
+    ignored = _ignored_param_ids(model, ignored_modules, ignored_params)
+    units = _select_units(model, wrap, module_fqns, ignored_modules)
+    unit_fqns = [module_fqns[id(u)] for u in units]
+    params, uses = _collect_parameters(model, ignored)
+    assignment = _assign_to_units(params, uses, unit_fqns)
+    reshard = _resolve_reshard(reshard_after_forward, strategy, units, unit_fqns)
+    mp = mixed_precision or MixedPrecision()
+    compute_device = _offload_compute_device(cpu_offload, device)
+    if compute_device is not None:
+        device = compute_device
+    if sync_module_states:
+        sync_module_states_from_rank0(model, ignored)
+    if mp.buffer_dtype is not None:
+        _cast_buffers(model, mp.buffer_dtype, ignored_modules)
+
+    root_state = RootState()
+    for unit, unit_fqn in zip(units, unit_fqns):
+        members = [pid for pid in params if assignment[pid] == unit_fqn]
+        values = _unit_values(members, params, uses, param_init_fn, device)
+        trainable = [pid for pid in members if params[pid].requires_grad]
+        frozen = [pid for pid in members if not params[pid].requires_grad]
+        for suffix, group in (("", trainable), ("[frozen]", frozen)):
+            if not group:
+                continue
+            state = _shard_flat_param(
+                unit,
+                unit_fqn + suffix,
+                [params[pid] for pid in group],
+                [values[pid] for pid in group],
+                [uses[pid] for pid in group],
+                groups,
+                reshard[unit_fqn],
+                mp,
+                root_state,
+                compute_device,
+            )
+            root_state.flat_params.append(state)
+        del values
+    materialize_buffers(model, torch.device(device or "cpu"), param_init_fn)
+    if compute_device is not None:
+        _move_buffers(model, compute_device)
+    for unit in units:
+        casts = mp.cast_forward_inputs or (unit is model and mp.cast_root_forward_inputs)
+        has_states = "_fsdp_states" in unit.__dict__
+        if has_states or unit is model:  # the root is the forward boundary even if it owns nothing
+            install_forward_hooks(unit, root_state)
+        swap_class(
+            unit,
+            frozenset(unit.__dict__.get("_fsdp_views", {})),
+            is_unit=has_states,
+            cast_inputs_to=mp.param_dtype if casts else None,
+        )
+    root_state.mesh, root_state.placements = mesh, _state_dict_placements(strategy)
+    model.__dict__["_fsdp_root"] = root_state
+    install_state_dict_hooks(model)
+    return model
+
+
+def _with_reduce_group(groups: _Groups, separate: bool) -> _Groups:
+    """`groups` plus, if asked, a duplicate of this rank's shard group for gradient reductions. Each shard group
+    duplicates itself, so only its members take part: HYBRID makes one new group per rank, not R world-wide ones."""
+    if not separate or groups.shard_world == 1:
+        return groups
+    shard_pg = dist.distributed_c10d._resolve_process_group(groups.shard_name)
+    return dataclasses.replace(groups, reduce_name=duplicate_group(shard_pg).group_name)
+
+
+def duplicate_group(pg: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A new process group with `pg`'s ranks and backend; every member of `pg` must call this, in the same order.
+    Where the backend can split (NCCL with a device bound to the default group) it splits `pg`'s communicator
+    (`dist.split_group`: no new bootstrap); elsewhere `new_group` over the same ranks, synchronising only them."""
+    if _splittable(pg):
+        split = dist.split_group(parent_pg=pg, split_ranks=[list(range(pg.size()))], group_desc="fsdp_reduce")
+        if split is None:
+            raise RuntimeError(f"fully_shard: splitting process group {pg.group_name} returned no group")
+        return split
+    ranks = dist.get_process_group_ranks(pg)
+    # Without a bound device, new_group bootstraps NCCL through the store, so only the members need to call it; with
+    # one it would split the default group, which every rank must join (that case is handled above). The backend
+    # config keeps a mixed cpu:gloo,cuda:nccl group mixed, and a single-thread gloo copy (fsdp_graph.runtime.gloo) single-
+    # thread; gloo_timeout keeps a gloo group's collective timeout (new_group's own default is 30 minutes).
+    return dist.new_group(
+        ranks,
+        backend=dist.get_backend_config(pg),
+        timeout=gloo_timeout(pg),
+        use_local_synchronization=True,
+        group_desc="fsdp_reduce",
+    )
+
+
+def _splittable(pg: dist.ProcessGroup) -> bool:
+    """Whether `dist.split_group` can split `pg` (its own checks: a device bound to the default group, an
+    accelerator, and a backend that supports splitting)."""
+    if dist.distributed_c10d._get_default_group().bound_device_id is None or not torch.accelerator.is_available():
+        return False
+    try:
+        return bool(pg._get_backend(torch.accelerator.current_accelerator()).supports_splitting)
+    except RuntimeError:
+        return False
+
+
+def _offload_compute_device(cpu_offload: CPUOffload | None, device) -> torch.device | None:
+    """None without parameter offload; else the device gathers and compute run on."""
+    if cpu_offload is None:
+        return None
+    if not isinstance(cpu_offload, CPUOffload):
+        raise TypeError(f"fully_shard: cpu_offload must be a fsdp_graph.CPUOffload, got {cpu_offload!r}")
+    if not cpu_offload.offload_params:
+        return None
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
+def _state_dict_placements(strategy: ShardingStrategy) -> tuple:
+    """The placements that describe a parameter as FSDP2 would: Shard(0) over the shard dim, Replicate over
+    replicas (NO_SHARD: Replicate only). Without a mesh, the world's is made when a state dict is (its device
+    type is the one the flat shards' collectives use then: `.cuda()` may move the model after this call)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if strategy is ShardingStrategy.NO_SHARD:
+        return (Replicate(),)
+    if strategy.is_hybrid:
+        return (Replicate(), Shard(0))
+    return (Shard(0),)
+
+
+def _resolve_groups(mesh: DeviceMesh | None, strategy: ShardingStrategy) -> _Groups:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "fully_shard needs an initialised process group: call "
+            "torch.distributed.init_process_group('gloo' or 'nccl') first (torchrun sets the environment)."
+        )
+    if not isinstance(strategy, ShardingStrategy):
+        raise TypeError(f"fully_shard: strategy must be a fsdp_graph.ShardingStrategy, got {strategy!r}")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh)}")
+    world = dist.get_world_size()
+    if mesh is not None and mesh.size() != world:
+        raise ValueError(
+            f"fully_shard: the mesh has {mesh.size()} ranks but the process group has {world}; "
+            f"build it with init_device_mesh(device_type, ({world},)) (or (replicate, shard) for HYBRID_SHARD)."
+        )
+    if strategy.is_hybrid:
+        if mesh is None or mesh.ndim != 2:
+            raise ValueError(
+                f"fully_shard: {strategy.name} needs a 2-D mesh (replicate, shard), e.g. "
+                "init_device_mesh('cuda', (num_nodes, gpus_per_node)); got "
+                f"{'no mesh' if mesh is None else f'a {mesh.ndim}-D mesh'}."
+            )
+        shard = _single_thread_if_gloo(mesh.get_group(1), _mesh_dim_ranks(mesh, 1), "shard")
+        replicate = _single_thread_if_gloo(mesh.get_group(0), _mesh_dim_ranks(mesh, 0), "replicate")
+        return _Groups(shard.group_name, shard.size(), shard.rank(), replicate.group_name, replicate.size())
+    if mesh is not None and mesh.ndim != 1:
+        raise ValueError(
+            f"fully_shard: a {mesh.ndim}-D mesh needs strategy=ShardingStrategy.HYBRID_SHARD (or "
+            "_HYBRID_SHARD_ZERO2); pass a 1-D mesh or mesh=None for other strategies."
+        )
+    group = dist.group.WORLD if mesh is None else mesh.get_group()
+    group = _single_thread_if_gloo(group, [dist.get_process_group_ranks(group)], "world")
+    if strategy is ShardingStrategy.NO_SHARD:
+        return _Groups("", 1, 0, group.group_name if group.size() > 1 else "", group.size())
+    return _Groups(group.group_name, group.size(), group.rank())
+
+
+def _mesh_dim_ranks(mesh: DeviceMesh, dim: int) -> list[list[int]]:
+    """Every group along mesh dimension `dim` (as mesh.get_group(dim) is this rank's one), as rank lists."""
+    return mesh.mesh.movedim(dim, -1).reshape(-1, mesh.mesh.size(dim)).tolist()
+
+
+def _single_thread_if_gloo(group: dist.ProcessGroup, rank_lists: list[list[int]], purpose: str) -> dist.ProcessGroup:
+    """The graph's collectives on a gloo group run on a single-thread copy of it (`fsdp_graph.runtime.gloo`: gloo's worker
+    threads race on shared state when two collectives of one group finish together)."""
+    if group.size() == 1 or dist.get_backend(group) != "gloo":
+        return group
+    return single_thread_gloo_group(rank_lists, purpose, gloo_timeout(group))
+
+
+def _check_not_sharded(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if is_sharded(module):
+            root_class = getattr(type(model), "_fsdp_original_class", type(model))
+            raise RuntimeError(
+                f"fully_shard: module '{name or root_class.__name__}' is already sharded. Call fully_shard once, "
+                "on the root model, and choose the nested units with wrap=ModuleWrapPolicy({...})."
+            )
+
+
+def _ignored_param_ids(model: nn.Module, ignored_modules, ignored_params) -> set[int]:
+    ids = {id(p) for m in ignored_modules for p in m.parameters()}
+    ids |= {id(p) for p in ignored_params}
+    if model in list(ignored_modules):
+        raise ValueError("fully_shard: the root model itself is in ignored_modules; nothing would be sharded.")
+    return ids
+
+
+def _select_units(model: nn.Module, wrap, module_fqns: dict[int, str], ignored_modules) -> list[nn.Module]:
+    if wrap is None:
+        chosen = auto_wrap_policy(model)
+    elif isinstance(wrap, list | tuple):
+        chosen = list(wrap)
+    elif callable(wrap):
+        chosen = list(wrap(model))
+    else:
+        raise TypeError(f"fully_shard: wrap must be a policy, a list of modules or None, got {type(wrap)}")
+    for m in chosen:
+        if id(m) not in module_fqns:
+            raise ValueError(f"fully_shard: wrap selected a {type(m).__name__} that is not a submodule of the model.")
+    inside_ignored = {id(sub) for m in ignored_modules for sub in m.modules()}
+    order = {mid: i for i, mid in enumerate(module_fqns)}
+    chosen = [m for m in chosen if m is not model and id(m) not in inside_ignored]
+    units = sorted({id(m): m for m in chosen}.values(), key=lambda m: order[id(m)])
+    return units + [model]
+
+
+def _collect_parameters(model: nn.Module, ignored: set[int]):
+    """Distinct parameters in registration order, and every (module FQN, module, name) using each."""
+    params: dict[int, nn.Parameter] = {}
+    uses: dict[int, list[tuple[str, nn.Module, str]]] = defaultdict(list)
+    for module_fqn, module in model.named_modules(remove_duplicate=False):
+        for name, p in module._parameters.items():
+            if p is None or id(p) in ignored:
+                continue
+            fqn = f"{module_fqn}.{name}".lstrip(".")
+            if not p.is_floating_point():
+                raise TypeError(
+                    f"fully_shard: parameter '{fqn}' has dtype {p.dtype}; only floating-point parameters can be "
+                    "sharded. Register it as a buffer (module.register_buffer) or pass it in ignored_params."
+                )
+            params.setdefault(id(p), p)
+            if (module_fqn, name) not in {(f, n) for f, _, n in uses[id(p)]}:
+                uses[id(p)].append((module_fqn, module, name))
+    return params, uses
+
+
+def _parts(fqn: str) -> list[str]:
+    return fqn.split(".") if fqn else []
+
+
+def _assign_to_units(params, uses, unit_fqns: list[str]) -> dict[int, str]:
+    """Each parameter goes to the innermost unit containing all its uses (their lowest common ancestor)."""
+
+    def owner(module_fqn: str) -> str:
+        parts = _parts(module_fqn)
+        best = ""
+        for u in unit_fqns:
+            up = _parts(u)
+            if parts[: len(up)] == up and len(up) > len(_parts(best)):
+                best = u
+        return best
+
+    assignment = {}
+    for pid in params:
+        owners = [_parts(owner(m)) for m, _, _ in uses[pid]]
+        common = owners[0]
+        for o in owners[1:]:
+            n = 0
+            while n < min(len(common), len(o)) and common[n] == o[n]:
+                n += 1
+            common = common[:n]
+        assignment[pid] = owner(".".join(common))
+    return assignment
+
+
+def _resolve_reshard(spec: ReshardSpec, strategy: ShardingStrategy, units, unit_fqns) -> dict[str, bool]:
+    default = strategy.default_reshard_after_forward
+    if strategy is ShardingStrategy.NO_SHARD:
+        if spec not in (None, True):
+            raise ValueError("fully_shard: NO_SHARD has nothing to reshard; leave reshard_after_forward=None.")
+        return dict.fromkeys(unit_fqns, True)
+    if spec is None or isinstance(spec, bool):
+        return dict.fromkeys(unit_fqns, default if spec is None else spec)
+    if not isinstance(spec, Mapping):
+        raise TypeError(f"fully_shard: reshard_after_forward must be None, a bool or a mapping, got {type(spec)}")
+    by_key = {}
+    for key, value in spec.items():
+        fqn = key if isinstance(key, str) else next((f for u, f in zip(units, unit_fqns) if u is key), None)
+        if fqn not in unit_fqns:
+            raise ValueError(f"fully_shard: reshard_after_forward names {key!r}, which is not a unit ({unit_fqns}).")
+        by_key[fqn] = bool(value)
+    return {fqn: by_key.get(fqn, default) for fqn in unit_fqns}
+
+
+def _cast_buffers(model: nn.Module, dtype: torch.dtype, ignored_modules) -> None:
+    skip = {id(sub) for m in ignored_modules for sub in m.modules()}
+    for module in model.modules():
+        if id(module) in skip:
+            continue
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_floating_point():
+                module._buffers[name] = buf.to(dtype)
+
+
+def _check_flat_params(name: str, params: list[nn.Parameter], uses) -> None:
+    first = params[0]
+    for p, param_uses in zip(params, uses):
+        if p.dtype != first.dtype or p.device != first.device:
+            fqn = f"{param_uses[0][0]}.{param_uses[0][2]}".lstrip(".")
+            raise TypeError(
+                f"fully_shard: unit '{name or '<root>'}' mixes {first.dtype} on {first.device} with "
+                f"{p.dtype} on {p.device} (parameter '{fqn}'). A flat parameter needs one dtype and device: "
+                "cast the model (model.to(dtype)) or make that module its own unit with the wrap policy."
+            )
+
+
+def _unit_values(members, params, uses, param_init_fn, device) -> dict[int, torch.Tensor]:
+    """Each member's value: itself, or for meta-device parameters, freshly initialised on `device` one owning
+    module at a time (this unit's parameters are the most any rank holds unsharded at once)."""
+    values = {pid: params[pid] for pid in members}
+    device = torch.device(device or "cpu")
+    for pid in members:
+        if values[pid].device.type != "meta":
+            continue
+        module_fqn, module, _ = uses[pid][0]
+        materialized = materialize_module(module, module_fqn or "<root>", device, param_init_fn)
+        for old_id, value in materialized.items():
+            if old_id in values:
+                values[old_id] = value
+    return values
+
+
+def _shard_flat_param(
+    unit,
+    name,
+    params,
+    values,
+    param_uses,
+    groups: _Groups,
+    reshard: bool,
+    mp: MixedPrecision,
+    root_state,
+    compute_device: torch.device | None,
+) -> FlatParamState:
+    _check_flat_params(name, values, param_uses)
+    layout = FlatParamLayout.build(
+        [(tuple(f"{m}.{n}".lstrip(".") for m, _, n in u), p.shape) for p, u in zip(params, param_uses)],
+        groups.shard_world,
+        groups.shard_rank,
+    )
+    shard = layout.shard_of(values)
+    if compute_device is not None:  # pinned: the host-to-device copy of each gather can be asynchronous
+        shard = offload.pinned(shard.to("cpu"))
+    shard.requires_grad_(params[0].requires_grad)
+    index = len(unit.__dict__.get("_fsdp_states", []))
+    state = FlatParamState(
+        module=unit,
+        index=index,
+        name=name,
+        layout=layout,
+        group_name=groups.shard_name,
+        world=groups.shard_world,
+        reshard_after_forward=reshard,
+        root=root_state,
+        param_dtype=mp.param_dtype if mp.param_dtype != shard.dtype else None,
+        reduce_dtype=mp.effective_reduce_dtype,
+        replicate_group=groups.replicate_name,
+        reduce_group=groups.reduce_name,
+        replicate_world=groups.replicate_world,
+        grad_dtype=mp.param_dtype if mp.keep_low_precision_grads else None,
+        compute_device=compute_device,
+    )
+    for slot_index, (orig, slot_uses) in enumerate(zip(params, param_uses)):
+        view = make_view(orig, layout.slots[slot_index].fqns[0], shard)
+        state.views.append(view)
+        for _, module, pname in slot_uses:
+            module._parameters[pname] = view
+            module.__dict__.setdefault("_fsdp_views", {})[pname] = ViewSpec(unit, index, slot_index)
+    unit.__dict__.setdefault("_fsdp_states", []).append(state)
+    bind_flat_shard(state, shard)
+    owners = {id(m): m for uses in param_uses for _, m, _ in uses}
+    owners[id(unit)] = unit
+    for module in owners.values():
+        swap_class(module, frozenset(module.__dict__.get("_fsdp_views", {})), is_unit="_fsdp_states" in module.__dict__)
+    return state

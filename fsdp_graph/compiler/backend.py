@@ -1,0 +1,360 @@
+"""`fsdp_backend`: THE pipeline (DESIGN §5). Dynamo graph -> dedup -> joint: reshard tags -> partition
+-> forward/backward: lower to `_c10d_functional` -> Inductor (or eager kernels with `inductor=False`)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import importlib
+import inspect
+import itertools
+import pkgutil
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch._functorch.config as functorch_config
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import passes
+from fsdp_graph import ir
+from fsdp_graph.compiler.dump import GraphDumper, no_caches_when_dumping
+from fsdp_graph.compiler.options import OWNED_VALUES, inductor_config_patches, patches_key
+from fsdp_graph.compiler.rank_check import STORE, GraphCollectives, check_first_call
+from fsdp_graph.ir import ops
+from passes.collective_counts import CollectiveSummary
+from passes.fx_nodes import bind_args
+
+
+@dataclass
+class GraphReport:
+    """What one lowered graph communicates. `stage` is "fw", "bw" or "inference"; `code` is the graph's
+    Python code after lowering (before Inductor); `graph` a copy of it when the backend keeps graphs;
+    `fingerprint` its collective sequence (`passes.collective_fingerprint`) on the process `groups` it uses."""
+
+    graph_index: int
+    stage: str
+    collectives: CollectiveSummary
+    code: str
+    graph: fx.GraphModule | None = None
+    fingerprint: tuple[str, ...] = ()
+    groups: tuple[str, ...] = ()
+
+    def collectives_to_compare(self) -> GraphCollectives:
+        return GraphCollectives(f"{self.stage} {self.graph_index}", self.fingerprint, self.groups)
+
+
+@functools.cache
+def _code_hash() -> str:
+    """Code of every module of `passes` and of the op semantics: a changed pass (or helper) never reuses stale code.
+    Computed at the first compile, not at import: `import passes` imports this package (for `fsdp_graph.ir`) before
+    `passes` is whole."""
+    names = sorted(m.name for m in pkgutil.iter_modules(passes.__path__))
+    modules = [ops, ir] + [importlib.import_module(f"passes.{name}") for name in names]
+    h = hashlib.sha256()
+    for module in modules:
+        h.update(inspect.getsource(module).encode())
+    return h.hexdigest()
+
+
+class _ReshardPass(CustomGraphPass):
+    def __init__(self, uuid: str, dumper: GraphDumper, pass_seconds: Counter):
+        self._uuid, self.dumper, self.pass_seconds = uuid, dumper, pass_seconds
+
+    def __call__(self, graph: fx.Graph) -> None:
+        start = time.perf_counter()
+        passes.tag_reshard(graph)
+        self.pass_seconds["reshard"] += time.perf_counter() - start
+        self.dumper.graph("02_joint_tagged", graph)
+
+    def uuid(self) -> str:
+        return self._uuid
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """What the forward/backward-graph passes after lowering do (see `make_backend`)."""
+
+    prefetch: bool = True
+    max_inflight_bytes: int | None = None
+    bucket_bytes: int = 0
+    reduce_scatter: str = "auto"  # "auto": all-to-all over gloo groups; "native": always reduce_scatter_tensor
+    activation_memory_budget: float | None = None  # the partitioner's budget (None: torch's default, 1.0)
+
+
+class _LowerPass(CustomGraphPass):
+    def __init__(
+        self,
+        uuid: str,
+        dumper: GraphDumper,
+        reports: list[GraphReport],
+        options: ScheduleOptions,
+        keep_graphs: bool = False,
+        all_to_all_groups: frozenset[str] = frozenset(),
+        pass_seconds: Counter | None = None,
+        serial_groups: frozenset[str] = frozenset(),
+    ):
+        self.pass_seconds = pass_seconds if pass_seconds is not None else Counter()
+        self._uuid, self.dumper, self.reports, self.keep_graphs = uuid, dumper, reports, keep_graphs
+        self.options, self.all_to_all_groups, self.serial_groups = options, all_to_all_groups, serial_groups
+        self.stage = "fw"
+
+    def __call__(self, graph: fx.Graph) -> None:
+        gm = graph.owning_module
+        timed = self.pass_seconds
+        start = time.perf_counter()
+        passes.cat_flat_grads(gm)
+        passes.lower_fsdp_ops(gm)
+        lowered = time.perf_counter()
+        passes.bucket_collectives(gm, self.options.bucket_bytes)
+        passes.reduce_scatter_as_all_to_all(gm, self.all_to_all_groups)
+        bucketed = time.perf_counter()
+        passes.schedule_collectives(gm, self.options.prefetch, self.options.max_inflight_bytes, self.serial_groups)
+        passes.check_collectives(gm, self.serial_groups)
+        timed["lower"] += lowered - start
+        timed["bucket+all_to_all"] += bucketed - lowered
+        timed["schedule"] += time.perf_counter() - bucketed
+        summary = passes.collective_summary(gm)
+        # A copy of the graph, sharing the module's tensors: deep-copying a graph's constant tensors (Hugging Face
+        # Llama has some) fails under the fake mode compiling it, and `explain` only reads the nodes' metadata.
+        kept = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if self.keep_graphs else None
+        fingerprint = tuple(passes.collective_fingerprint(gm))
+        groups = tuple(sorted({g for n in gm.graph.nodes if (g := passes.fx_nodes.collective_group(n)) is not None}))
+        index = self.dumper.graph_index
+        self.reports.append(GraphReport(index, self.stage, summary, gm.code.strip(), kept, fingerprint, groups))
+        number = {"fw": "03", "inference": "03", "bw": "04"}[self.stage]
+        self.dumper.graph(f"{number}_{self.stage}_lowered", gm, header=summary.to_text())
+        stage = self.stage
+        self.dumper.text("summary.txt", lambda: f"{stage}: {summary.to_text()}\n")
+
+    def uuid(self) -> str:
+        return self._uuid
+
+
+class FSDPBackend:
+    """A torch.compile backend. `reports` lists each lowered graph's collectives; `dynamo_graphs` counts
+    the Dynamo graphs compiled (graph breaks and recompiles each add one). With `verify_collectives`, each
+    compiled Dynamo graph checks on its first call that every rank compiled the same collectives
+    (`fsdp_graph.compiler.rank_check`), waiting at most `verify_timeout_s` for the other ranks."""
+
+    def __init__(
+        self,
+        *,
+        inductor: bool = True,
+        dump_dir: str | None = None,
+        keep_graphs: bool = False,
+        schedule: ScheduleOptions = ScheduleOptions(),
+        verify_collectives: bool = True,
+        verify_timeout_s: float = 600.0,
+    ):
+        self.inductor = inductor
+        self.verify_collectives, self.verify_timeout_s = verify_collectives, verify_timeout_s
+        self.dump_dir = dump_dir
+        self.keep_graphs = keep_graphs
+        self.schedule = schedule
+        self.reports: list[GraphReport] = []
+        self.dynamo_graphs = 0
+        self.pass_seconds: Counter = Counter()  # wall time spent in our passes, per pass, over every compile
+        self._counter = itertools.count()
+        self._uuid: str | None = None  # `_cache_key()`, made at the first compile
+
+    def __call__(self, gm: fx.GraphModule, example_inputs, *, mode: str | None = None, options: dict | None = None):
+        """Dynamo calls this with torch.compile's `mode` and `options` (when given) as keyword arguments."""
+        inductor_patches = inductor_config_patches(mode, options, self.inductor)
+        dumper = GraphDumper(self.dump_dir, next(self._counter))
+        self.dynamo_graphs += 1
+        dumper.graph("00_dynamo", gm)
+        _check_sharded(gm, example_inputs)
+        start = time.perf_counter()
+        passes.dedup_unshard(gm)
+        self.pass_seconds["dedup"] += time.perf_counter() - start
+        dumper.graph("01_dedup", gm)
+        gloo = _gloo_groups(gm)
+        all_to_all = frozenset() if self.schedule.reduce_scatter == "native" else gloo
+        # The process groups' backends decide the lowering, and torch.compile's options what Inductor makes of it:
+        # both are part of the compiled code's cache key.
+        key = f"{self._cache_key()}{sorted(all_to_all)}{sorted(gloo)}{patches_key(inductor_patches)}"
+        uuid = hashlib.sha256(key.encode()).hexdigest()
+        reshard = _ReshardPass(uuid, dumper, self.pass_seconds)
+        lower = _LowerPass(
+            uuid, dumper, self.reports, self.schedule, self.keep_graphs, all_to_all, self.pass_seconds, gloo
+        )
+        budget = self.schedule.activation_memory_budget
+        functorch_patches = {} if budget is None else {"activation_memory_budget": budget}
+        verify = self.verify_collectives and dist.is_initialized() and dist.get_world_size() > 1
+        if verify:  # the backward compiles now (not at its first run), so the first forward checks it too
+            functorch_patches["force_non_lazy_backward_lowering"] = True
+
+        def compile_graph(caches: bool = True):
+            with no_caches_when_dumping(dumper.enabled or not caches), functorch_config.patch(functorch_patches):
+                if self.inductor:
+                    return _compile_inductor(
+                        gm, example_inputs, reshard, lower, dumper.enabled or not caches, inductor_patches
+                    )
+                return _compile_eager(gm, example_inputs, reshard, lower)
+
+        if not verify:
+            return compile_graph()
+        return self._compile_verified(compile_graph, dumper.graph_index, STORE.key(uuid, gm, example_inputs))
+
+    def _compile_verified(self, compile_graph, index: int, store_key: str):
+        """Compiles, and wraps the result to check the ranks' collectives on its first call. The lists come from
+        our passes, or on a compile-cache hit (the passes did not run) from `rank_check.STORE`; a hit with no
+        stored lists compiles again without the caches (once: the lists are then stored)."""
+        stored = STORE.load(store_key)
+        first = len(self.reports)
+        compiled = compile_graph()
+        if stored is None and not any(r.graph_index == index for r in self.reports[first:]):
+            compiled = compile_graph(caches=False)
+
+        def graphs() -> list[GraphCollectives]:
+            lowered = [r.collectives_to_compare() for r in self.reports[first:] if r.graph_index == index]
+            if lowered:
+                STORE.save(store_key, lowered)
+                return lowered
+            return [GraphCollectives(f"{g.stage} {index}", g.lines, g.groups) for g in stored or []]
+
+        graphs()  # stores the lists now: a later compile of the same graph may hit the cache before this one runs
+        return check_first_call(compiled, graphs, self.verify_timeout_s)
+
+    def _cache_key(self) -> str:
+        """The passes' code and this backend's options: what every compiled graph's cache key includes."""
+        if self._uuid is None:
+            options = repr(sorted({"inductor": self.inductor, "schedule": repr(self.schedule)}.items()))
+            self._uuid = hashlib.sha256(f"{_code_hash()}{options}".encode()).hexdigest()
+        return self._uuid
+
+    def __repr__(self) -> str:
+        return f"fsdp_backend(inductor={self.inductor}, dump_dir={self.dump_dir!r})"
+
+
+def _compile_inductor(
+    gm, example_inputs, reshard: _ReshardPass, lower: _LowerPass, dumping: bool, user_patches: dict | None = None
+):
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(graph, inputs, **kwargs):
+        lower.stage = "bw" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "fw")
+        return compile_fx_inner(graph, inputs, **kwargs)
+
+    # Inductor's peak-memory reordering re-sorts the scheduler's nodes and sinks prefetched gathers to their first
+    # use; the node order `passes.schedule` produced is the schedule (docs/design-notes.md).
+    patches = {
+        **(user_patches or {}),
+        **OWNED_VALUES,
+        "joint_custom_pre_pass": reshard,
+        "post_grad_custom_pre_pass": lower,
+    }
+    if dumping:
+        patches["fx_graph_cache"] = False
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+def _compile_eager(gm, example_inputs, reshard: _ReshardPass, lower: _LowerPass):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def partition(joint, joint_inputs, **kwargs):
+        reshard(joint.graph)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    def compiler(stage: str):
+        def compile_graph(graph: fx.GraphModule, inputs):
+            lower.stage = stage
+            lower(graph.graph)
+            return make_boxed_func(graph.forward)
+
+        return compile_graph
+
+    return aot_autograd(
+        fw_compiler=compiler("fw"),
+        bw_compiler=compiler("bw"),
+        inference_compiler=compiler("inference"),
+        partition_fn=partition,
+    )(gm, example_inputs)
+
+
+def _gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
+    """The process groups of this graph that run on gloo. They reduce by all-to-all (no native reduce-scatter), and
+    they are serial: the schedule never has two collectives in flight on one of them (ProcessGroupGloo's worker
+    threads corrupt the heap when two collectives finish together; docs/design-notes.md)."""
+    names = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in ir.UNSHARD_TARGETS:
+            args = bind_args(node)
+            device = args["compute_device"]
+            if device is None:  # gathers and reductions run where the shard is
+                shard = args["shard"].meta.get("example_value") if isinstance(args["shard"], fx.Node) else None
+                device = shard.device if isinstance(shard, torch.Tensor) else torch.device("cpu")
+            for arg in ("group", "reduce_group", "replicate_group"):
+                names.add((args[arg] or "", device))
+    return frozenset(name for name, device in names if name and ops.is_gloo_group(name, device))
+
+
+def _check_sharded(gm: fx.GraphModule, example_inputs) -> None:
+    if any(n.op == "call_function" and n.target in ir.UNSHARD_TARGETS for n in gm.graph.nodes):
+        return
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    unsharded = []
+    for node, value in zip(placeholders, example_inputs):
+        if isinstance(value, nn.Parameter):
+            grapharg = node.meta.get("grapharg")
+            unsharded.append(grapharg.source.name if grapharg is not None else node.target)
+    if unsharded:
+        names = ", ".join(str(n) for n in unsharded[:5]) + (" ..." if len(unsharded) > 5 else "")
+        raise RuntimeError(
+            f"fsdp_backend: the compiled model uses parameters that fully_shard never sharded ({names}). "
+            "Call fsdp_graph.fully_shard(model) before torch.compile(model, backend=fsdp_backend)."
+        )
+
+
+def make_backend(
+    *,
+    inductor: bool = True,
+    dump_dir: str | None = None,
+    prefetch: bool = True,
+    max_inflight_bytes: int | None = None,
+    bucket_bytes: int = 0,
+    reduce_scatter: str = "auto",
+    activation_memory_budget: float | None = None,
+    keep_graphs: bool = False,
+    verify_collectives: bool = True,
+    verify_timeout_s: float = 600.0,
+) -> FSDPBackend:
+    """A new backend. `inductor=False` runs the same passes and executes with eager kernels (fast compile).
+    `dump_dir` (or env FSDP_GRAPH_DUMP) writes each stage's graph as code plus a collective summary.
+    `prefetch`: issue each gather early and sink reduce-scatter waits (`passes.schedule`), keeping the bytes of
+    gathered-but-unfreed parameters under `max_inflight_bytes` (None: one unit more than the unscheduled graph).
+    `bucket_bytes`: merge consecutive units' collectives up to this many bytes each (`passes.bucket`; 0: off).
+    `reduce_scatter`: "auto" reduces gradients over gloo groups with an all-to-all and a local sum (gloo runs a
+    reduce-scatter as an all-reduce: twice the bytes); "native" always uses `reduce_scatter_tensor`.
+    `activation_memory_budget`: the share (0-1] of the activations the partitioner may save for backward; below 1 it
+    recomputes the cheapest others (torch._functorch's solver), trading compute for peak memory. None: 1.0.
+    `keep_graphs`: each report keeps a copy of its lowered graph (for `explain`).
+    `verify_collectives`: on each compiled graph's first call, the ranks all-gather a 32-byte digest of its forward
+    and backward collectives and raise on every rank, naming the graph and the first difference, if they differ
+    (instead of hanging); `verify_timeout_s` bounds the wait for the other ranks."""
+    if reduce_scatter not in ("auto", "native"):
+        raise ValueError(f"make_backend: reduce_scatter must be 'auto' or 'native', got {reduce_scatter!r}")
+    if activation_memory_budget is not None and not 0 < activation_memory_budget <= 1:
+        raise ValueError(f"make_backend: activation_memory_budget must be in (0, 1], got {activation_memory_budget}")
+    if not verify_timeout_s > 0:
+        raise ValueError(f"make_backend: verify_timeout_s must be a positive number of seconds, got {verify_timeout_s}")
+    options = ScheduleOptions(prefetch, max_inflight_bytes, bucket_bytes, reduce_scatter, activation_memory_budget)
+    return FSDPBackend(
+        inductor=inductor,
+        dump_dir=dump_dir,
+        keep_graphs=keep_graphs,
+        schedule=options,
+        verify_collectives=verify_collectives,
+        verify_timeout_s=verify_timeout_s,
+    )
+
+
+fsdp_backend = make_backend()

@@ -1,0 +1,43 @@
+"""IR constants shared by the runtime and `passes/` (DESIGN §3). Passes import only this module.
+
+Node meta keys set by passes are namespaced `fsdp_*`:
+- `fsdp_unit`: the unit FQN a lowered collective (or its cast / wait / scale) belongs to.
+- `fsdp_role`: "unshard" or "reduce_grad" on every node a lowering produced.
+- `fsdp_bucket`: on every node `passes.bucket` creates, the tuple of the merged units' FQNs in graph order; their
+  `fsdp_unit` is those names joined by "+" (the root's "" included, so "+blocks.1" is the root and blocks.1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
+from fsdp_graph.ir.ops import gradient_divide_factors  # noqa: F401  (the reduction's arithmetic, shared with passes)
+
+UNSHARD = torch.ops.fsdp.unshard.default
+REDUCE_GRAD = torch.ops.fsdp.reduce_grad.default
+UNSHARD_TARGETS = (UNSHARD, torch.ops.fsdp.unshard)
+REDUCE_GRAD_TARGETS = (REDUCE_GRAD, torch.ops.fsdp.reduce_grad)
+
+C10D = torch.ops._c10d_functional
+ALL_GATHER = C10D.all_gather_into_tensor.default
+REDUCE_SCATTER = C10D.reduce_scatter_tensor.default
+ALL_REDUCE = C10D.all_reduce.default
+ALL_TO_ALL = C10D.all_to_all_single.default
+WAIT = C10D.wait_tensor.default
+COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)
+
+META_UNIT = "fsdp_unit"
+META_ROLE = "fsdp_role"
+META_BUCKET = "fsdp_bucket"
+ROLE_UNSHARD = "unshard"
+ROLE_REDUCE = "reduce_grad"
+
+# The ops' arguments, derived from their registered schemas (fsdp_graph/ir/ops.py defines each op once).
+UNSHARD_SIGNATURE = _ops.UNSHARD_SIGNATURE
+REDUCE_SIGNATURE = _ops.REDUCE_SIGNATURE
+UNSHARD_ARGS = UNSHARD_SIGNATURE.names
+REDUCE_ARGS = REDUCE_SIGNATURE.names
+UNSHARD_DEFAULTS = UNSHARD_SIGNATURE.defaults
+REDUCE_DEFAULTS = REDUCE_SIGNATURE.defaults
+

@@ -1,0 +1,261 @@
+"""The `fsdp` custom ops: the IR between the runtime and the passes (DESIGN §3).
+
+Each op carries every sharding fact as an argument, so a pass needs no runtime lookup. The eager
+implementations really communicate (through `_c10d_functional`, the same ops the lowering emits), so
+the un-lowered graph, the eager path and the lowered graph all compute the same thing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+from typing import Any
+
+import torch
+
+_c10d = torch.ops._c10d_functional
+
+
+def is_gloo_group(group: str, device: torch.device | str = "cpu") -> bool:
+    """Whether `group` runs collectives on `device`'s tensors with gloo (a mixed `cpu:gloo,cuda:nccl` group does for
+    CPU tensors only; fully_shard's single-thread copies of gloo groups, `fsdp_graph.runtime.gloo`, count). gloo has no
+    native reduce-scatter (it runs one as a full all-reduce): such groups reduce by all-to-all."""
+    import torch.distributed as dist
+
+    from fsdp_graph.runtime.devices import backend_for
+    from fsdp_graph.runtime.gloo import GLOO_BACKENDS
+
+    return backend_for(dist.distributed_c10d._resolve_process_group(group), device) in GLOO_BACKENDS
+
+
+def gradient_divide_factors(data_parallel_size: int, divide_factor: float | None = None) -> tuple[int, int | float]:
+    """(pre, post): a gradient is divided by `pre` before its reduction and by `post` after it, pre * post ==
+    `divide_factor` (None: `data_parallel_size`, so the result is the mean; `set_gradient_divide_factor` sets
+    another, e.g. 1.0 for a plain sum). The one definition the eager op and `passes.lower` share.
+
+    A plain sum grows with the world: at 512 ranks a bf16/fp16 sum overflows fp16's range or rounds away the
+    small terms, and dividing only afterwards cannot recover them. Splitting the division keeps every partial
+    sum within about sqrt(world) times one gradient. `pre` is the smallest power of two not below sqrt(total):
+    dividing by a power of two is exact in binary floating point (short of underflow), so an fp32 reduction
+    gives bit for bit the sum-then-divide result, and the parity tests keep their precision."""
+    if data_parallel_size < 1:
+        raise ValueError(f"gradient_divide_factors: data_parallel_size must be >= 1, got {data_parallel_size}")
+    if divide_factor is not None and not divide_factor > 0:
+        raise ValueError(f"gradient_divide_factors: divide_factor must be > 0, got {divide_factor}")
+    total = data_parallel_size if divide_factor is None else divide_factor
+    pre = 1 << ((max(math.ceil(total), 1) - 1).bit_length() + 1) // 2
+    post = total // pre if isinstance(total, int) and total % pre == 0 else total / pre
+    return pre, post
+
+
+class OpSignature:
+    """The argument list of a registered op, read from its schema: the op's Python definition below is the one
+    place an argument is declared; the fake, the autograd formula, the runtime's call and the passes (through
+    `fsdp_graph.ir`) all derive names, defaults and arity from here."""
+
+    def __init__(self, op: torch._ops.OpOverload):
+        arguments = op._schema.arguments
+        self.names: tuple[str, ...] = tuple(a.name for a in arguments)
+        self.defaults: dict[str, Any] = {a.name: a.default_value for a in arguments if a.has_default_value()}
+        self.Args = namedtuple(f"{op._schema.name.split('::')[-1]}_args", self.names)
+
+    @property
+    def arity(self) -> int:
+        return len(self.names)
+
+    def bind(self, args: tuple | list, kwargs: dict[str, Any]) -> Any:
+        """The call's arguments by name (an `Args` namedtuple), defaults filled in."""
+        values = dict(self.defaults)
+        values.update(zip(self.names, args))
+        values.update(kwargs)
+        return self.Args(**values)
+
+    def call_args(self, values: dict[str, Any]) -> tuple:
+        """Positional arguments for a call with `values` (by name): up to the last one that differs from its
+        default, so a graph shows only the facts that matter (no `no_sync` arguments for a model without it)."""
+        unknown = set(values) - set(self.names)
+        if unknown:
+            raise TypeError(f"unknown op arguments {sorted(unknown)}; the op takes {self.names}")
+        full = [values[n] if n in values else self.defaults[n] for n in self.names]
+        end = len(full)
+        while end and self.names[end - 1] in self.defaults and _same(full[end - 1], self.defaults[self.names[end - 1]]):
+            end -= 1
+        return tuple(full[:end])
+
+    def gradients(self, **grads: torch.Tensor | None) -> tuple:
+        """An autograd formula's return value: `grads` by input name, None for every other input."""
+        return tuple(grads.get(n) for n in self.names)
+
+
+def _same(value: Any, default: Any) -> bool:
+    return value is default or (type(value) is type(default) and value == default)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
+@torch.library.custom_op("fsdp::unshard", mutates_args=())
+def unshard(
+    shard: torch.Tensor,
+    unit: str,
+    group: str,
+    world: int,
+    dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+    replicate_group: str = "",
+    replicate_world: int = 1,
+    sync: bool = True,
+    unsynced: torch.Tensor | None = None,
+    compute_device: torch.device | None = None,
+    reduce_group: str = "",
+    divide_factor: float | None = None,
+    all_reduce: bool = True,
+    partial: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The unit's full padded flat parameter: `shard` copied to `compute_device` (CPU offload; None: where it
+    is), cast to `dtype`, then all-gathered over `group` (`world` == 1: nothing to gather, NO_SHARD). With a
+    `compute_device` the gradient shard is copied back to the shard's device. `reduce_group` (same ranks as
+    `group`; "": `group` itself) is where the gradient is reduce-scattered.
+
+    `reduce_dtype` is the dtype its gradient is reduced in (None: the gradient's own dtype);
+    `reshard_after_forward` tells the reshard pass whether the backward re-gathers (True) or the forward
+    saves the gathered tensor (False); `replicate_group`/`replicate_world` name the group the gradient is
+    all-reduced over after the reduce-scatter (HYBRID_SHARD, NO_SHARD; 1: none); `divide_factor` is what the
+    reduced gradient is divided by (None: the data-parallel size, a mean; see `gradient_divide_factors`).
+
+    Gradient sync (`no_sync`) only changes the backward, through `sync` and `unsynced`:
+    - `sync=False`: `unsynced` is a full-size leaf; the unreduced gradient becomes ITS gradient (autograd
+      accumulates it over microbatches) and the shard gets none, so nothing is communicated.
+    - `sync=True` with `unsynced` (the accumulated gradient): it is added before the one reduction.
+
+    Replica all-reduce (`set_requires_all_reduce`, HYBRID) likewise, through `all_reduce` and `partial`:
+    - `all_reduce=False`: `partial` is a shard-size leaf; the reduce-scattered, not yet all-reduced sum becomes ITS
+      gradient (accumulated by autograd) and the shard gets none.
+    - `all_reduce=True` with `partial` (the accumulated partial sum): it is added before the all-reduce.
+    """
+    return wait_gather(start_gather(shard, group, world, dtype, compute_device), world)
+
+
+def start_gather(
+    shard: torch.Tensor, group: str, world: int, dtype: torch.dtype | None, compute_device: torch.device | None
+) -> torch.Tensor:
+    """The first half of `unshard` (also `FSDPModule.unshard(async_op=True)`): the copy, cast and all-gather
+    issued; `wait_gather` gives the full flat parameter."""
+    moved = shard if compute_device is None else shard.to(compute_device, non_blocking=True)
+    cast = _cast(moved, dtype)
+    if world == 1:
+        return cast.clone() if cast is shard else cast
+    return _c10d.all_gather_into_tensor(cast.contiguous(), world, group)
+
+
+def wait_gather(started: torch.Tensor, world: int) -> torch.Tensor:
+    return started if world == 1 else _c10d.wait_tensor(started)
+
+
+UNSHARD_SIGNATURE = OpSignature(torch.ops.fsdp.unshard.default)
+
+
+@unshard.register_fake
+def _unshard_fake(*args, **kwargs):
+    a = UNSHARD_SIGNATURE.bind(args, kwargs)
+    return a.shard.new_empty(
+        a.shard.numel() * a.world, dtype=a.dtype or a.shard.dtype, device=a.compute_device or a.shard.device
+    )
+
+
+@torch.library.custom_op("fsdp::reduce_grad", mutates_args=())
+def reduce_grad(
+    full_grad: torch.Tensor,
+    unit: str,
+    group: str,
+    world: int,
+    dtype: torch.dtype | None,
+    out_dtype: torch.dtype,
+    replicate_group: str = "",
+    replicate_world: int = 1,
+    out_device: torch.device | None = None,
+    divide_factor: float | None = None,
+    all_reduce: bool = True,
+    partial: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """This rank's shard of the gradient averaged over all `world * replicate_world` data-parallel ranks (or
+    summed and divided by `divide_factor`):
+    cast to `dtype`, divided by `pre`, reduce-scattered (sum) over `group`, all-reduced (sum) over
+    `replicate_group`, divided by `post` (`gradient_divide_factors`), returned in `out_dtype` (on `out_device`,
+    CPU offload; None: where it was computed). `partial` (a partial sum accumulated without all-reduce) is added
+    after the reduce-scatter; `all_reduce=False` stops there and returns the partial sum (neither all-reduced nor
+    divided by `post`).
+
+    Sums and divisions: "avg" has no autograd formula and is not supported by every process-group backend.
+    """
+    pre, post = gradient_divide_factors(world * replicate_world, divide_factor)
+    grad = _cast(full_grad, dtype).contiguous()
+    if pre > 1:
+        grad = grad / pre
+    if world > 1 and is_gloo_group(
+        group, grad.device
+    ):  # as passes.all_to_all lowers it: gloo has no native reduce-scatter
+        chunk = grad.numel() // world
+        grad = _c10d.wait_tensor(_c10d.all_to_all_single(grad, [chunk] * world, [chunk] * world, group))
+        grad = grad.view(world, chunk).sum(0)
+    elif world > 1:
+        grad = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, "sum", world, group))
+    if partial is not None:
+        grad = grad + partial.to(grad.device, grad.dtype)
+    if not all_reduce:
+        averaged = _cast(grad, out_dtype)
+        return averaged if out_device is None else averaged.to(out_device, non_blocking=True)
+    if replicate_world > 1:
+        grad = _c10d.wait_tensor(_c10d.all_reduce(grad, "sum", replicate_group))
+    averaged = _cast(grad / post, out_dtype)
+    return averaged if out_device is None else averaged.to(out_device, non_blocking=True)
+
+
+REDUCE_SIGNATURE = OpSignature(torch.ops.fsdp.reduce_grad.default)
+
+
+@reduce_grad.register_fake
+def _reduce_grad_fake(*args, **kwargs):
+    a = REDUCE_SIGNATURE.bind(args, kwargs)
+    return a.full_grad.new_empty(
+        a.full_grad.numel() // a.world, dtype=a.out_dtype, device=a.out_device or a.full_grad.device
+    )
+
+
+def _unshard_setup_context(ctx, inputs, output) -> None:
+    a = UNSHARD_SIGNATURE.bind(inputs, {})
+    ctx.reduce_args = {
+        "unit": a.unit,
+        "group": a.reduce_group or a.group,
+        "world": a.world,
+        "dtype": a.reduce_dtype,
+        "out_dtype": a.shard.dtype,
+        "replicate_group": a.replicate_group,
+        "replicate_world": a.replicate_world,
+        "out_device": None if a.compute_device is None else a.shard.device,
+        "divide_factor": a.divide_factor,
+        "all_reduce": a.all_reduce,
+    }
+    ctx.sync = a.sync
+    ctx.has_unsynced, ctx.has_partial = a.unsynced is not None, a.partial is not None
+    ctx.save_for_backward(*(t for t in (a.unsynced, a.partial) if t is not None))
+
+
+def _unshard_backward(ctx, grad: torch.Tensor):
+    saved = list(ctx.saved_tensors)
+    unsynced = saved.pop(0) if ctx.has_unsynced else None
+    partial = saved.pop(0) if ctx.has_partial else None
+    if not ctx.sync:  # no_sync: the unreduced gradient goes to the accumulator leaf, nothing to the shard
+        return UNSHARD_SIGNATURE.gradients(unsynced=grad.to(unsynced.dtype))
+    if unsynced is not None:  # the last microbatch after no_sync: one reduction of everything accumulated
+        grad = grad.to(unsynced.dtype) + unsynced
+    if not ctx.reduce_args["all_reduce"]:  # the partial sum goes to the partial leaf, nothing to the shard
+        reduced = reduce_grad(*REDUCE_SIGNATURE.call_args({"full_grad": grad, **ctx.reduce_args}))
+        return UNSHARD_SIGNATURE.gradients(partial=reduced.to(partial.dtype))
+    reduced = reduce_grad(*REDUCE_SIGNATURE.call_args({"full_grad": grad, **ctx.reduce_args, "partial": partial}))
+    return UNSHARD_SIGNATURE.gradients(shard=reduced)
+
+
+unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

@@ -1,0 +1,63 @@
+"""Gradients of original parameters as views of the reduced flat-shard gradient (DESIGN §2)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from fsdp_graph.runtime.offload import GradFence
+
+
+def install_grad_hook(
+    flat_shard: torch.Tensor,
+    views: list[nn.Parameter],
+    ranges: list[tuple[int, int]],
+    after: list[Callable[[], None]],
+    grad_dtype: torch.dtype | None = None,
+    fence: tuple[GradFence, torch.device] | None = None,
+) -> None:
+    """After each backward, hand every original parameter its slice of `flat_shard.grad`.
+
+    Plain PyTorch semantics: `.grad is None` (after `zero_grad()`) -> becomes a view of this backward's
+    reduced gradient; otherwise the new gradient is added in place (accumulation). The flat shard's own
+    `.grad` is dropped so a later backward never accumulates into a gradient the user already zeroed.
+    Then every callback in `after` runs (e.g. an optimizer step in backward); it is read at call time, so
+    callbacks added later count. `grad_dtype` (MixedPrecision.keep_low_precision_grads): gradients are
+    stored in that dtype; autograd cannot hand an fp32 leaf a bf16 gradient, so, as FSDP1 does, the
+    low-precision tensor is installed through `.grad.data`. `fence` (CPU offload from an accelerator: the
+    gradient was copied from that device asynchronously): everything after taking the gradient waits for the copy
+    at the end of the backward (`GradFence`).
+    """
+
+    def hook(flat: torch.Tensor) -> None:
+        grad = flat.grad
+        flat.grad = None
+        if grad is None:
+            return
+        if fence is not None:
+            fence[0].defer(fence[1], lambda: hand_out(grad))
+        else:
+            hand_out(grad)
+
+    def hand_out(grad: torch.Tensor) -> None:
+        for param, (lo, hi) in zip(views, ranges):
+            if not param.requires_grad:
+                continue
+            piece = grad[lo:hi]
+            if grad_dtype is not None:
+                piece = piece.to(grad_dtype)
+                if param.grad is None:
+                    param.grad = torch.empty_like(param)
+                    param.grad.data = piece
+                else:
+                    param.grad.data.add_(piece)
+            elif param.grad is None:
+                param.grad = piece
+            else:
+                param.grad.add_(piece)
+        for callback in after:
+            callback()
+
+    flat_shard.register_post_accumulate_grad_hook(hook)

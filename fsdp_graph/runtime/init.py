@@ -1,0 +1,78 @@
+"""Initialisation helpers for fully_shard: meta-device materialisation and rank-0 state sync."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_graph.runtime.devices import collective_device
+
+
+def _is_meta(t: torch.Tensor | None) -> bool:
+    return t is not None and t.device.type == "meta"
+
+
+def materialize_module(
+    module: nn.Module, fqn: str, device: torch.device, param_init_fn: Callable[[nn.Module], None] | None
+) -> dict[int, torch.Tensor]:
+    """Allocate `module`'s own meta parameters and buffers on `device` and initialise them with
+    `param_init_fn(module)` or `module.reset_parameters()` (as FSDP1: the function initialises the module's own
+    parameters AND buffers). Returns {id(old meta param): new tensor}."""
+    own = {name: p for name, p in module._parameters.items() if p is not None}
+    if any(not _is_meta(p) for p in own.values()):
+        names = [n for n, p in own.items() if not _is_meta(p)]
+        raise NotImplementedError(
+            f"fully_shard: module '{fqn}' mixes meta and materialised parameters ({names}); build it entirely on "
+            "the meta device or entirely on a real one."
+        )
+    init = param_init_fn or getattr(module, "reset_parameters", None)
+    if init is None:
+        raise ValueError(
+            f"fully_shard: module '{fqn}' ({type(module).__name__}) has meta-device parameters "
+            f"{sorted(own)} but no reset_parameters(); pass param_init_fn=... to fully_shard."
+        )
+    module.to_empty(device=device, recurse=False)
+    with torch.no_grad():
+        param_init_fn(module) if param_init_fn is not None else module.reset_parameters()
+    return {id(old): module._parameters[name] for name, old in own.items()}
+
+
+def materialize_buffers(
+    model: nn.Module, device: torch.device, param_init_fn: Callable[[nn.Module], None] | None
+) -> None:
+    """Modules that own no parameters but meta buffers (e.g. rotary caches) are materialised in place with
+    `param_init_fn(module)` or `module.reset_parameters()`: buffers are replicated, every rank holds them whole."""
+    for fqn, module in model.named_modules():
+        if not any(_is_meta(b) for b in module._buffers.values()):
+            continue
+        init = param_init_fn or getattr(module, "reset_parameters", None)
+        if init is None or any(p is not None for p in module._parameters.values()):
+            raise ValueError(
+                f"fully_shard: module '{fqn or '<root>'}' ({type(module).__name__}) has meta-device buffers "
+                f"{[n for n, b in module._buffers.items() if _is_meta(b)]} that cannot be initialised here; "
+                "give it a reset_parameters() or pass param_init_fn=... to fully_shard."
+            )
+        for name, buf in module._buffers.items():
+            if _is_meta(buf):
+                module._buffers[name] = torch.empty_like(buf, device=device)
+        with torch.no_grad():
+            init(module)
+
+
+@torch.no_grad()
+def sync_module_states_from_rank0(model: nn.Module, ignored: set[int]) -> None:
+    """Broadcast rank 0's parameters and buffers to every rank (before sharding), as FSDP1's sync_module_states."""
+    tensors = [p for p in model.parameters() if id(p) not in ignored] + [b for b in model.buffers()]
+    if any(_is_meta(t) for t in tensors):
+        raise ValueError("fully_shard: sync_module_states=True needs materialised parameters, not meta ones.")
+    for t in tensors:
+        device = collective_device(None, t.device)
+        if device == t.device:
+            dist.broadcast(t.data, src=0)
+        else:  # e.g. a model built on the CPU, synced over NCCL
+            moved = t.data.to(device)
+            dist.broadcast(moved, src=0)
+            t.data.copy_(moved)

@@ -1,0 +1,1 @@
+"""State: sharded and full state dicts, optimizer state dicts, and DCP checkpoints."""

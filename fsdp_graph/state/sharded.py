@@ -1,0 +1,111 @@
+"""Sharded state dicts in FSDP2's layout: original FQNs, DTensor values sharded on dim 0.
+
+Our flat layout is not FSDP2's per-parameter dim-0 sharding, so converting moves data: each flat parameter
+is gathered (one at a time: a unit is the most any rank holds unsharded) and every parameter is re-chunked on
+dim 0 the way `DTensor` with `Shard(0)` expects (`torch.chunk` semantics). In exchange `model.state_dict()`
+goes straight into `torch.distributed.checkpoint` (DCP), which reshards across world sizes and reads and
+writes checkpoints of torch's own FSDP2.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp_graph.runtime.devices import collective_device
+from fsdp_graph.runtime.unit import FlatParamState, RootState, flat_params
+
+
+def gather_flat(state: FlatParamState, local: torch.Tensor) -> torch.Tensor:
+    """The full padded flat tensor of which `local` is this rank's shard (collective over the shard group)."""
+    if state.world == 1:
+        return local.clone()
+    home = local.device
+    group = dist.distributed_c10d._resolve_process_group(state.group_name)
+    # CPU offload prefers the compute device: a mixed cpu:gloo,cuda:nccl group then gathers over NCCL.
+    local = local.to(collective_device(group, state.compute_device or local.device))
+    full = local.new_empty(state.layout.padded_numel)
+    dist.all_gather_single(full, local.contiguous(), group=group)
+    return full.to(home)
+
+
+def state_dict_mesh(root: RootState) -> DeviceMesh:
+    """The mesh state-dict DTensors live on: the one given to fully_shard, else the world's, on the device type
+    the world's collectives use for the flat shards where they are NOW (a model moved by `.cuda()` after
+    fully_shard must not get a CPU mesh over NCCL)."""
+    if root.mesh is not None:
+        return root.mesh
+    shard_device = root.flat_params[0].flat_shard.device if root.flat_params else torch.device("cpu")
+    device_type = collective_device(None, shard_device).type
+    if device_type not in root.world_meshes:
+        root.world_meshes[device_type] = DeviceMesh.from_group(dist.group.WORLD, device_type)
+    return root.world_meshes[device_type]
+
+
+def to_dtensor(full: torch.Tensor, root: RootState) -> DTensor:
+    """`full` (identical on every rank) as a DTensor on the model's mesh, this rank holding its dim-0 chunk."""
+    mesh = state_dict_mesh(root)
+    placements = root.placements if full.dim() > 0 else tuple(Replicate() for _ in root.placements)
+    local = full
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            n, coordinate = mesh.size(dim), mesh.get_local_rank(dim)
+            chunks = local.chunk(n, dim=0)
+            local = chunks[coordinate] if coordinate < len(chunks) else local.new_empty((0, *local.shape[1:]))
+    return DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+
+
+def local_range_of(value: torch.Tensor, state: FlatParamState, slot_index: int) -> torch.Tensor:
+    """This rank's 1-D piece of a parameter-shaped tensor (full tensor or DTensor, identical on every rank)."""
+    slot = state.layout.slots[slot_index]
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    if tuple(value.shape) != tuple(slot.shape):
+        raise ValueError(
+            f"load_state_dict: '{slot.fqns[0]}' has shape {tuple(value.shape)} in the state dict but "
+            f"{tuple(slot.shape)} in the model."
+        )
+    lo, hi = state.layout.local_range(slot)
+    start = state.layout.shard_start + lo - slot.offset
+    return value.detach().reshape(-1)[start : start + hi - lo].to(state.flat_shard.dtype)
+
+
+def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    root: RootState = module.__dict__["_fsdp_root"]
+    with torch.no_grad():
+        for state in root.flat_params:
+            _put_flat_param(state_dict, prefix, state, root)
+
+
+def _put_flat_param(state_dict: dict, prefix: str, state: FlatParamState, root: RootState) -> None:
+    """Gather one flat parameter into the state dict's entries of its parameters. A function of its own so the
+    gathered tensor dies on return unless the entries keep it (full_state_dict's streaming relies on that)."""
+    full = gather_flat(state, state.flat_shard.detach())
+    for slot, value in zip(state.layout.slots, state.layout.unflatten(full)):
+        entry = root.full_state_dict(value) if root.full_state_dict else to_dtensor(value, root)
+        for fqn in slot.fqns:
+            if prefix + fqn not in state_dict:
+                continue
+            if entry is None:
+                del state_dict[prefix + fqn]
+            else:
+                state_dict[prefix + fqn] = entry
+
+
+def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    for state in flat_params(module):
+        for index, slot in enumerate(state.layout.slots):
+            for fqn in slot.fqns:
+                key = prefix + fqn
+                if key in state_dict:
+                    state_dict[key] = local_range_of(state_dict[key], state, index)
+
+
+def install_state_dict_hooks(model: nn.Module) -> None:
+    """`model.state_dict()` returns DTensors (FSDP2's layout); `model.load_state_dict()` accepts DTensors or
+    full tensors. Both are collectives: every rank calls them."""
+    model.register_state_dict_post_hook(_state_dict_hook)
+    model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)

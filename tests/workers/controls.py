@@ -1,0 +1,130 @@
+"""Rank-side workers for FSDP2's per-module controls on sharded units (issue 12)."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import torch
+import torch.nn as nn
+
+import fsdp_graph
+from fsdp_graph.planning.measure import executed_collectives
+from fsdp_graph.runtime.unit import flat_params, sharded_units
+from tests.workers.eager_reshard import DeepMLP, generate
+from tests.workers.training import Case, full_grads, shard_and_compile
+
+
+def _sharded(mode: str) -> tuple[DeepMLP, DeepMLP, nn.Module, object]:
+    torch.manual_seed(0)
+    model = DeepMLP()
+    ref = copy.deepcopy(model)
+    fsdp_graph.fully_shard(model)
+    if mode == "eager":
+        return model, ref, model, None
+    backend = fsdp_graph.make_backend(inductor=False)
+    return model, ref, torch.compile(model, backend=backend, fullgraph=True), backend
+
+
+def _train_step(run: nn.Module, ref: nn.Module, rank: int, world: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(4 * world, 256, generator=gen), torch.randn(4 * world, 1, generator=gen)
+    nn.functional.mse_loss(run(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+    nn.functional.mse_loss(ref(x), y).backward()
+
+
+def unshard_reshard(rank: int, world: int, mode: str) -> dict[str, float]:
+    model, ref, run, backend = _sharded(mode)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    out: dict[str, float] = {
+        "is_fsdp_module": float(all(isinstance(u, fsdp_graph.FSDPModule) for u in sharded_units(model)))
+    }
+    for step in range(3):
+        _train_step(run, ref, rank, world, seed=step)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        block, ref_block = model.blocks[step], ref.blocks[step]
+        if step == 1:  # asynchronous: the gather is issued, wait() exposes it
+            counted = executed_collectives(lambda block=block: block.unshard(async_op=True).wait())
+        else:
+            counted = executed_collectives(block.unshard)
+        out[f"gathers_{step}"] = float(counted.counts["all_gather"])
+        out[f"full_shape_{step}"] = float(block[0].weight.shape == ref_block[0].weight.shape)
+        out[f"full_diff_{step}"] = max(
+            (block[0].weight - ref_block[0].weight).abs().max().item(),
+            (block[0].bias - ref_block[0].bias).abs().max().item(),
+        )
+        out[f"others_sharded_{step}"] = float(model.blocks[step + 1][0].weight.dim() == 1)
+        block.reshard()
+        out[f"resharded_{step}"] = float(block[0].weight.dim() == 1 and not model._fsdp_root.unsharded)
+    out["graphs"] = float(backend.dynamo_graphs if backend else 0)
+    return out
+
+
+def divide_factor(rank: int, world: int, mode: str) -> dict[str, float]:
+    """Gradients with the default factor (the mean), with factor 1.0 (the sum) twice, and back to None."""
+    model, ref, run, backend = _sharded(mode)
+    out: dict[str, float] = {}
+    for step, factor in enumerate((None, 1.0, 1.0, None)):
+        for unit in sharded_units(model):
+            unit.set_gradient_divide_factor(factor)
+        _train_step(run, ref, rank, world, seed=step)
+        expected_scale = world if factor == 1.0 else 1
+        grads = full_grads(model)
+        out[f"grad_diff_{step}"] = max(
+            (grads[n] - expected_scale * p.grad).abs().max().item() for n, p in ref.named_parameters()
+        )
+        out[f"graphs_{step}"] = float(backend.dynamo_graphs if backend else 0)
+        model.zero_grad()
+        ref.zero_grad()
+    out["factors"] = float(all(s.divide_factor is None for s in flat_params(model)))
+    return out
+
+
+def forward_method(rank: int, world: int) -> dict[str, float]:
+    model, ref, _, _ = _sharded("eager")
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(7))
+    model.generate = types.MethodType(generate, model)
+    out = {}
+    try:
+        model.generate(x)
+        out["unregistered_fails"] = 0.0
+    except RuntimeError:  # the head's weight is this rank's 1-D shard outside forward
+        out["unregistered_fails"] = 1.0
+    fsdp_graph.register_fsdp_forward_method(model, "generate")
+    with torch.no_grad():
+        out["diff"] = (model.generate(x) - generate(ref, x)).abs().max().item()
+    root = model._fsdp_root
+    out["closed"] = float(root.forward_depth == 0 and not root.gathered and root.session is None)
+    out["sharded_after"] = float(model.head.weight.dim() == 1)
+    return out
+
+
+def replica_all_reduce(rank: int, world: int, mode: str) -> dict[str, float]:
+    """HYBRID_SHARD on a (2, world // 2) mesh: two microbatches with set_requires_all_reduce(False), then one with
+    True, twice over; the gradients equal single-process training's over the three full batches."""
+    torch.manual_seed(0)
+    model = DeepMLP()
+    ref = copy.deepcopy(model)
+    run, backend = shard_and_compile(model, Case("mlp", strategy="HYBRID_SHARD", mode=mode))
+    units = sharded_units(model)
+    out: dict[str, float] = {}
+    for round_ in range(2):
+        for micro in range(3):
+            all_reduce = micro == 2
+            for unit in units:
+                unit.set_requires_all_reduce(all_reduce)
+            counted = executed_collectives(
+                lambda seed=10 * round_ + micro: _train_step(run, ref, rank, world, seed=seed)
+            )
+            out[f"all_reduces_{round_}_{micro}"] = float(counted.counts["all_reduce"])
+            if not all_reduce:
+                out[f"grads_untouched_{round_}_{micro}"] = float(all(p.grad is None for p in model.parameters()))
+        grads = full_grads(model)
+        out[f"grad_diff_{round_}"] = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
+        out[f"partials_dropped_{round_}"] = float(all(s.partial.grad is None for s in flat_params(model)))
+        model.zero_grad()
+        ref.zero_grad()
+    out["graphs"] = float(backend.dynamo_graphs if backend else 0)
+    return out
