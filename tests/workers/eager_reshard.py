@@ -43,7 +43,8 @@ def eager_reshard_parity(rank: int, world: int, strategy: str) -> dict[str, floa
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(5)
     out: dict[str, float] = {}
-    for step in range(4):
+    step_peaks = []
+    for step in range(8):
         x, y = torch.randn(4 * world, DIM, generator=gen), torch.randn(4 * world, 1, generator=gen)
         local_x, local_y = x.chunk(world)[rank], y.chunk(world)[rank]
 
@@ -56,8 +57,8 @@ def eager_reshard_parity(rank: int, world: int, strategy: str) -> dict[str, floa
             peak, loss = peak_allocated_bytes(forward)
             out["forward_peak_bytes"] = float(peak)
             loss.backward()
-        elif step == 3:  # gradients persist (zero_grad(set_to_none=False)): the step's peak is the gathers
-            out["step_peak_bytes"] = float(peak_allocated_bytes(lambda: forward().backward())[0])
+        elif step >= 3:  # gradients persist (zero_grad(set_to_none=False)): the step's peak is the gathers
+            step_peaks.append(peak_allocated_bytes(lambda: forward().backward())[0])
         else:
             forward().backward()
         opt.step()
@@ -65,6 +66,9 @@ def eager_reshard_parity(rank: int, world: int, strategy: str) -> dict[str, floa
         nn.functional.mse_loss(ref(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()
+    # The least of 5 steps: gloo frees a finished reduction's buffers on its worker thread, a moment late, so one
+    # step's peak can include a full gradient that is already dead (seen: 2 to 7 blocks saved on one machine).
+    out["step_peak_bytes"] = float(min(step_peaks))
     out["param_diff"] = max_param_diff(model, ref)
     out["moved"] = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), DeepMLP().parameters()))
     return out
