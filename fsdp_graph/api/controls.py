@@ -59,9 +59,34 @@ class FSDPModule:
         return None
 
     def reshard(self) -> None:
-        """Free the full parameters `unshard()` gathered: outside forward, parameters read as shards again."""
+        """Free the full parameters `unshard()` gathered (outside forward, parameters read as shards again) and the
+        ones a backward kept under `set_reshard_after_backward(False)` (the next forward gathers again)."""
+        from fsdp_graph.runtime.unit import drop_held
+
         for state in _states(self, "reshard"):
             state.root.unsharded.pop(state.name, None)
+            drop_held(state)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False: a unit's backward keeps its gathered parameters, so its next forward gathers nothing (gradient
+        accumulation: memory for communication). A unit that reshards after forward still frees them after that
+        forward and gathers in its backward, as FSDP2 does. `recurse`: every unit in this module's subtree, else
+        this unit only. True again stops keeping: the next forward still uses (and frees) what is kept, so the
+        FSDP2 idiom `set_reshard_after_backward(is_last_microbatch)` before each forward saves a gather in the last
+        one too; `reshard()` frees kept parameters at once.
+
+        If the shard changes while kept (an optimizer step, load_state_dict), the next forward sees that and gathers
+        the new values (FSDP2 would use the stale ones); writes through `param.data` are not seen, so call
+        `reshard()` before stepping an optimizer that writes that way. Eager only: a compiled forward of a unit with
+        it off raises."""
+        if not isinstance(reshard_after_backward, bool):
+            raise TypeError(
+                f"set_reshard_after_backward: reshard_after_backward must be a bool, got {reshard_after_backward!r}"
+            )
+        modules = [m for m in self.modules() if m.__dict__.get("_fsdp_states")] if recurse else [self]
+        states = [state for module in modules or [self] for state in _states(module, "set_reshard_after_backward")]
+        for state in states:
+            state.reshard_after_backward = reshard_after_backward
 
     def set_gradient_divide_factor(self, factor: float | None) -> None:
         """Divide this unit's reduced gradients by `factor` instead of the data-parallel size (None: back to the

@@ -259,3 +259,28 @@ def _unshard_backward(ctx, grad: torch.Tensor):
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
+
+
+class _ReuseGathered(torch.autograd.Function):
+    """`fsdp::unshard` of a flat parameter gathered earlier and kept (`set_reshard_after_backward(False)`): the
+    forward communicates nothing and returns the kept tensor (as a view); the backward is the op's own formula, so
+    the gradient reaches the shard exactly as after a gather. Eager only: compiled graphs always gather."""
+
+    @staticmethod
+    def forward(gathered: torch.Tensor, *unshard_args: Any) -> torch.Tensor:
+        return gathered
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _unshard_setup_context(ctx, inputs[1:], output)
+        ctx.arg_count = len(inputs) - 1
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (None, *_unshard_backward(ctx, grad)[: ctx.arg_count])
+
+
+def reuse_gathered(gathered: torch.Tensor, *unshard_args: Any) -> torch.Tensor:
+    """What `torch.ops.fsdp.unshard(*unshard_args)` returns, taken from `gathered` (the same flat parameter gathered
+    earlier, not requiring grad) instead of a new gather; differentiable to `shard` like the op."""
+    return _ReuseGathered.apply(gathered, *unshard_args)

@@ -9,6 +9,7 @@ and the 1-D sharded `nn.Parameter` view (what the optimizer holds) outside forwa
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from fsdp_graph.api.controls import FSDPModule
-from fsdp_graph.ir.ops import UNSHARD_SIGNATURE
+from fsdp_graph.ir.ops import UNSHARD_SIGNATURE, reuse_gathered
 from fsdp_graph.runtime import eager_reshard, offload
 from fsdp_graph.runtime.flat_param import FlatParamLayout
 from fsdp_graph.runtime.grads import install_grad_hook
@@ -41,6 +42,17 @@ class RootState:
     session: eager_reshard.ForwardSession | None = None  # the eager forward running now (None: none, or compiled)
     saved_hooks: object = None  # that forward's saved_tensors_hooks, entered by the outermost pre-hook
     unsharded: dict[str, torch.Tensor] = field(default_factory=dict)  # FSDPModule.unshard's flats, outside forward
+    held: dict[str, HeldGather] = field(default_factory=dict)  # set_reshard_after_backward(False)'s kept gathers
+
+
+@dataclass(eq=False)
+class HeldGather:
+    """A unit's gathered flat parameter kept for its next forward (`set_reshard_after_backward(False)`), with what
+    its shard was when it was gathered: a different shard object or version means it is stale."""
+
+    flat: torch.Tensor  # detached: the next forward links it to the shard anew
+    shard: weakref.ref
+    version: int
 
 
 @dataclass(eq=False)
@@ -68,6 +80,11 @@ class FlatParamState:
     divide_factor: float | None = None  # set_gradient_divide_factor (None: the data-parallel size, a mean)
     requires_all_reduce: bool = True  # set_requires_all_reduce(False): replicas' sums accumulate in `partial`
     partial: torch.Tensor | None = None  # shard-size leaf; its `.grad` is the partial sum not all-reduced yet
+    reshard_after_backward: bool = True  # set_reshard_after_backward(False): eager keeps the gather (RootState.held)
+    refuse_compiled: Callable[[], None] = field(init=False)  # raises: compiled forwards cannot keep a gather
+
+    def __post_init__(self) -> None:
+        self.refuse_compiled = _compiled_refusal(self.name)
 
     @property
     def flat_shard(self) -> torch.Tensor:
@@ -93,9 +110,12 @@ def unsharded_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
     """
     state: FlatParamState = unit._fsdp_states[index]
     if torch.compiler.is_compiling():
+        if not state.reshard_after_backward:
+            state.refuse_compiled()
         return _call_unshard(unit._fsdp_flat_shards[index], state)
     root = state.root
-    if root.forward_depth == 0:
+    in_backward = root.forward_depth == 0
+    if in_backward:
         task = torch._C._current_graph_task_id()
         if task == -1:
             return root.unsharded.get(state.name)
@@ -104,10 +124,69 @@ def unsharded_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
             root.recompute_task = task
     cached = root.gathered.get(state.name)
     if cached is None:
-        cached = root.gathered[state.name] = _call_unshard(unit._fsdp_flat_shards[index], state)
+        cached = root.gathered[state.name] = _forward_gather(unit._fsdp_flat_shards[index], state, in_backward)
         if root.session is not None and resharded_in_eager(state):
             root.session.track(state, cached)
     return cached
+
+
+def _forward_gather(shard: torch.Tensor, state: FlatParamState, in_backward: bool) -> torch.Tensor:
+    """The op's result for a forward (or, `in_backward`, an activation-checkpoint recompute), taken from the kept
+    gather when there is a valid one. A forward that frees its gather afterwards (or whose unit no longer keeps
+    one) consumes the kept one, as FSDP2's post-forward reshard does; otherwise it stays kept."""
+    held = _valid_held(state)
+    if held is None:
+        flat = _call_unshard(shard, state)
+        if _keeps(state) and (in_backward or not resharded_in_eager(state)):
+            _hold(state, flat)
+        return flat
+    if not in_backward and (resharded_in_eager(state) or state.reshard_after_backward):
+        del state.root.held[state.name]
+    return reuse_gathered(held.flat, *UNSHARD_SIGNATURE.call_args(_unshard_values(shard, state)))
+
+
+def _keeps(state: FlatParamState) -> bool:
+    return not state.reshard_after_backward and state.world > 1
+
+
+def _shard_version(state: FlatParamState) -> int:
+    # The optimizer writes the 1-D parameter views, whose version counters are their own, not the flat shard's.
+    return state.flat_shard._version + sum(view._version for view in state.views)
+
+
+def _hold(state: FlatParamState, flat: torch.Tensor) -> None:
+    state.root.held[state.name] = HeldGather(flat.detach(), weakref.ref(state.flat_shard), _shard_version(state))
+
+
+def _valid_held(state: FlatParamState) -> HeldGather | None:
+    """The kept gather of `state`, if its shard has not changed since (an optimizer step, a load_state_dict, a
+    `.to()`): a stale one is dropped, so the caller gathers the current values."""
+    held = state.root.held.get(state.name)
+    if held is None:
+        return None
+    if held.shard() is not state.flat_shard or held.version != _shard_version(state):
+        del state.root.held[state.name]
+        return None
+    return held
+
+
+def drop_held(state: FlatParamState) -> None:
+    """Free the gather `set_reshard_after_backward(False)` kept for `state` (`FSDPModule.reshard`)."""
+    state.root.held.pop(state.name, None)
+
+
+def _compiled_refusal(unit: str) -> Callable[[], None]:
+    message = (
+        f"set_reshard_after_backward(False) on unit {unit!r}: supported in eager mode only. A compiled step gathers "
+        "inside its graph, so a gather kept from the previous backward cannot feed the next graph; call "
+        f"set_reshard_after_backward(True) on {unit!r} before running the compiled model, or run it eagerly."
+    )
+
+    def refuse() -> None:
+        raise RuntimeError(message)
+
+    # Disabled: Dynamo calls it for real (the error escapes) instead of tracing the raise and falling back to eager.
+    return torch.compiler.disable(refuse, reason=message)
 
 
 def resharded_in_eager(state: FlatParamState) -> bool:
@@ -117,10 +196,22 @@ def resharded_in_eager(state: FlatParamState) -> bool:
 
 
 def _regather(state: FlatParamState) -> torch.Tensor:
-    return _call_unshard(state.flat_shard.detach(), state)
+    """The backward's gather of a unit the forward resharded (no autograd); kept afterwards when the unit does not
+    reshard after backward."""
+    held = _valid_held(state)
+    if held is not None:
+        return held.flat
+    flat = _call_unshard(state.flat_shard.detach(), state)
+    if _keeps(state):
+        _hold(state, flat)
+    return flat
 
 
 def _call_unshard(shard: torch.Tensor, state: FlatParamState) -> torch.Tensor:
+    return torch.ops.fsdp.unshard(*UNSHARD_SIGNATURE.call_args(_unshard_values(shard, state)))
+
+
+def _unshard_values(shard: torch.Tensor, state: FlatParamState) -> dict:
     values = {
         "shard": shard,
         "unit": state.name,
@@ -145,7 +236,7 @@ def _call_unshard(shard: torch.Tensor, state: FlatParamState) -> torch.Tensor:
             values.update(all_reduce=False, partial=state.partial)
         elif state.partial.grad is not None:
             values["partial"] = state.partial.grad
-    return torch.ops.fsdp.unshard(*UNSHARD_SIGNATURE.call_args(values))
+    return values
 
 
 def _make_property(name: str) -> property:
@@ -249,12 +340,17 @@ def enter_forward(root: RootState) -> None:
 def exit_forward(root: RootState, own_states: list[FlatParamState]) -> None:
     """The forward `enter_forward` started ends: `own_states` that reshard after forward leave the gather cache
     (autograd holds handles, not the gathers); the outermost one clears it and closes the session."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or root.forward_depth == 0:
+        # Unmatched: a compiled forward that raised runs this always-call hook eagerly, its pre-hook having been traced.
         return
     root.forward_depth -= 1
     for state in own_states:
         if resharded_in_eager(state):
-            root.gathered.pop(state.name, None)
+            flat = root.gathered.pop(state.name, None)
+            if flat is not None and _keeps(state) and root.session is not None and not root.session.pending[state.name]:
+                # Autograd saved no view of it (e.g. the first unit: its input needs no gradient), so its backward
+                # will not gather again; keep this forward's gather instead, for the next forward.
+                _hold(state, flat)
     if root.forward_depth == 0:
         root.gathered.clear()
         root.recompute_task = -1

@@ -128,3 +128,92 @@ def replica_all_reduce(rank: int, world: int, mode: str) -> dict[str, float]:
         ref.zero_grad()
     out["graphs"] = float(backend.dynamo_graphs if backend else 0)
     return out
+
+
+def _accumulate(run: nn.Module, ref: nn.Module, rank: int, world: int, seed: int) -> tuple[int, int]:
+    """One microbatch's forward and backward (and the reference's on the full batch): the all-gathers each ran."""
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(4 * world, 256, generator=gen), torch.randn(4 * world, 1, generator=gen)
+    losses = []
+    forward = executed_collectives(
+        lambda: losses.append(nn.functional.mse_loss(run(x.chunk(world)[rank]), y.chunk(world)[rank]))
+    )
+    backward = executed_collectives(lambda: losses.pop().backward())
+    nn.functional.mse_loss(ref(x), y).backward()
+    return forward.counts["all_gather"], backward.counts["all_gather"]
+
+
+def reshard_after_backward(rank: int, world: int, strategy: str) -> dict[str, float]:
+    """Eager gradient accumulation with FSDP2's idiom `set_reshard_after_backward(is_last_microbatch)` over 3
+    microbatches, twice with an SGD step between; then `reshard()`, and an optimizer step while gathers are kept."""
+    torch.manual_seed(0)
+    model = DeepMLP()
+    ref = copy.deepcopy(model)
+    run, _ = shard_and_compile(model, Case("mlp", strategy=strategy, mode="eager"))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    root = model._fsdp_root
+    out: dict[str, float] = {"units": float(sum(s.world > 1 for s in flat_params(model)))}
+
+    def grad_diff() -> float:
+        grads = full_grads(model)
+        return max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
+
+    def step() -> None:
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+
+    try:
+        model.set_reshard_after_backward(0)
+        out["non_bool_refused"] = 0.0
+    except TypeError:
+        out["non_bool_refused"] = 1.0
+    for round_ in range(2):
+        for micro in range(3):
+            model.set_reshard_after_backward(micro == 2)
+            fwd, bwd = _accumulate(run, ref, rank, world, seed=10 * round_ + micro)
+            out[f"fwd_{round_}_{micro}"], out[f"bwd_{round_}_{micro}"] = float(fwd), float(bwd)
+        out[f"grad_diff_{round_}"] = grad_diff()
+        out[f"kept_after_{round_}"] = float(len(root.held))
+        step()
+    model.set_reshard_after_backward(False)
+    _accumulate(run, ref, rank, world, seed=100)
+    out["kept"] = float(len(root.held))
+    for unit in sharded_units(model):
+        unit.reshard()
+    out["kept_after_reshard"] = float(len(root.held))
+    out["fwd_resharded"] = float(_accumulate(run, ref, rank, world, seed=101)[0])
+    out["grad_diff_resharded"] = grad_diff()
+    step()  # while gathers are kept: the next forward must see the stepped shards
+    out["fwd_stepped"] = float(_accumulate(run, ref, rank, world, seed=102)[0])
+    out["grad_diff_stepped"] = grad_diff()
+    return out
+
+
+def reshard_after_backward_compiled(rank: int, world: int) -> dict[str, float]:
+    """A compiled forward of a unit that keeps its gathers raises, naming the unit: fullgraph (Dynamo's Unsupported
+    carries the message) and with graph breaks (the RuntimeError itself); True again compiles and trains."""
+    model, ref, run, _ = _sharded("aot")
+    _train_step(run, ref, rank, world, seed=0)
+    out: dict[str, float] = {}
+
+    def refused(compiled: nn.Module) -> float:
+        model.blocks[2].set_reshard_after_backward(False, recurse=False)
+        try:
+            _train_step(compiled, ref, rank, world, seed=1)
+            return 0.0
+        except Exception as error:
+            text = str(error)
+            return float("'blocks.2'" in text and "eager mode only" in text)
+
+    out["refused_fullgraph"] = refused(run)
+    out["only_that_unit"] = float([not s.reshard_after_backward for s in flat_params(model)].count(True) == 1)
+    model.blocks[2].set_reshard_after_backward(True)
+    model.zero_grad()
+    ref.zero_grad()
+    _train_step(run, ref, rank, world, seed=2)
+    grads = full_grads(model)
+    out["grad_diff_after"] = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
+    # Last: a forward aborted between compiled and eager frames leaves the eager forward bookkeeping mid-forward.
+    out["refused_graph_breaks"] = refused(torch.compile(model, backend=fsdp_graph.make_backend(inductor=False)))
+    return out
