@@ -13,6 +13,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -68,18 +69,13 @@ def first_difference(ranks: tuple[int, int], lists: tuple[Sequence[GraphCollecti
     return None
 
 
-def _exchange_groups(names: set[str]) -> list[dist.ProcessGroup | None]:
-    """The groups to compare over: the world if the graph's groups span it, else one of them that spans the others'
-    ranks, else each of them (ranks that share a group compare, so a connected mesh agrees as a whole)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    groups = {name: _resolve_process_group(name) for name in sorted(names)}
-    members = {name: frozenset(dist.get_process_group_ranks(pg)) for name, pg in groups.items()}
-    union = frozenset().union(*members.values())
-    if union == frozenset(range(dist.get_world_size())):
-        return [None]
-    spanning = [name for name in groups if members[name] == union]
-    return [groups[spanning[0]]] if spanning else list(groups.values())
+def _exchange_groups() -> list[dist.ProcessGroup | None]:
+    """The groups to compare over: the world. fully_shard's meshes span the world today, so every rank runs each
+    graph (with its collectives on groups of the same shapes, `_rank_independent`). Comparing over each of a
+    graph's groups in turn instead could deadlock: ranks of different replicas would enter those groups in
+    different orders. Sub-meshes (issue 14: pipeline stages compile different graphs) will compare over the mesh
+    that runs the graph."""
+    return [None]
 
 
 def _gather_digests(mine: bytes, group: dist.ProcessGroup | None, timeout_s: float, label: str) -> list[bytes]:
@@ -105,8 +101,9 @@ def verify_ranks_agree(graphs: Sequence[GraphCollectives], timeout_s: float) -> 
     if not names or not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return  # nothing to agree on; or the fake group of graph tests, whose collectives move nothing
     label = " and ".join(f"graph '{g.name}'" for g in graphs)
+    graphs = [_rank_independent(graph) for graph in graphs]
     mine = digest(graphs)
-    for group in _exchange_groups(names):
+    for group in _exchange_groups():
         digests = _gather_digests(mine, group, timeout_s, label)
         if len(set(digests)) == 1:
             continue
@@ -121,6 +118,38 @@ def verify_ranks_agree(graphs: Sequence[GraphCollectives], timeout_s: float) -> 
             f"{difference}. Every rank must compile the same model with the same backend options (a recompile or "
             "graph break on one rank only?); fsdp_graph.make_backend(verify_collectives=False) turns this check off."
         )
+
+
+_GROUP_ARGUMENT = re.compile(r"\bgroup=([^,)]+)")
+
+
+def _rank_independent(graph: GraphCollectives) -> GraphCollectives:
+    """`graph` with each process-group name replaced by the group's shape: ranks of different replicas (HYBRID's
+    replicate groups of a 2-D mesh, say) run the same collectives on different groups of one mesh dimension, whose
+    names differ, so names cannot be compared across ranks."""
+    shapes: dict[str, str] = {}
+    for name in graph.groups:
+        shapes[name] = group_shape(sorted(dist.get_process_group_ranks(_resolve(name))))
+    lines = tuple(
+        _GROUP_ARGUMENT.sub(lambda m: f"group={shapes.get(m.group(1), m.group(1))}", line) for line in graph.lines
+    )
+    return GraphCollectives(graph.name, lines, tuple(shapes[name] for name in graph.groups))
+
+
+def group_shape(ranks: Sequence[int]) -> str:
+    """A group as every member of its mesh dimension describes it: its size and its members' offsets from the
+    lowest (ranks [0, 2] and [1, 3] of a 2x2 mesh are both "2 ranks, stride 2")."""
+    offsets = [rank - ranks[0] for rank in ranks]
+    stride = offsets[1] if len(offsets) > 1 else 1
+    if offsets == [i * stride for i in range(len(offsets))]:
+        return f"{len(offsets)} ranks, stride {stride}"
+    return f"{len(offsets)} ranks at offsets {hashlib.sha256(repr(offsets).encode()).hexdigest()[:12]}"
+
+
+def _resolve(name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
 
 
 def check_first_call(compiled: Callable, graphs: Callable[[], list[GraphCollectives]], timeout_s: float) -> Callable:

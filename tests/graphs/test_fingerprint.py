@@ -125,3 +125,14 @@ def test_cache_hit_takes_the_lists_from_the_store(fake_pg, monkeypatch, tmp_path
     unstored = fsdp_graph.make_backend()
     _compile_two_block(unstored)
     assert [r.stage for r in unstored.reports] == ["fw", "bw"] and calls[2] == calls[0]
+
+
+def test_group_shapes_are_the_same_on_every_replica():
+    """HYBRID's replicate groups [0, 2] and [1, 3] of a 2x2 mesh have other names on ranks 0 and 1 but one shape:
+    comparing names made the ranks of a 2x2 HYBRID run disagree (CollectiveMismatchError on every rank)."""
+    from fsdp_graph.compiler.rank_check import group_shape
+
+    assert group_shape([0, 2]) == group_shape([1, 3]) == "2 ranks, stride 2"
+    assert group_shape([0, 1]) == group_shape([2, 3]) == "2 ranks, stride 1"
+    assert group_shape([5]) == "1 ranks, stride 1"
+    assert group_shape([0, 1, 3]) != group_shape([0, 2, 3])
