@@ -109,6 +109,10 @@ def test_cache_hit_takes_the_lists_from_the_store(fake_pg, monkeypatch, tmp_path
     """On an AOTAutograd cache hit our passes do not run: the lists come from the store; without a stored entry
     the graph compiles again, uncached, so the lists are the passes' own (full Inductor)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    # A store of its own: an earlier test in this process may have compiled the same graph, and the store skips
+    # writing a file for lists it already holds in memory.
+    monkeypatch.setattr(rank_check, "STORE", rank_check.FingerprintStore())
+    monkeypatch.setattr(fsdp_graph.compiler.backend, "STORE", rank_check.STORE)
     calls = []
     monkeypatch.setattr(rank_check, "verify_ranks_agree", lambda graphs, timeout_s: calls.append(list(graphs)))
     first = fsdp_graph.make_backend()
