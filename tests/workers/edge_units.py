@@ -11,9 +11,9 @@ import torch.nn as nn
 
 import fsdp_graph
 from fsdp_graph.runtime.unit import sharded_units
-from fsdp_graph.train.llama import Llama, llama_loss, preset
+from fsdp_graph.train.llama import Llama, preset
 from passes.cost import iter_collectives
-from tests.workers.training import max_param_diff
+from tests.workers.training import llama_step_beside_reference, max_param_diff
 
 
 def all_gather_bytes(gm: fx.GraphModule) -> list[int]:
@@ -53,18 +53,9 @@ def untied_llama_sgd_parity(rank: int, world: int, steps: int = 4, batch: int = 
     full = (tokens[:, :-1], tokens[:, 1:])
     local = (full[0][rank * batch : (rank + 1) * batch], full[1][rank * batch : (rank + 1) * batch])
     for _ in range(steps):
-        loss = llama_loss(compiled, local)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        value = loss.detach().clone()
-        torch.distributed.all_reduce(value)
-        losses.append(value.item() / world)
-        ref_loss = llama_loss(ref, full)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.item())
+        loss, ref_loss = llama_step_beside_reference(compiled, opt, local, ref, ref_opt, full, world)
+        losses.append(loss)
+        ref_losses.append(ref_loss)
     gathers = [size for report in backend.reports for size in all_gather_bytes(report.graph)]
     return {
         "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),

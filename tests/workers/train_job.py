@@ -9,8 +9,8 @@ import torch
 
 import fsdp_graph
 from fsdp_graph.train.corpus import batch_at, load_tokens
-from fsdp_graph.train.llama import Llama, LlamaConfig, llama_loss
-from tests.workers.training import max_param_diff
+from fsdp_graph.train.llama import Llama, LlamaConfig
+from tests.workers.training import llama_step_beside_reference, max_param_diff
 
 SMALL = LlamaConfig(dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=16)
 
@@ -32,18 +32,9 @@ def llama_parity(rank: int, world: int, tied: bool, strategy: str, steps: int = 
     for step in range(steps):
         local = batch_at(tokens, step, 0, batch, cfg.seq, rank, world)
         full = batch_at(tokens, step, 0, batch * world, cfg.seq)  # the global batch: every rank's slice
-        loss = llama_loss(compiled, local)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        value = loss.detach().clone()
-        torch.distributed.all_reduce(value)
-        losses.append(value.item() / world)
-        ref_loss = llama_loss(ref, full)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.item())
+        loss, ref_loss = llama_step_beside_reference(compiled, opt, local, ref, ref_opt, full, world)
+        losses.append(loss)
+        ref_losses.append(ref_loss)
     return {
         "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
         "loss_drop": ref_losses[0] - ref_losses[-1],

@@ -375,3 +375,23 @@ def inference_outputs(rank: int, world: int, mode: str) -> float:
         assert [r.stage for r in backend.reports] == ["inference"], backend.reports
         assert backend.reports[0].collectives.counts == {"all_gather": 3}
     return (out - expected).abs().max().item()
+
+
+def llama_step_beside_reference(
+    compiled, opt, local: tuple, ref, ref_opt, full: tuple, world: int
+) -> tuple[float, float]:
+    """One optimizer step of the sharded model on this rank's batch and of the single-process reference on the
+    global one: (the loss averaged over ranks, the reference's loss)."""
+    from fsdp_graph.train.llama import llama_loss
+
+    loss = llama_loss(compiled, local)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    value = loss.detach().clone()
+    torch.distributed.all_reduce(value)
+    ref_loss = llama_loss(ref, full)
+    ref_loss.backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return value.item() / world, ref_loss.item()
