@@ -20,7 +20,7 @@ def test_eager_full_shard_regathers_in_backward_and_saves_memory():
         print(f"units of memory saved by eager FULL_SHARD over SHARD_GRAD_OP: {saved}, {full_shard}, {zero2}")
         # SHARD_GRAD_OP keeps every block gathered from its forward to its backward; FULL_SHARD holds the root
         # and the block computing (forward), or one block's re-gather, full gradient and reduction (backward).
-        # Measured 5 blocks less in forward and 4 over the step (least of 5 steps); gloo lets go of a finished
-        # collective's buffers a moment late, so each bound leaves slack.
+        # Measured 5 blocks less in forward and 4 over the step (each the least of 5 steps: gloo lets go of a
+        # finished collective's buffers a moment late); each bound leaves slack.
         assert saved["forward_peak_bytes"] >= BLOCKS - 2.5, saved
         assert saved["step_peak_bytes"] >= BLOCKS - 3.5, saved

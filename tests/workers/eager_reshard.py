@@ -43,8 +43,8 @@ def eager_reshard_parity(rank: int, world: int, strategy: str) -> dict[str, floa
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(5)
     out: dict[str, float] = {}
-    step_peaks = []
-    for step in range(8):
+    forward_peaks, step_peaks = [], []
+    for step in range(12):
         x, y = torch.randn(4 * world, DIM, generator=gen), torch.randn(4 * world, 1, generator=gen)
         local_x, local_y = x.chunk(world)[rank], y.chunk(world)[rank]
 
@@ -53,11 +53,11 @@ def eager_reshard_parity(rank: int, world: int, strategy: str) -> dict[str, floa
 
         if step == 1:
             out["all_gathers"] = float(executed_collectives(lambda: forward().backward()).counts["all_gather"])
-        elif step == 2:  # what the forward gathers and leaves behind for the backward
+        elif 2 <= step < 7:  # what the forward gathers and leaves behind for the backward
             peak, loss = peak_allocated_bytes(forward)
-            out["forward_peak_bytes"] = float(peak)
+            forward_peaks.append(peak)
             loss.backward()
-        elif step >= 3:  # gradients persist (zero_grad(set_to_none=False)): the step's peak is the gathers
+        elif step >= 7:  # gradients persist (zero_grad(set_to_none=False)): the step's peak is the gathers
             step_peaks.append(peak_allocated_bytes(lambda: forward().backward())[0])
         else:
             forward().backward()
@@ -66,8 +66,10 @@ def eager_reshard_parity(rank: int, world: int, strategy: str) -> dict[str, floa
         nn.functional.mse_loss(ref(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    # The least of 5 steps: gloo frees a finished reduction's buffers on its worker thread, a moment late, so one
-    # step's peak can include a full gradient that is already dead (seen: 2 to 7 blocks saved on one machine).
+    # The least of 5 steps each: gloo frees a finished collective's buffers on its worker thread, a moment late, so
+    # one step's peak can include a gathered block or a full gradient that is already dead (seen: 2 to 7 blocks
+    # saved in single measurements on one machine).
+    out["forward_peak_bytes"] = float(min(forward_peaks))
     out["step_peak_bytes"] = float(min(step_peaks))
     out["param_diff"] = max_param_diff(model, ref)
     out["moved"] = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), DeepMLP().parameters()))
