@@ -48,8 +48,8 @@ def materialize_buffers(
     for fqn, module in model.named_modules():
         if not any(_is_meta(b) for b in module._buffers.values()):
             continue
-        init = param_init_fn or getattr(module, "reset_parameters", None)
-        if init is None or any(p is not None for p in module._parameters.values()):
+        reset = getattr(module, "reset_parameters", None)
+        if (param_init_fn is None and reset is None) or any(p is not None for p in module._parameters.values()):
             raise ValueError(
                 f"fully_shard: module '{fqn or '<root>'}' ({type(module).__name__}) has meta-device buffers "
                 f"{[n for n, b in module._buffers.items() if _is_meta(b)]} that cannot be initialised here; "
@@ -59,7 +59,10 @@ def materialize_buffers(
             if _is_meta(buf):
                 module._buffers[name] = torch.empty_like(buf, device=device)
         with torch.no_grad():
-            init(module)
+            if param_init_fn is not None:
+                param_init_fn(module)
+            else:  # a bound method: the module is already its argument
+                reset()
 
 
 @torch.no_grad()

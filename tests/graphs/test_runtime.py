@@ -224,6 +224,20 @@ def test_meta_device_materialises_only_this_ranks_shard(fake_pg):
         assert torch.equal(torch.cat([pieces[r][name].detach() for r in range(4)]), p.detach().reshape(-1)), name
 
 
+def test_meta_buffers_without_param_init_fn_use_reset_parameters(fake_pg):
+    """A parameter-free module with meta buffers (Llama's rotary tables) is materialised by its own
+    `reset_parameters()`; it used to be called with the module as an extra argument (TypeError)."""
+    from fsdp_graph.train.llama import Llama, preset
+
+    cfg = preset("tiny", seq=16)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    fsdp_graph.fully_shard(model)
+    reference = Llama(cfg).rope
+    assert model.rope.cos.device.type == "cpu" and torch.equal(model.rope.cos, reference.cos)
+    assert torch.equal(model.rope.sin, reference.sin)
+
+
 def test_moving_a_sharded_model_keeps_views_linked(fake_pg):
     """`.double()` after fully_shard converts each flat shard once and re-points the same Parameter objects."""
     model = fsdp_graph.fully_shard(CrossUnitTied())
