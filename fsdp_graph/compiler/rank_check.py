@@ -69,15 +69,6 @@ def first_difference(ranks: tuple[int, int], lists: tuple[Sequence[GraphCollecti
     return None
 
 
-def _exchange_groups() -> list[dist.ProcessGroup | None]:
-    """The groups to compare over: the world. fully_shard's meshes span the world today, so every rank runs each
-    graph (with its collectives on groups of the same shapes, `_rank_independent`). Comparing over each of a
-    graph's groups in turn instead could deadlock: ranks of different replicas would enter those groups in
-    different orders. Sub-meshes (issue 14: pipeline stages compile different graphs) will compare over the mesh
-    that runs the graph."""
-    return [None]
-
-
 def _gather_digests(mine: bytes, group: dist.ProcessGroup | None, timeout_s: float, label: str) -> list[bytes]:
     device = collective_device(group)
     local = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
@@ -96,23 +87,22 @@ def _gather_digests(mine: bytes, group: dist.ProcessGroup | None, timeout_s: flo
 
 def verify_ranks_agree(graphs: Sequence[GraphCollectives], timeout_s: float) -> None:
     """Raises CollectiveMismatchError on every rank if the ranks sharing these graphs' groups compiled other
-    collectives. One all-gather of 32 bytes per exchange group; the full lists travel only on a mismatch."""
+    collectives. One all-gather of 32 bytes over the world; the full lists travel only on a mismatch."""
     names = {group for graph in graphs for group in graph.groups}
     if not names or not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return  # nothing to agree on; or the fake group of graph tests, whose collectives move nothing
     label = " and ".join(f"graph '{g.name}'" for g in graphs)
     graphs = [_rank_independent(graph) for graph in graphs]
-    mine = digest(graphs)
-    for group in _exchange_groups():
-        digests = _gather_digests(mine, group, timeout_s, label)
-        if len(set(digests)) == 1:
-            continue
+    # Over the world: fully_shard's meshes span it, so every rank runs each graph (on groups of the same shapes).
+    # Exchanging over each of a graph's groups in turn could deadlock: ranks of different replicas would enter them
+    # in different orders. Sub-meshes (issue 14) will compare over the mesh that runs the graph.
+    digests = _gather_digests(digest(graphs), None, timeout_s, label)
+    if len(set(digests)) > 1:
         lists: list = [None] * len(digests)
-        dist.all_gather_object(lists, [(g.name, g.lines, g.groups) for g in graphs], group=group)
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(digests)))
+        dist.all_gather_object(lists, [(g.name, g.lines, g.groups) for g in graphs])
         other = next(i for i, d in enumerate(digests) if d != digests[0])
         a, b = ([GraphCollectives(*item) for item in lists[i]] for i in (0, other))
-        difference = first_difference((ranks[0], ranks[other]), (a, b)) or "(lists equal, digests differ)"
+        difference = first_difference((0, other), (a, b)) or "(lists equal, digests differ)"
         raise CollectiveMismatchError(
             f"fsdp_graph: ranks compiled different collectives, running them would hang or mix up buffers: "
             f"{difference}. Every rank must compile the same model with the same backend options (a recompile or "
