@@ -52,6 +52,8 @@ class _Lowering(NodeEmitter):
 
 def _lower_unshard(graph: fx.Graph, node: fx.Node) -> fx.Node:
     a = bind_args(node)
+    if a["gathered"] is not None:  # kept from an earlier step (set_reshard_after_backward(False)): no gather
+        return a["gathered"]
     emit = _Lowering(graph, node, a["unit"], ROLE_UNSHARD)
     shard = emit.to_device(a["shard"], a["compute_device"])
     shard = emit.cast(shard, a["dtype"])
@@ -91,7 +93,8 @@ def lower_fsdp_ops(gm: fx.GraphModule) -> fx.GraphModule:
     """In place on a partitioned forward or backward graph.
 
     Matches: `fsdp.unshard` -> [`device_put` to compute_device] + [cast to dtype] + `all_gather_into_tensor` +
-    `wait_tensor` (world 1: no gather); `fsdp.reduce_grad` -> [cast to dtype] + [div by `pre` if > 1] +
+    `wait_tensor` (world 1: no gather; with `gathered`, a flat parameter kept from an earlier step, that input
+    itself); `fsdp.reduce_grad` -> [cast to dtype] + [div by `pre` if > 1] +
     [`reduce_scatter_tensor(sum)` + `wait_tensor` if world > 1] + [`all_reduce(sum)` + `wait_tensor` over the
     replicate group if replicate_world > 1] + div by `post` + [cast to out_dtype] + [`device_put` to out_device],
     with (pre, post) = `gradient_divide_factors(world * replicate_world)`, the eager op's own factors. Every produced node carries `meta["fsdp_unit"]` and `meta["fsdp_role"]`.

@@ -26,7 +26,8 @@ def tag_reshard(graph: fx.Graph) -> fx.Graph:
 
     Matches: `fsdp.unshard` nodes. For `reshard_after_forward=True` it tags the node and every view chained
     on it `meta["recompute"] = MUST_RECOMPUTE`, so the partitioner saves only the shard and the backward
-    re-gathers; for False it tags the gather `MUST_SAVE`, so the backward reuses it and gathers nothing.
+    re-gathers; for False it tags the gather `MUST_SAVE`, so the backward reuses it and gathers nothing. A gather
+    the forward outputs (kept past the step by `set_reshard_after_backward(False)`) lives on anyway: `MUST_SAVE`.
     View ops have exactly one tensor input, so this walk can never reach tangent-dependent nodes: no tangent
     detection is needed. Inside an activation-checkpoint region the tags override the region's (a gathered
     parameter is never worth saving) but each node keeps its region's `ac_graph_id`. No-op when nothing
@@ -35,16 +36,25 @@ def tag_reshard(graph: fx.Graph) -> fx.Graph:
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in UNSHARD_TARGETS:
             continue
-        if not bind_args(node)["reshard_after_forward"]:
+        views = _view_closure(node)
+        if not bind_args(node)["reshard_after_forward"] or any(u.op == "output" for v in views for u in v.users):
             _tag(node, CheckpointPolicy.MUST_SAVE)
             continue
-        todo, seen = [node], set()
-        while todo:
-            current = todo.pop()
-            seen.add(current)
-            _tag(current, CheckpointPolicy.MUST_RECOMPUTE)
-            todo.extend(u for u in current.users if _is_view_of(u, current) and u not in seen)
+        for view in views:
+            _tag(view, CheckpointPolicy.MUST_RECOMPUTE)
     return graph
+
+
+def _view_closure(node: fx.Node) -> list[fx.Node]:
+    """`node` and every view chained on it."""
+    todo, seen = [node], [node]
+    while todo:
+        current = todo.pop()
+        for user in current.users:
+            if _is_view_of(user, current) and user not in seen:
+                seen.append(user)
+                todo.append(user)
+    return seen
 
 
 def _tag(node: fx.Node, policy: CheckpointPolicy) -> None:

@@ -75,10 +75,10 @@ class FSDPModule:
         FSDP2 idiom `set_reshard_after_backward(is_last_microbatch)` before each forward saves a gather in the last
         one too; `reshard()` frees kept parameters at once.
 
-        If the shard changes while kept (an optimizer step, load_state_dict), the next forward sees that and gathers
-        the new values (FSDP2 would use the stale ones); writes through `param.data` are not seen, so call
-        `reshard()` before stepping an optimizer that writes that way. Eager only: a compiled forward of a unit with
-        it off raises."""
+        If the shard changes while kept (an optimizer step, load_state_dict, `.to()`), the next forward gathers the
+        new values (FSDP2 would use the stale ones); writes through `param.data` are not seen, so call `reshard()`
+        after them. Compiled, the forward's gather is kept (the backward gathers nothing either), and each setting
+        compiles once (docs/design-notes.md)."""
         if not isinstance(reshard_after_backward, bool):
             raise TypeError(
                 f"set_reshard_after_backward: reshard_after_backward must be a bool, got {reshard_after_backward!r}"

@@ -28,6 +28,7 @@ from fsdp_graph.runtime.unit import (
     install_forward_hooks,
     is_sharded,
     swap_class,
+    track_kept_gathers,
 )
 from fsdp_graph.state.sharded import install_state_dict_hooks
 
@@ -105,6 +106,7 @@ def fully_shard(
         _cast_buffers(model, mp.buffer_dtype, ignored_modules)
 
     root_state = RootState()
+    track_kept_gathers(root_state)
     for unit, unit_fqn in zip(units, unit_fqns):
         members = [pid for pid in params if assignment[pid] == unit_fqn]
         values = _unit_values(members, params, uses, param_init_fn, device)

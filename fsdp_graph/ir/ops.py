@@ -113,6 +113,7 @@ def unshard(
     divide_factor: float | None = None,
     all_reduce: bool = True,
     partial: torch.Tensor | None = None,
+    gathered: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The unit's full padded flat parameter: `shard` copied to `compute_device` (CPU offload; None: where it
     is), cast to `dtype`, then all-gathered over `group` (`world` == 1: nothing to gather, NO_SHARD). With a
@@ -134,7 +135,13 @@ def unshard(
     - `all_reduce=False`: `partial` is a shard-size leaf; the reduce-scattered, not yet all-reduced sum becomes ITS
       gradient (accumulated by autograd) and the shard gets none.
     - `all_reduce=True` with `partial` (the accumulated partial sum): it is added before the all-reduce.
+
+    `gathered` (`set_reshard_after_backward(False)` in a compiled step): this flat parameter as gathered by an
+    earlier step and kept; the forward communicates nothing and returns it (the lowering pass forwards the input
+    itself; called eagerly, a copy, since an op's output cannot alias its input). The backward is unchanged.
     """
+    if gathered is not None:
+        return gathered.clone()
     return wait_gather(start_gather(shard, group, world, dtype, compute_device), world)
 
 

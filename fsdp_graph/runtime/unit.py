@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map
 
 from fsdp_graph.api.controls import FSDPModule
@@ -51,8 +52,8 @@ class HeldGather:
     its shard was when it was gathered: a different shard object or version means it is stale."""
 
     flat: torch.Tensor  # detached: the next forward links it to the shard anew
-    shard: weakref.ref
-    version: int
+    shard: weakref.ref | None = None  # eager: checked by the next forward (compiled: `drop_stale_held`)
+    version: int = 0
 
 
 @dataclass(eq=False)
@@ -81,10 +82,6 @@ class FlatParamState:
     requires_all_reduce: bool = True  # set_requires_all_reduce(False): replicas' sums accumulate in `partial`
     partial: torch.Tensor | None = None  # shard-size leaf; its `.grad` is the partial sum not all-reduced yet
     reshard_after_backward: bool = True  # set_reshard_after_backward(False): eager keeps the gather (RootState.held)
-    refuse_compiled: Callable[[], None] = field(init=False)  # raises: compiled forwards cannot keep a gather
-
-    def __post_init__(self) -> None:
-        self.refuse_compiled = _compiled_refusal(self.name)
 
     @property
     def flat_shard(self) -> torch.Tensor:
@@ -110,9 +107,7 @@ def unsharded_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
     """
     state: FlatParamState = unit._fsdp_states[index]
     if torch.compiler.is_compiling():
-        if not state.reshard_after_backward:
-            state.refuse_compiled()
-        return _call_unshard(unit._fsdp_flat_shards[index], state)
+        return _compiled_gather(unit._fsdp_flat_shards[index], state)
     root = state.root
     in_backward = root.forward_depth == 0
     if in_backward:
@@ -128,6 +123,29 @@ def unsharded_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
         if root.session is not None and resharded_in_eager(state):
             root.session.track(state, cached)
     return cached
+
+
+def _compiled_gather(shard: torch.Tensor, state: FlatParamState) -> torch.Tensor:
+    """The op as a compiled forward traces it. Under `set_reshard_after_backward(False)` the step's gather is kept
+    past the step (a Dynamo side effect: the graph outputs it) and the next step's graph takes it as its `gathered`
+    input instead of gathering. Dynamo guards on whether a gather is kept and on the flag, so there are at most
+    four graphs (first, middle and last microbatch, and none kept), each compiled once. The backward cannot hand
+    out a gather of its own, so a compiled step keeps the forward's (resharding after forward or not)."""
+    held = state.root.held.get(state.name)
+    if held is not None:  # kept by an earlier step, or by an earlier read in this one (the dedup pass folds those)
+        return _call_unshard(shard, state, gathered=held.flat)
+    flat = _call_unshard(shard, state)
+    if _keeps(state):
+        state.root.held[state.name] = HeldGather(flat.detach())
+    return flat
+
+
+def _compiled_exit(root: RootState, own_states: list[FlatParamState]) -> None:
+    """A unit's compiled forward ends: a unit no longer keeping its gathers frees the one it used (the last
+    microbatch under the FSDP2 idiom `set_reshard_after_backward(is_last_microbatch)`)."""
+    for state in own_states:
+        if not _keeps(state) and state.name in root.held:
+            del root.held[state.name]
 
 
 def _forward_gather(shard: torch.Tensor, state: FlatParamState, in_backward: bool) -> torch.Tensor:
@@ -164,29 +182,40 @@ def _valid_held(state: FlatParamState) -> HeldGather | None:
     held = state.root.held.get(state.name)
     if held is None:
         return None
-    if held.shard() is not state.flat_shard or held.version != _shard_version(state):
+    if held.shard is not None and (held.shard() is not state.flat_shard or held.version != _shard_version(state)):
         del state.root.held[state.name]
         return None
     return held
 
 
 def drop_held(state: FlatParamState) -> None:
-    """Free the gather `set_reshard_after_backward(False)` kept for `state` (`FSDPModule.reshard`)."""
+    """Free the gather `set_reshard_after_backward(False)` kept for `state` (`FSDPModule.reshard`, a load)."""
     state.root.held.pop(state.name, None)
 
 
-def _compiled_refusal(unit: str) -> Callable[[], None]:
-    message = (
-        f"set_reshard_after_backward(False) on unit {unit!r}: supported in eager mode only. A compiled step gathers "
-        "inside its graph, so a gather kept from the previous backward cannot feed the next graph; call "
-        f"set_reshard_after_backward(True) on {unit!r} before running the compiled model, or run it eagerly."
-    )
+_ROOTS_KEEPING: weakref.WeakSet[RootState] = weakref.WeakSet()
+_STEP_HOOK: list = []  # the global optimizer post-step hook's handle, registered once
 
-    def refuse() -> None:
-        raise RuntimeError(message)
 
-    # Disabled: Dynamo calls it for real (the error escapes) instead of tracing the raise and falling back to eager.
-    return torch.compiler.disable(refuse, reason=message)
+def track_kept_gathers(root: RootState) -> None:
+    """Drop `root`'s kept gathers whenever an optimizer steps their parameters. A compiled forward cannot check
+    the shard's version before choosing its graph (Dynamo guards on whether a gather is kept, not on versions), so
+    stale gathers are dropped when the shard changes: after any optimizer step (a global post-step hook, also
+    optimizer-in-backward's), a `load_state_dict`, a `.to()`, or `reshard()`."""
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_drop_stepped))
+    _ROOTS_KEEPING.add(root)
+
+
+def _drop_stepped(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    roots = [root for root in _ROOTS_KEEPING if root.held]
+    if not roots:
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for root in roots:
+        for state in root.flat_params:
+            if state.name in root.held and any(id(view) in stepped for view in state.views):
+                drop_held(state)
 
 
 def resharded_in_eager(state: FlatParamState) -> bool:
@@ -207,8 +236,11 @@ def _regather(state: FlatParamState) -> torch.Tensor:
     return flat
 
 
-def _call_unshard(shard: torch.Tensor, state: FlatParamState) -> torch.Tensor:
-    return torch.ops.fsdp.unshard(*UNSHARD_SIGNATURE.call_args(_unshard_values(shard, state)))
+def _call_unshard(shard: torch.Tensor, state: FlatParamState, gathered: torch.Tensor | None = None) -> torch.Tensor:
+    values = _unshard_values(shard, state)
+    if gathered is not None:
+        values["gathered"] = gathered
+    return torch.ops.fsdp.unshard(*UNSHARD_SIGNATURE.call_args(values))
 
 
 def _unshard_values(shard: torch.Tensor, state: FlatParamState) -> dict:
@@ -281,6 +313,7 @@ def _unit_apply(self: nn.Module, fn, recurse: bool = True):
     from the flat shard); convert each flat shard once instead and re-point them."""
     result = self._fsdp_original_class._apply(self, fn, recurse)
     for state in self._fsdp_states:
+        drop_held(state)
         old = state.flat_shard
         new = fn(old.detach()).detach()
         if state.compute_device is not None:  # CPU offload: dtype conversions apply, moves do not
@@ -340,7 +373,10 @@ def enter_forward(root: RootState) -> None:
 def exit_forward(root: RootState, own_states: list[FlatParamState]) -> None:
     """The forward `enter_forward` started ends: `own_states` that reshard after forward leave the gather cache
     (autograd holds handles, not the gathers); the outermost one clears it and closes the session."""
-    if torch.compiler.is_compiling() or root.forward_depth == 0:
+    if torch.compiler.is_compiling():
+        _compiled_exit(root, own_states)
+        return
+    if root.forward_depth == 0:
         # Unmatched: a compiled forward that raised runs this always-call hook eagerly, its pre-hook having been traced.
         return
     root.forward_depth -= 1

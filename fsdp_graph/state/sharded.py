@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_graph.runtime.devices import collective_device
-from fsdp_graph.runtime.unit import FlatParamState, RootState, flat_params
+from fsdp_graph.runtime.unit import FlatParamState, RootState, drop_held, flat_params
 
 
 def gather_flat(state: FlatParamState, local: torch.Tensor) -> torch.Tensor:
@@ -97,6 +97,7 @@ def _put_flat_param(state_dict: dict, prefix: str, state: FlatParamState, root: 
 
 def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
     for state in flat_params(module):
+        drop_held(state)
         for index, slot in enumerate(state.layout.slots):
             for fqn in slot.fqns:
                 key = prefix + fqn

@@ -60,6 +60,84 @@ def test_dedup_gives_one_reduce_per_unit(fake_pg):
     assert _count(with_dedup.backward, REDUCE_GRAD_TARGETS) == 3
 
 
+def test_dedup_folds_a_read_of_the_gather_this_step_keeps(fake_pg):
+    """set_reshard_after_backward(False): the first read gathers and keeps the gather (a Dynamo side effect), the
+    second read passes it back as `gathered`; dedup folds that call into the gather: one gather, one reduction."""
+    torch.manual_seed(0)
+    model = fsdp_graph.fully_shard(ReadsTwice())
+    model.set_reshard_after_backward(False)
+    gm = dynamo_graph(model, torch.randn(2, 3))
+    assert unshard_count(gm) == 2
+    dedup_unshard(gm)
+    assert unshard_count(gm) == 1
+    assert_expected_inline(
+        code(gm),
+        """\
+def forward(self, L_self_fsdp_flat_shards_0_ : torch.Tensor, L_x_ : torch.Tensor):
+    l_self_fsdp_flat_shards_0_ = L_self_fsdp_flat_shards_0_
+    l_x_ = L_x_
+    flat = torch.ops.fsdp.unshard(l_self_fsdp_flat_shards_0_, '', '0', 4);  l_self_fsdp_flat_shards_0_ = None
+    detach = flat.detach()
+    getitem = flat[slice(0, 9, None)]
+    view = getitem.view((3, 3));  getitem = None
+    matmul = l_x_ @ view;  view = None
+    getitem_1 = flat[slice(0, 9, None)];  flat = None
+    view_1 = getitem_1.view((3, 3));  getitem_1 = None
+    t = view_1.t();  view_1 = None
+    matmul_1 = l_x_ @ t;  l_x_ = t = None
+    add = matmul + matmul_1;  matmul = matmul_1 = None
+    return (detach, add)""",
+    )
+
+
+def test_lower_forwards_a_kept_gather_and_reshard_saves_it(fake_pg):
+    """The step after one that kept its gathers: every unshard takes the kept tensor (`gathered`), the lowering
+    forwards that input (no all-gather), and the backward still reduce-scatters; the keeping step's gathers are
+    forward outputs, tagged MUST_SAVE even under FULL_SHARD (the backward re-gathers nothing)."""
+    torch.manual_seed(0)
+    model = fsdp_graph.fully_shard(TwoBlock())
+    model.set_reshard_after_backward(False)
+    keeping = aot_stages(model, torch.randn(2, 4), tag=tag_reshard)
+    assert_expected_inline(
+        _tags(keeping.joint),
+        """\
+unshard: MUST_SAVE
+unshard_1: MUST_SAVE
+unshard_2: MUST_SAVE""",
+    )
+    assert unshard_count(keeping.backward) == 0
+    kept = aot_stages(model, torch.randn(2, 4), tag=tag_reshard)
+    lower_fsdp_ops(kept.forward)
+    lower_fsdp_ops(kept.backward)
+    summary = collective_summary(kept.forward)
+    assert summary.counts["all_gather"] == 0 and summary.fsdp_ops_left == 0
+    assert collective_summary(kept.backward).counts["reduce_scatter"] == 3
+    assert_expected_inline(
+        code(kept.forward),
+        """\
+def forward(self, primals_1, primals_2, primals_3, primals_4, primals_5, primals_6, primals_7):
+    slice_1 = torch.ops.aten.slice.Tensor(primals_2, 0, 0, 16)
+    view = torch.ops.aten.view.default(slice_1, [4, 4]);  slice_1 = None
+    slice_2 = torch.ops.aten.slice.Tensor(primals_2, 0, 16, 20);  primals_2 = None
+    view_1 = torch.ops.aten.view.default(slice_2, [4]);  slice_2 = None
+    t = torch.ops.aten.t.default(view);  view = None
+    addmm = torch.ops.aten.addmm.default(view_1, primals_1, t);  view_1 = t = None
+    relu = torch.ops.aten.relu.default(addmm);  addmm = None
+    slice_3 = torch.ops.aten.slice.Tensor(primals_4, 0, 0, 16)
+    view_2 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
+    slice_4 = torch.ops.aten.slice.Tensor(primals_4, 0, 16, 20)
+    view_3 = torch.ops.aten.view.default(slice_4, [4]);  slice_4 = None
+    t_1 = torch.ops.aten.t.default(view_2);  view_2 = None
+    addmm_1 = torch.ops.aten.addmm.default(view_3, relu, t_1);  view_3 = t_1 = None
+    relu_1 = torch.ops.aten.relu.default(addmm_1);  addmm_1 = None
+    slice_5 = torch.ops.aten.slice.Tensor(primals_6, 0, 0, 8)
+    view_4 = torch.ops.aten.view.default(slice_5, [2, 4]);  slice_5 = None
+    t_2 = torch.ops.aten.t.default(view_4);  view_4 = None
+    mm = torch.ops.aten.mm.default(relu_1, t_2);  t_2 = None
+    return (mm, primals_1, primals_4, primals_5, primals_6, primals_7, relu, relu_1)""",
+    )
+
+
 def test_dedup_noop_without_fsdp_ops():
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     before = code(gm)
@@ -369,13 +447,16 @@ def test_cat_flat_grads_replaces_padded_sums():
     gm = make_fx(flat_grad, tracing_mode="fake")(*inputs)
     expected = gm(*inputs)
     cat_flat_grads(gm)
-    assert_expected_inline(code(gm), """\
+    assert_expected_inline(
+        code(gm),
+        """\
 def forward(self, w_1, b_1, w_again_1):
     add_tensor = torch.ops.aten.add.Tensor(w_again_1, w_1);  w_again_1 = w_1 = None
     full_default = torch.ops.aten.full.default([1], 0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
     full_default_1 = torch.ops.aten.full.default([2], 0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
     cat_default = torch.ops.aten.cat.default([add_tensor, full_default, b_1, full_default_1]);  add_tensor = full_default = b_1 = full_default_1 = None
-    return cat_default""")
+    return cat_default""",
+    )
     torch.testing.assert_close(gm(*inputs), expected, rtol=0, atol=0)
     overlapping = make_fx(
         lambda a, b: aten.slice_backward.default(a, [6], 0, 0, 4, 1) + aten.slice_backward.default(b, [6], 0, 2, 6, 1),

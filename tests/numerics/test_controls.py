@@ -8,7 +8,6 @@ from tests.workers.controls import (
     forward_method,
     replica_all_reduce,
     reshard_after_backward,
-    reshard_after_backward_compiled,
     unshard_reshard,
 )
 
@@ -53,27 +52,27 @@ def test_requires_all_reduce_accumulates_partial_sums_on_2x2_hybrid(mode):
             assert r["graphs"] == 2.0, r
 
 
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
-def test_reshard_after_backward_false_skips_the_next_forwards_gathers(strategy):
-    for r in spawn(reshard_after_backward, 2, (strategy,)):
+@pytest.mark.parametrize("strategy, mode", [("FULL_SHARD", "eager"), ("SHARD_GRAD_OP", "eager"), ("FULL_SHARD", "aot")])
+def test_reshard_after_backward_false_skips_the_next_forwards_gathers(strategy, mode):
+    for r in spawn(reshard_after_backward, 2, (strategy, mode)):
         units = r["units"]
         assert units == 7.0 and r["non_bool_refused"] == 1.0, r
         for round_ in range(2):
             # kept after microbatch 0's and 1's backwards: microbatches 1 and 2 gather nothing in forward
-            assert [r[f"fwd_{round_}_{m}"] for m in range(3)] == [units, 0.0, 0.0], r
-            # backwards gather as by default (a unit resharded after forward frees what it used)
-            assert r[f"bwd_{round_}_1"] == r[f"bwd_{round_}_2"] == r[f"bwd_{round_}_0"], r
+            assert [r[f"fwd_{round_}_{m}"] for m in range(1, 3)] == [0.0, 0.0], r
             assert r[f"grad_diff_{round_}"] < 1e-6 and r[f"kept_after_{round_}"] == 0.0, r
-        if strategy == "FULL_SHARD":
+            if mode == "eager":  # backwards gather as by default (a unit resharded after forward frees what it used)
+                assert r[f"bwd_{round_}_1"] == r[f"bwd_{round_}_2"] == r[f"bwd_{round_}_0"], r
+            else:  # compiled, the forward's gather is kept, so no backward gathers (round 0's first call compiles)
+                assert [r[f"bwd_{round_}_{m}"] for m in range(3)] == [0.0, 0.0, 0.0], r
+        assert r["fwd_1_0"] == units, r
+        if strategy == "FULL_SHARD" and mode == "eager":
             assert r["bwd_0_0"] > 0.0, r
         assert r["kept"] == units and r["kept_after_reshard"] == 0.0 and r["fwd_resharded"] == units, r
         assert r["grad_diff_resharded"] < 1e-6, r
         # stepped while kept: the shards changed, so the forward gathers the new values instead of stale ones
         assert r["fwd_stepped"] == units and r["grad_diff_stepped"] < 1e-6, r
-
-
-def test_reshard_after_backward_false_is_refused_when_compiled():
-    for r in spawn(reshard_after_backward_compiled, 2):
-        assert r["only_that_unit"] == 1.0, r
-        assert r["refused_fullgraph"] == 1.0 and r["refused_graph_breaks"] == 1.0, r
-        assert r["grad_diff_after"] < 1e-6, r
+        # True again: the next forward uses the kept gathers and frees them
+        assert r["fwd_released"] == 0.0 and r["kept_released"] == 0.0 and r["grad_diff_released"] < 1e-6, r
+        if mode == "aot":  # first, middle and last microbatch: one graph each, compiled once
+            assert r["graphs"] == 3.0, r

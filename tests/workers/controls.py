@@ -143,13 +143,14 @@ def _accumulate(run: nn.Module, ref: nn.Module, rank: int, world: int, seed: int
     return forward.counts["all_gather"], backward.counts["all_gather"]
 
 
-def reshard_after_backward(rank: int, world: int, strategy: str) -> dict[str, float]:
+def reshard_after_backward(rank: int, world: int, strategy: str, mode: str) -> dict[str, float]:
     """Eager gradient accumulation with FSDP2's idiom `set_reshard_after_backward(is_last_microbatch)` over 3
-    microbatches, twice with an SGD step between; then `reshard()`, and an optimizer step while gathers are kept."""
+    microbatches, twice with an SGD step between; then `reshard()`, and an optimizer step while gathers are kept.
+    Compiled (`mode="aot"`): the same, with the graphs Dynamo compiled."""
     torch.manual_seed(0)
     model = DeepMLP()
     ref = copy.deepcopy(model)
-    run, _ = shard_and_compile(model, Case("mlp", strategy=strategy, mode="eager"))
+    run, backend = shard_and_compile(model, Case("mlp", strategy=strategy, mode=mode))
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
     root = model._fsdp_root
     out: dict[str, float] = {"units": float(sum(s.world > 1 for s in flat_params(model)))}
@@ -187,33 +188,9 @@ def reshard_after_backward(rank: int, world: int, strategy: str) -> dict[str, fl
     step()  # while gathers are kept: the next forward must see the stepped shards
     out["fwd_stepped"] = float(_accumulate(run, ref, rank, world, seed=102)[0])
     out["grad_diff_stepped"] = grad_diff()
-    return out
-
-
-def reshard_after_backward_compiled(rank: int, world: int) -> dict[str, float]:
-    """A compiled forward of a unit that keeps its gathers raises, naming the unit: fullgraph (Dynamo's Unsupported
-    carries the message) and with graph breaks (the RuntimeError itself); True again compiles and trains."""
-    model, ref, run, _ = _sharded("aot")
-    _train_step(run, ref, rank, world, seed=0)
-    out: dict[str, float] = {}
-
-    def refused(compiled: nn.Module) -> float:
-        model.blocks[2].set_reshard_after_backward(False, recurse=False)
-        try:
-            _train_step(compiled, ref, rank, world, seed=1)
-            return 0.0
-        except Exception as error:
-            text = str(error)
-            return float("'blocks.2'" in text and "eager mode only" in text)
-
-    out["refused_fullgraph"] = refused(run)
-    out["only_that_unit"] = float([not s.reshard_after_backward for s in flat_params(model)].count(True) == 1)
-    model.blocks[2].set_reshard_after_backward(True)
-    model.zero_grad()
-    ref.zero_grad()
-    _train_step(run, ref, rank, world, seed=2)
-    grads = full_grads(model)
-    out["grad_diff_after"] = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
-    # Last: a forward aborted between compiled and eager frames leaves the eager forward bookkeeping mid-forward.
-    out["refused_graph_breaks"] = refused(torch.compile(model, backend=fsdp_graph.make_backend(inductor=False)))
+    model.set_reshard_after_backward(True)
+    out["fwd_released"] = float(_accumulate(run, ref, rank, world, seed=103)[0])
+    out["grad_diff_released"] = grad_diff()
+    out["kept_released"] = float(len(root.held))
+    out["graphs"] = float(backend.dynamo_graphs if backend else 0)
     return out
