@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_graph.api.config import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_graph.api.groups import Groups, resolve_groups, with_reduce_group
 from fsdp_graph.api.wrap import auto_wrap_policy
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.runtime import offload
 from fsdp_graph.runtime.flat_param import FlatParamLayout
-from fsdp_graph.runtime.gloo import gloo_timeout, single_thread_gloo_group
 from fsdp_graph.runtime.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
 from fsdp_graph.runtime.misuse import make_view
 from fsdp_graph.runtime.unit import (
@@ -34,18 +31,6 @@ from fsdp_graph.state.sharded import install_state_dict_hooks
 
 WrapPolicy = Callable[[nn.Module], list[nn.Module]]
 ReshardSpec = bool | None | Mapping[nn.Module | str, bool]
-
-
-@dataclass(frozen=True)
-class _Groups:
-    """Where a flat parameter is gathered (shard) and its gradient all-reduced afterwards (replicate)."""
-
-    shard_name: str
-    shard_world: int
-    shard_rank: int
-    replicate_name: str = ""
-    replicate_world: int = 1
-    reduce_name: str = ""  # a second group over the shard group's ranks for gradient reductions ("": the same)
 
 
 def fully_shard(
@@ -85,7 +70,7 @@ def fully_shard(
       reduce-scatter and a prefetched all-gather can run at the same time (NCCL runs one stream per group). Off by
       default: the overlap it buys is unmeasured, and each rank then holds a second communicator (its buffers).
     """
-    groups = _with_reduce_group(_resolve_groups(mesh, strategy), separate_reduce_group)
+    groups = with_reduce_group(resolve_groups(mesh, strategy), separate_reduce_group)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(f"fully_shard: mixed_precision must be a fsdp_graph.MixedPrecision, got {mixed_precision!r}")
     _check_not_sharded(model)
@@ -149,49 +134,6 @@ def fully_shard(
     return model
 
 
-def _with_reduce_group(groups: _Groups, separate: bool) -> _Groups:
-    """`groups` plus, if asked, a duplicate of this rank's shard group for gradient reductions. Each shard group
-    duplicates itself, so only its members take part: HYBRID makes one new group per rank, not R world-wide ones."""
-    if not separate or groups.shard_world == 1:
-        return groups
-    shard_pg = dist.distributed_c10d._resolve_process_group(groups.shard_name)
-    return dataclasses.replace(groups, reduce_name=duplicate_group(shard_pg).group_name)
-
-
-def duplicate_group(pg: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A new process group with `pg`'s ranks and backend; every member of `pg` must call this, in the same order.
-    Where the backend can split (NCCL with a device bound to the default group) it splits `pg`'s communicator
-    (`dist.split_group`: no new bootstrap); elsewhere `new_group` over the same ranks, synchronising only them."""
-    if _splittable(pg):
-        split = dist.split_group(parent_pg=pg, split_ranks=[list(range(pg.size()))], group_desc="fsdp_reduce")
-        if split is None:
-            raise RuntimeError(f"fully_shard: splitting process group {pg.group_name} returned no group")
-        return split
-    ranks = dist.get_process_group_ranks(pg)
-    # Without a bound device, new_group bootstraps NCCL through the store, so only the members need to call it; with
-    # one it would split the default group, which every rank must join (that case is handled above). The backend
-    # config keeps a mixed cpu:gloo,cuda:nccl group mixed, and a single-thread gloo copy (fsdp_graph.runtime.gloo) single-
-    # thread; gloo_timeout keeps a gloo group's collective timeout (new_group's own default is 30 minutes).
-    return dist.new_group(
-        ranks,
-        backend=dist.get_backend_config(pg),
-        timeout=gloo_timeout(pg),
-        use_local_synchronization=True,
-        group_desc="fsdp_reduce",
-    )
-
-
-def _splittable(pg: dist.ProcessGroup) -> bool:
-    """Whether `dist.split_group` can split `pg` (its own checks: a device bound to the default group, an
-    accelerator, and a backend that supports splitting)."""
-    if dist.distributed_c10d._get_default_group().bound_device_id is None or not torch.accelerator.is_available():
-        return False
-    try:
-        return bool(pg._get_backend(torch.accelerator.current_accelerator()).supports_splitting)
-    except RuntimeError:
-        return False
-
-
 def _offload_compute_device(cpu_offload: CPUOffload | None, device) -> torch.device | None:
     """None without parameter offload; else the device gathers and compute run on."""
     if cpu_offload is None:
@@ -225,57 +167,6 @@ def _state_dict_placements(strategy: ShardingStrategy) -> tuple:
     if strategy.is_hybrid:
         return (Replicate(), Shard(0))
     return (Shard(0),)
-
-
-def _resolve_groups(mesh: DeviceMesh | None, strategy: ShardingStrategy) -> _Groups:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "fully_shard needs an initialised process group: call "
-            "torch.distributed.init_process_group('gloo' or 'nccl') first (torchrun sets the environment)."
-        )
-    if not isinstance(strategy, ShardingStrategy):
-        raise TypeError(f"fully_shard: strategy must be a fsdp_graph.ShardingStrategy, got {strategy!r}")
-    if mesh is not None and not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh)}")
-    world = dist.get_world_size()
-    if mesh is not None and mesh.size() != world:
-        raise ValueError(
-            f"fully_shard: the mesh has {mesh.size()} ranks but the process group has {world}; "
-            f"build it with init_device_mesh(device_type, ({world},)) (or (replicate, shard) for HYBRID_SHARD)."
-        )
-    if strategy.is_hybrid:
-        if mesh is None or mesh.ndim != 2:
-            raise ValueError(
-                f"fully_shard: {strategy.name} needs a 2-D mesh (replicate, shard), e.g. "
-                "init_device_mesh('cuda', (num_nodes, gpus_per_node)); got "
-                f"{'no mesh' if mesh is None else f'a {mesh.ndim}-D mesh'}."
-            )
-        shard = _single_thread_if_gloo(mesh.get_group(1), _mesh_dim_ranks(mesh, 1), "shard")
-        replicate = _single_thread_if_gloo(mesh.get_group(0), _mesh_dim_ranks(mesh, 0), "replicate")
-        return _Groups(shard.group_name, shard.size(), shard.rank(), replicate.group_name, replicate.size())
-    if mesh is not None and mesh.ndim != 1:
-        raise ValueError(
-            f"fully_shard: a {mesh.ndim}-D mesh needs strategy=ShardingStrategy.HYBRID_SHARD (or "
-            "_HYBRID_SHARD_ZERO2); pass a 1-D mesh or mesh=None for other strategies."
-        )
-    group = dist.group.WORLD if mesh is None else mesh.get_group()
-    group = _single_thread_if_gloo(group, [dist.get_process_group_ranks(group)], "world")
-    if strategy is ShardingStrategy.NO_SHARD:
-        return _Groups("", 1, 0, group.group_name if group.size() > 1 else "", group.size())
-    return _Groups(group.group_name, group.size(), group.rank())
-
-
-def _mesh_dim_ranks(mesh: DeviceMesh, dim: int) -> list[list[int]]:
-    """Every group along mesh dimension `dim` (as mesh.get_group(dim) is this rank's one), as rank lists."""
-    return mesh.mesh.movedim(dim, -1).reshape(-1, mesh.mesh.size(dim)).tolist()
-
-
-def _single_thread_if_gloo(group: dist.ProcessGroup, rank_lists: list[list[int]], purpose: str) -> dist.ProcessGroup:
-    """The graph's collectives on a gloo group run on a single-thread copy of it (`fsdp_graph.runtime.gloo`: gloo's worker
-    threads race on shared state when two collectives of one group finish together)."""
-    if group.size() == 1 or dist.get_backend(group) != "gloo":
-        return group
-    return single_thread_gloo_group(rank_lists, purpose, gloo_timeout(group))
 
 
 def _check_not_sharded(model: nn.Module) -> None:
@@ -427,7 +318,7 @@ def _shard_flat_param(
     params,
     values,
     param_uses,
-    groups: _Groups,
+    groups: Groups,
     reshard: bool,
     mp: MixedPrecision,
     root_state,

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_graph
-from fsdp_graph.api import fully_shard as api
+from fsdp_graph.api import groups
 
 
 def reduce_groups(rank: int, world: int, scenarios: list[tuple[str, bool | None, bool]]) -> list[dict]:
@@ -38,14 +38,14 @@ def _reduce_groups(strategy: str, separate: bool | None, split: bool) -> dict:
         ranks = [dist.get_global_rank(parent_pg, r) for r in split_ranks[0]]
         return new_group(ranks, use_local_synchronization=True)
 
-    api._resolve_groups(mesh, strategy)  # the single-thread gloo copies of the shard groups (made once, then reused)
+    groups.resolve_groups(mesh, strategy)  # the single-thread gloo copies of the shard groups (made once, then reused)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     options = {} if separate is None else {"separate_reduce_group": separate}
     with (
         mock.patch.object(dist, "new_group", record_new_group),
         mock.patch.object(dist, "split_group", record_split),
-        mock.patch.object(api, "_splittable", lambda pg: split),
+        mock.patch.object(groups, "_splittable", lambda pg: split),
     ):
         fsdp_graph.fully_shard(model, mesh=mesh, strategy=strategy, wrap=[model[0]], **options)
     resolve = dist.distributed_c10d._resolve_process_group

@@ -1,0 +1,151 @@
+"""The process groups a `fully_shard` call gathers and reduces over, from its mesh (or the world)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_graph.api.config import ShardingStrategy
+from fsdp_graph.runtime.gloo import gloo_timeout, single_thread_gloo_group
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Where a flat parameter is gathered (shard) and its gradient all-reduced afterwards (replicate)."""
+
+    shard_name: str
+    shard_world: int
+    shard_rank: int
+    replicate_name: str = ""
+    replicate_world: int = 1
+    reduce_name: str = ""  # a second group over the shard group's ranks for gradient reductions ("": the same)
+
+
+def with_reduce_group(groups: Groups, separate: bool) -> Groups:
+    """`groups` plus, if asked, a duplicate of this rank's shard group for gradient reductions. Each shard group
+    duplicates itself, so only its members take part: HYBRID makes one new group per rank, not R world-wide ones."""
+    if not separate or groups.shard_world == 1:
+        return groups
+    shard_pg = dist.distributed_c10d._resolve_process_group(groups.shard_name)
+    return dataclasses.replace(groups, reduce_name=duplicate_group(shard_pg).group_name)
+
+
+def duplicate_group(pg: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A new process group with `pg`'s ranks and backend; every member of `pg` must call this, in the same order.
+    Where the backend can split (NCCL with a device bound to the default group) it splits `pg`'s communicator
+    (`dist.split_group`: no new bootstrap); elsewhere `new_group` over the same ranks, synchronising only them."""
+    if _splittable(pg):
+        split = dist.split_group(parent_pg=pg, split_ranks=[list(range(pg.size()))], group_desc="fsdp_reduce")
+        if split is None:
+            raise RuntimeError(f"fully_shard: splitting process group {pg.group_name} returned no group")
+        return split
+    ranks = dist.get_process_group_ranks(pg)
+    # Without a bound device, new_group bootstraps NCCL through the store, so only the members need to call it; with
+    # one it would split the default group, which every rank must join (that case is handled above). The backend
+    # config keeps a mixed cpu:gloo,cuda:nccl group mixed, and a single-thread gloo copy (fsdp_graph.runtime.gloo) single-
+    # thread; gloo_timeout keeps a gloo group's collective timeout (new_group's own default is 30 minutes).
+    return dist.new_group(
+        ranks,
+        backend=dist.get_backend_config(pg),
+        timeout=gloo_timeout(pg),
+        use_local_synchronization=True,
+        group_desc="fsdp_reduce",
+    )
+
+
+def _splittable(pg: dist.ProcessGroup) -> bool:
+    """Whether `dist.split_group` can split `pg` (its own checks: a device bound to the default group, an
+    accelerator, and a backend that supports splitting)."""
+    if dist.distributed_c10d._get_default_group().bound_device_id is None or not torch.accelerator.is_available():
+        return False
+    try:
+        return bool(pg._get_backend(torch.accelerator.current_accelerator()).supports_splitting)
+    except RuntimeError:
+        return False
+
+
+def resolve_groups(mesh: DeviceMesh | None, strategy: ShardingStrategy) -> Groups:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "fully_shard needs an initialised process group: call "
+            "torch.distributed.init_process_group('gloo' or 'nccl') first (torchrun sets the environment)."
+        )
+    if not isinstance(strategy, ShardingStrategy):
+        raise TypeError(f"fully_shard: strategy must be a fsdp_graph.ShardingStrategy, got {strategy!r}")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh)}")
+    if mesh is not None:
+        _check_spans_or_slices_world(mesh)
+    if strategy.is_hybrid:
+        if mesh is None or mesh.ndim != 2:
+            raise ValueError(
+                f"fully_shard: {strategy.name} needs a 2-D mesh (replicate, shard), e.g. "
+                "init_device_mesh('cuda', (num_nodes, gpus_per_node)); got "
+                f"{'no mesh' if mesh is None else f'a {mesh.ndim}-D mesh'}."
+            )
+        shard = _single_thread_if_gloo(mesh.get_group(1), _mesh_dim_ranks(mesh, 1), "shard")
+        replicate = _single_thread_if_gloo(mesh.get_group(0), _mesh_dim_ranks(mesh, 0), "replicate")
+        return Groups(shard.group_name, shard.size(), shard.rank(), replicate.group_name, replicate.size())
+    if mesh is not None and mesh.ndim != 1:
+        raise ValueError(
+            f"fully_shard: a {mesh.ndim}-D mesh needs strategy=ShardingStrategy.HYBRID_SHARD (or "
+            "_HYBRID_SHARD_ZERO2); pass a 1-D mesh or mesh=None for other strategies."
+        )
+    group = dist.group.WORLD if mesh is None else mesh.get_group()
+    ranks = [dist.get_process_group_ranks(group)] if mesh is None else _mesh_dim_ranks(mesh, 0)
+    group = _single_thread_if_gloo(group, ranks, "world")
+    if strategy is ShardingStrategy.NO_SHARD:
+        return Groups("", 1, 0, group.group_name if group.size() > 1 else "", group.size())
+    return Groups(group.group_name, group.size(), group.rank())
+
+
+def _check_spans_or_slices_world(mesh: DeviceMesh) -> None:
+    """A mesh spans the world, or is named dimensions of one that does (`world_mesh["dp"]`, or
+    `world_mesh["replicate", "shard"]` for HYBRID): then the other dimensions (tensor, pipeline parallel) hold
+    other replicas of the same sharding, and the groups of every slice are known to every rank."""
+    world = dist.get_world_size()
+    root = mesh._get_root_mesh()
+    if root.size() != world:
+        raise ValueError(
+            f"fully_shard: the mesh has {mesh.size()} ranks but the process group has {world}; build it with "
+            f"init_device_mesh(device_type, ({world},)) (or (replicate, shard) for HYBRID_SHARD), or pass named "
+            "dimensions of a mesh over the whole world, e.g. init_device_mesh(device_type, (dp, tp), "
+            'mesh_dim_names=("dp", "tp"))["dp"].'
+        )
+    if root is not mesh and not _root_dims(mesh):
+        raise ValueError(
+            f"fully_shard: the mesh {mesh.mesh_dim_names} is a part of a {root.ndim}-D mesh {root.mesh_dim_names} "
+            "that is not one of its named dimensions (a flattened or re-shaped dimension?); pass "
+            'world_mesh["name"] (or two names for HYBRID_SHARD).'
+        )
+
+
+def _root_dims(mesh: DeviceMesh) -> list[int] | None:
+    """The dimensions of the world mesh that `mesh` is (None when they are not named dimensions of it)."""
+    root = mesh._get_root_mesh()
+    names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
+    if len(names) != mesh.ndim or any(n not in root_names for n in names):
+        return None
+    return [root_names.index(n) for n in names]
+
+
+def _mesh_dim_ranks(mesh: DeviceMesh, dim: int) -> list[list[int]]:
+    """Every group along mesh dimension `dim` over the whole world, as rank lists (`mesh.get_group(dim)` is this
+    rank's one): for a part of a larger mesh, that dimension's groups in every slice of the world mesh."""
+    root = mesh._get_root_mesh()
+    if root is mesh:
+        return mesh.mesh.movedim(dim, -1).reshape(-1, mesh.mesh.size(dim)).tolist()
+    root_dim = _root_dims(mesh)[dim]
+    return root.mesh.movedim(root_dim, -1).reshape(-1, root.mesh.size(root_dim)).tolist()
+
+
+def _single_thread_if_gloo(group: dist.ProcessGroup, rank_lists: list[list[int]], purpose: str) -> dist.ProcessGroup:
+    """The graph's collectives on a gloo group run on a single-thread copy of it (`fsdp_graph.runtime.gloo`: gloo's worker
+    threads race on shared state when two collectives of one group finish together)."""
+    if group.size() == 1 or dist.get_backend(group) != "gloo":
+        return group
+    return single_thread_gloo_group(rank_lists, purpose, gloo_timeout(group))

@@ -1,0 +1,68 @@
+"""fully_shard over named dimensions of a larger mesh (issue 14), graph shapes on fake process groups."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fsdp_graph
+from fsdp_graph.runtime.unit import flat_params
+from tests.graphs.capture import TwoBlock
+
+
+@pytest.fixture
+def fake_world_8():
+    """A fake world of 8 ranks (this process is rank 5): enough for (replicate=2, shard=2, tp=2)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _fingerprint(model, mesh, strategy: str = "FULL_SHARD") -> list[str]:
+    torch._dynamo.reset()
+    fsdp_graph.fully_shard(model, mesh, strategy=fsdp_graph.ShardingStrategy[strategy])
+    backend = fsdp_graph.make_backend(inductor=False)
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 4)).sum().backward()
+    assert backend.dynamo_graphs == 1
+    return [f"{r.stage}: {line}" for r in backend.reports for line in r.fingerprint]
+
+
+def _group_ranks(name: str) -> list[int]:
+    return dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(name))
+
+
+def test_dp_dimension_of_a_2d_mesh_gathers_over_that_dimension(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = TwoBlock()
+    lines = _fingerprint(model, mesh["dp"])  # 3 gathers, 2 re-gathers (not blocks.0: x needs no grad), 3 scatters
+    assert len(lines) == 8 and all("group_size=2," in line for line in lines), lines
+    state = flat_params(model)[0]
+    assert (state.world, _group_ranks(state.group_name)) == (2, [0, 2])  # rank 0's dp group: column 0 of [[0,1],[2,3]]
+
+
+def test_hybrid_over_two_dimensions_of_a_3d_mesh(fake_world_8):
+    """HSDP x TP's data-parallel part: HYBRID_SHARD over mesh["replicate", "shard"] of (2, 2, 2); rank 5 is at
+    (1, 0, 1), so it shards over [5, 7] and all-reduces over [1, 5]."""
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    model = TwoBlock()
+    lines = _fingerprint(model, mesh["replicate", "shard"], "HYBRID_SHARD")
+    assert sum("all_reduce" in line for line in lines) == 3, lines
+    assert all("group_size=2," in line for line in lines if "all_reduce" not in line), lines
+    state = flat_params(model)[0]
+    assert _group_ranks(state.group_name) == [5, 7] and _group_ranks(state.replicate_group) == [1, 5]
+    assert (state.world, state.replicate_world) == (2, 2)
+
+
+def test_error_mesh_over_part_of_the_world_not_a_named_dimension(fake_pg):
+    with pytest.raises(ValueError, match=r'mesh has 2 ranks but the process group has 4.*\["dp"\]'):
+        fsdp_graph.fully_shard(TwoBlock(), DeviceMesh("cpu", torch.arange(2), _init_backend=False))
+
+
+def test_error_flattened_dimension(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    flat = mesh["dp", "tp"]._flatten("dp_tp")
+    with pytest.raises(ValueError, match="not one of its named dimensions"):
+        fsdp_graph.fully_shard(TwoBlock(), flat)
