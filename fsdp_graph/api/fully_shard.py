@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from fsdp_graph.api.config import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_graph.api.groups import Groups, resolve_groups, with_reduce_group
@@ -219,6 +220,13 @@ def _collect_parameters(model: nn.Module, ignored: set[int]):
                 raise TypeError(
                     f"fully_shard: parameter '{fqn}' has dtype {p.dtype}; only floating-point parameters can be "
                     "sharded. Register it as a buffer (module.register_buffer) or pass it in ignored_params."
+                )
+            if isinstance(p, DTensor):
+                raise NotImplementedError(
+                    f"fully_shard: parameter '{fqn}' is a DTensor on mesh {p.device_mesh.mesh_dim_names or ''} "
+                    f"with {p.placements} (tensor parallel?); DTensor parameters are not supported yet (issue 14). "
+                    "Shard a model of plain tensors, over a named dimension of the world mesh if other "
+                    "dimensions hold other parallelism."
                 )
             params.setdefault(id(p), p)
             if (module_fqn, name) not in {(f, n) for f, _, n in uses[id(p)]}:
