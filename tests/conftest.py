@@ -4,6 +4,9 @@ import tempfile
 # One Inductor cache per test session (spawned ranks inherit it): repeated graphs compile once,
 # and nothing leaks in from earlier runs.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="fsdp_graph_inductor_"))
+# Ranks fork from one server that imported torch once (fsdp_graph.train.launch): each of the suite's ~150
+# multi-rank runs would otherwise spend seconds importing torch in every rank.
+os.environ.setdefault("FSDP_GRAPH_START_METHOD", "forkserver")
 
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
@@ -12,6 +13,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -25,7 +27,38 @@ _GRACE_S = 2.0
 _STARTUP = datetime.timedelta(minutes=10)  # how long ranks may take to start and meet
 
 
-def _entry(rank: int, fn: Callable, world: int, port: int, timeout_s: float, out_dir: str, args: tuple) -> None:
+class _CallersFd:
+    """One of the caller's file descriptors as it is now, duplicated into the rank when the rank starts."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return (_detach, (reduction.DupFd(self.fd),))
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+def _entry(
+    rank: int,
+    fn: Callable,
+    world: int,
+    port: int,
+    timeout_s: float,
+    out_dir: str,
+    args: tuple,
+    env: dict,
+    outputs: tuple[int, int],
+) -> None:
+    # A forkserver child has the server's environment and standard streams, taken when the server started (under
+    # pytest, the capture of whichever test ran first): use the caller's, as they are now.
+    os.environ.clear()
+    os.environ.update(env)
+    for target, fd in zip((1, 2), outputs):
+        os.dup2(fd, target)
+        os.close(fd)
     # As torchrun does: ranks sharing a machine split its cores instead of oversubscribing them.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -149,6 +182,24 @@ def _watch(processes: list, out_dir: str) -> tuple[dict[int, tuple[float, int]],
     return exits, sorted(sentinels.values())
 
 
+START_METHOD_ENV = "FSDP_GRAPH_START_METHOD"
+_PRELOAD = ["torch", "fsdp_graph"]
+
+
+def _start_method(fn: Callable) -> str:
+    """ "spawn" (a fresh interpreter per rank: each imports torch, seconds on a small machine), or with
+    FSDP_GRAPH_START_METHOD=forkserver, ranks forked from one server process that imported torch, fsdp_graph and
+    `fn`'s module once (the test suite runs hundreds of short multi-rank runs). The server starts clean (no
+    threads of the caller's, no process group) and each rank gets the caller's current environment (`_entry`)."""
+    method = os.environ.get(START_METHOD_ENV, "spawn")
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"{START_METHOD_ENV}={method!r}: use 'spawn' or 'forkserver'")
+    if method == "forkserver":
+        # Read when the server starts (the first forkserver launch); later calls' modules are imported per rank.
+        multiprocessing.set_forkserver_preload([*_PRELOAD, fn.__module__])
+    return method
+
+
 def spawn(fn: Callable[..., Any], world: int = 2, args: tuple = (), timeout_s: float = 300.0) -> list[Any]:
     """Run `fn(rank, world, *args)` on `world` gloo ranks on 127.0.0.1 and return each rank's result.
 
@@ -162,13 +213,14 @@ def spawn(fn: Callable[..., Any], world: int = 2, args: tuple = (), timeout_s: f
     store = dist.TCPStore(
         _HOST, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
     )
+    start_method = _start_method(fn)
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _entry,
-            args=(fn, world, store.port, timeout_s, out_dir, args),
+            args=(fn, world, store.port, timeout_s, out_dir, args, dict(os.environ), (_CallersFd(1), _CallersFd(2))),
             nprocs=world,
             join=False,
-            start_method="spawn",
+            start_method=start_method,
         )
         try:
             exits, running = _watch(context.processes, out_dir)
