@@ -11,7 +11,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 from fsdp_graph.ir import UNSHARD_TARGETS
 from passes.fx_nodes import bind_args
 
-
 # Copies of a gather's view that depend on nothing else: the rows layout's copy-out (`reshape` of a strided column
 # range decomposes into these). Saving them would keep an unsharded parameter alive to the backward.
 _COPY_OUTS = (torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default)
