@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
@@ -156,7 +155,3 @@ def _gloo_gathers(backend_counts) -> int:
 def _max_diff(a: dict, b: dict) -> float:
     assert set(a) == set(b)
     return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def run_world_barrier(rank: int, world: int) -> None:
-    dist.barrier()
