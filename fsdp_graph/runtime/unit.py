@@ -278,10 +278,23 @@ def _make_property(name: str) -> property:
         flat = unsharded_flat(spec.unit, spec.index)
         if flat is None:
             return self._parameters[name]
-        layout = spec.unit._fsdp_states[spec.index].layout
-        return layout.param_of(flat, layout.slots[spec.slot])
+        state: FlatParamState = spec.unit._fsdp_states[spec.index]
+        return _tracked(state, spec.slot, flat, state.layout.param_of(flat, state.layout.slots[spec.slot]))
 
     return property(get, doc=f"`{name}`: unsharded in forward, this rank's shard of it outside (fsdp_graph).")
+
+
+def _tracked(state: FlatParamState, slot: int, flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`param`, read from `flat` in an eager forward; a copy of it (rows layout) is tracked like the gather itself:
+    freed with it, made again in backward."""
+    session = state.root.session
+    if session is not None and resharded_in_eager(state) and not _same_storage(param, flat):
+        session.track(state, param, slot)
+    return param
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def bind_flat_shard(state: FlatParamState, flat_shard: torch.Tensor) -> None:

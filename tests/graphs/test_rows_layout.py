@@ -96,3 +96,49 @@ def forward(self, primals_1, primals_2, primals_3, primals_4):
     t_2 = torch.ops.aten.t.default(slice_5);  slice_5 = None
     mm = torch.ops.aten.mm.default(relu_1, t_2);  t_2 = None
     return (mm, primals_1, primals_2, primals_3, primals_4, relu, relu_1)""")
+
+
+def test_eager_full_shard_frees_copied_out_parameters(fake_pg):
+    """Eager FULL_SHARD: the copied-out parameters autograd saves become re-gather handles too (else every unit's
+    parameters would stay unsharded until its backward); only activations (batch of 3) reach the user's hooks."""
+    model = fsdp_graph.fully_shard(TwoBlock(8), layout="rows")
+    packed, unpacked = [], []
+
+    def pack(tensor):
+        packed.append(tuple(tensor.shape))
+        return tensor
+
+    def unpack(tensor):
+        unpacked.append(tuple(tensor.shape))
+        return tensor
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        model(x).sum().backward()
+    assert packed and sorted(packed) == sorted(unpacked)
+    assert all(shape[0] == 3 for shape in packed), packed
+    assert [tuple(p.grad.shape) for p in model.parameters()] == [(2, 8), (2,), (2, 8), (2,), (1, 8)]
+
+
+def test_cat_flat_grads_concatenates_row_pieces_along_columns():
+    """The rows copy-in: each gradient is placed into one column range of the `(world, shard)` matrix (plain, or
+    Inductor's decomposed form) and viewed 1-D; the pass makes it one `cat` along dim 1, the gap zero-filled."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from passes import cat_flat_grads
+
+    aten = torch.ops.aten
+
+    def flat_grad(w, b):
+        full = aten.full.default([2, 9], 0, dtype=torch.float32, layout=torch.strided, device="cpu", pin_memory=False)
+        placed_w = aten.view.default(aten.slice_backward.default(w, [2, 9], 1, 0, 6, 1), [18])
+        placed_b = aten.view.default(aten.slice_scatter.default(full, b, 1, 7, 9), [18])
+        return placed_w + placed_b
+
+    inputs = (torch.randn(2, 6), torch.randn(2, 2))
+    gm = make_fx(flat_grad, tracing_mode="fake")(*inputs)
+    expected = gm(*inputs)
+    cat_flat_grads(gm)
+    assert "slice" not in gm.code and gm.code.count("aten.cat.default") == 1
+    assert "cat.default([w_1, full_default, b_1], 1)" in gm.code
+    torch.testing.assert_close(gm(*inputs), expected, rtol=0, atol=0)
