@@ -99,6 +99,36 @@ def compare_layouts(args: argparse.Namespace) -> None:
         f"  rows copy-out per unit per gather (FULL_SHARD: twice a step, forward and backward; the gradient's copy-in "
         f"once, the same size): {units}"
     )
+    out, into, numel = copy_seconds(args.layers)
+    print(
+        f"  one block unit ({numel * 4 / 2**20:.2f} MiB, 1 thread, no communication): copy-out {out * 1e3:.2f} ms, "
+        f"copy-in {into * 1e3:.2f} ms; per FULL_SHARD step, all blocks: {args.layers * (2 * out + into) * 1e3:.1f} ms"
+    )
+
+
+def copy_seconds(layers: int) -> tuple[float, float, int]:
+    """The rows layout's copies alone, for one block of the benchmark Llama at world 2: every parameter out of a
+    gathered flat, and every gradient into the flat gradient (what `passes/flat_grad.py` leaves: one cat)."""
+    from torch.utils import benchmark
+
+    from fsdp_graph.runtime.flat_param import RowShardLayout
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    block = bench_model(dataclasses.replace(BENCH_CONFIG, layers=1)).blocks[0]
+    layout = RowShardLayout.build([((n,), p.shape) for n, p in block.named_parameters()], world=2, rank=0)
+    flat = torch.randn(layout.padded_numel)
+    grads = [torch.randn(s.shape) for s in layout.slots]
+
+    def copy_out():
+        return [layout.param_of(flat, s) for s in layout.slots]
+
+    def copy_in():
+        return torch.cat([g.reshape(2, -1) for g in grads], dim=1).view(-1)
+
+    times = [benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=1.0).median for fn in (copy_out, copy_in)]
+    torch.set_num_threads(threads)
+    return times[0], times[1], layout.numel
 
 
 def main() -> None:
