@@ -14,7 +14,7 @@ def _local_rows(d0: int, rank: int) -> int:
     return max(0, min(rows, d0 - rank * rows))
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["eager", "compiled", "bucketed"])
 def test_rows_layout_trains_like_one_process(mode):
     ref = reference(WORLD)
     results = spawn(train_rows, WORLD, (mode,))

@@ -89,16 +89,18 @@ def reference(world: int) -> dict:
 
 
 def train_rows(rank: int, world: int, mode: str, layout: str = "rows") -> dict:
-    """STEPS steps of the sharded model (`mode`: "eager" or "compiled" with eager kernels); what the optimizer
-    saw, the state dict's shape and values, and what `model.state_dict()` communicated."""
+    """STEPS steps of the sharded model (`mode`: "eager", "compiled" with eager kernels, or "bucketed": compiled
+    with every unit's gathers and reductions in one bucket each way, whose copy-out feeds the rows copy-out); what
+    the optimizer saw, the state dict's shape and values, and what `model.state_dict()` communicated."""
     torch.manual_seed(0)
     model = fsdp_graph.fully_shard(RowsModel(), layout=layout)
     shapes = {n: (tuple(p.shape), p.ndim) for n, p in model.named_parameters()}
     optimizer = _optimizer(model)
     run = model
-    if mode == "compiled":
+    if mode in ("compiled", "bucketed"):  # bucketed: the three units' collectives merged into one each way
         torch._dynamo.reset()
-        run = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
+        backend = fsdp_graph.make_backend(inductor=False, bucket_bytes=1 << 20 if mode == "bucketed" else 0)
+        run = torch.compile(model, backend=backend, fullgraph=True)
     for step in range(STEPS):
         tokens, targets = _batch(step, 2 * world)
         _step(run, optimizer, tokens.chunk(world)[rank], targets.chunk(world)[rank])
