@@ -45,12 +45,9 @@ def _scatter(node: fx.Node) -> tuple[fx.Node, list, int, int, int, int] | None:
     elif node.target is _aten.slice_scatter.default:
         a = bind_args(node)
         base, grad = a["self"], a["src"]
-        if not (
-            isinstance(base, fx.Node)
-            and base.target is _aten.full.default
-            and base.args[1] == 0
-            and len(base.users) == 1
-        ):
+        # The zeros may be shared: Inductor's CSE gives every same-sized `full(0)` one node (every block of a
+        # transformer), and `slice_scatter` does not write its base. The base goes when its last user does.
+        if not (isinstance(base, fx.Node) and base.target is _aten.full.default and base.args[1] == 0):
             return None
         sizes = base.args[0]
     else:
