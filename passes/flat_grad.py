@@ -5,10 +5,14 @@ parameter) into a full-size zero tensor with the parameter's gradient in its slo
 Inductor's decompositions `slice_scatter` into `full(0)`. The flat gradient is then the sum of one such full-size
 tensor per parameter: P full-size temporaries and P - 1 full-size additions per unit (P times the memory traffic,
 and a large fused kernel for Inductor to generate). The slots are disjoint, so a concatenation of the pieces, with
-zeros for the gaps (padding), is the same tensor.
+zeros for the gaps (padding), is the same tensor. The rows layout reads a parameter as a column range of the
+gathered flat viewed `(world, shard)`, so its pieces are placed along dim 1 of that matrix, and concatenated there.
 """
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -16,10 +20,23 @@ import torch.fx as fx
 from passes.fx_nodes import bind_args, finish
 
 _aten = torch.ops.aten
+_VIEWS = (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default)
 
 
-def _padded_slot(node: fx.Node) -> tuple[fx.Node, int, int, int] | None:
-    """(gradient, full size, start, end) when `node` places a 1-D gradient into zeros of a 1-D full size."""
+class _Placed(NamedTuple):
+    """A gradient piece placed into zeros: `grad` fills columns `[start, end)` of `size` (1-D; or, rows layout, of
+    each of `rows` rows of a `(rows, size)` matrix viewed as 1-D, then `inner` is that matrix's node)."""
+
+    grad: fx.Node
+    size: int
+    start: int
+    end: int
+    rows: int | None = None
+    inner: fx.Node | None = None
+
+
+def _scatter(node: fx.Node) -> tuple[fx.Node, list, int, int, int, int] | None:
+    """(gradient, full sizes, dim, start, end, step) when `node` places a gradient into zeros (either form)."""
     if node.op != "call_function":
         return None
     if node.target is _aten.slice_backward.default:
@@ -28,23 +45,37 @@ def _padded_slot(node: fx.Node) -> tuple[fx.Node, int, int, int] | None:
     elif node.target is _aten.slice_scatter.default:
         a = bind_args(node)
         base, grad = a["self"], a["src"]
-        if not (
-            isinstance(base, fx.Node)
-            and base.target is _aten.full.default
-            and base.args[1] == 0
-            and len(base.users) == 1
-        ):
+        # The zeros may be shared: Inductor's CSE gives every same-sized `full(0)` one node (every block of a
+        # transformer), and `slice_scatter` does not write its base. The base goes when its last user does.
+        if not (isinstance(base, fx.Node) and base.target is _aten.full.default and base.args[1] == 0):
             return None
         sizes = base.args[0]
     else:
         return None
-    dim, start, end, step = a["dim"], a["start"], a["end"], a["step"]
+    return grad, list(sizes), a["dim"], a["start"], a["end"], a["step"]
+
+
+def _padded_slot(node: fx.Node) -> _Placed | None:
+    """The placed piece `node` is: a 1-D gradient in zeros of a 1-D size (the flat layout's slot), or the 1-D view
+    of a `(world, shard)` matrix holding a gradient in one column range (the rows layout's copy-in)."""
+    inner, rows = None, None
+    if node.op == "call_function" and node.target in _VIEWS and isinstance(node.args[0], fx.Node):
+        inner = node.args[0]
+        found = _scatter(inner)
+        if found is None or len(inner.users) != 1 or len(found[1]) != 2 or found[2] != 1:
+            return None
+        rows = found[1][0]
+    else:
+        found = _scatter(node)
+        if found is None or len(found[1]) != 1 or found[2] != 0:
+            return None
+    grad, sizes, _, start, end, step = found
     val = node.meta.get("val")
-    if not (isinstance(val, torch.Tensor) and val.dim() == 1 and dim == 0 and step == 1 and len(sizes) == 1):
+    if not (isinstance(val, torch.Tensor) and val.dim() == 1 and step == 1):
         return None
-    if not all(isinstance(x, int) for x in (sizes[0], start, end)):
+    if not all(isinstance(x, int) for x in (*sizes, start, end)) or val.numel() != math.prod(sizes):
         return None
-    return grad, sizes[0], start, min(end, sizes[0])
+    return _Placed(grad, sizes[-1], start, min(end, sizes[-1]), rows, inner)
 
 
 def _add_tree(root: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | None:
@@ -72,7 +103,9 @@ def cat_flat_grads(gm: fx.GraphModule) -> fx.GraphModule:
 
     Matches: a tree of `add.Tensor` nodes (each used once) whose leaves are 1-D gradients placed into zeros of one
     full size along dim 0 (`slice_backward`, or `slice_scatter` into `full(0)`), at least two leaves. Rewrites it
-    to `cat([zeros(gap), piece, zeros(gap), piece, ...])`; pieces with the same slot (a parameter read twice) are
+    to `cat([zeros(gap), piece, zeros(gap), piece, ...])`. Also matches the rows layout's form, where every leaf is
+    the 1-D view of a `(world, shard)` gradient placed into zeros along dim 1: then the pieces are concatenated
+    along dim 1 and viewed as 1-D; pieces with the same slot (a parameter read twice) are
     added first. Guarantees: the same values (slots that overlap without being equal leave the tree untouched), no
     full-size temporaries but the result. No-op when nothing matches.
     """
@@ -89,31 +122,36 @@ def cat_flat_grads(gm: fx.GraphModule) -> fx.GraphModule:
         adds, leaves = tree
         placed = [_padded_slot(leaf) for leaf in leaves]
         slots = {}
-        for grad, _, start, end in placed:
-            slots.setdefault((start, end), []).append(grad)
-        sizes = {size for _, size, _, _ in placed}
+        for piece in placed:
+            slots.setdefault((piece.start, piece.end), []).append(piece.grad)
+        shapes = {(piece.size, piece.rows) for piece in placed}
         ordered = sorted(slots)
-        if len(sizes) != 1 or any(a[1] > b[0] for a, b in zip(ordered, ordered[1:])):
+        if len(shapes) != 1 or any(a[1] > b[0] for a, b in zip(ordered, ordered[1:])):
             continue
-        (size,) = sizes
+        ((size, rows),) = shapes
+        lead = [] if rows is None else [rows]
         val = root.meta["val"]
         with graph.inserting_before(root):
             pieces, cursor = [], 0
             for start, end in ordered:
                 if start > cursor:
-                    pieces.append(_zeros(graph, val, start - cursor))
+                    pieces.append(_zeros(graph, val, [*lead, start - cursor]))
                 total = slots[(start, end)][0]
                 for other in slots[(start, end)][1:]:
                     total = graph.call_function(_aten.add.Tensor, (total, other))
-                    total.meta["val"] = val.new_empty(end - start)
+                    total.meta["val"] = val.new_empty([*lead, end - start])
                 pieces.append(total)
                 cursor = end
             if cursor < size:
-                pieces.append(_zeros(graph, val, size - cursor))
-            cat = graph.call_function(_aten.cat.default, (pieces,))
+                pieces.append(_zeros(graph, val, [*lead, size - cursor]))
+            cat = graph.call_function(_aten.cat.default, (pieces,) if rows is None else (pieces, 1))
+            cat.meta["val"] = val.new_empty([*lead, size])
+            if rows is not None:
+                cat = graph.call_function(_aten.view.default, (cat, [rows * size]))
         cat.meta.update(root.meta)
         root.replace_all_uses_with(cat)
-        for node in sorted(adds + leaves, key=lambda n: -order[n]):  # users before what they use
+        inners = [piece.inner for piece in placed if piece.inner is not None]
+        for node in sorted(adds + leaves + inners, key=lambda n: -order[n]):  # users before what they use
             bases = [node.args[0]] if node.target is _aten.slice_scatter.default else []
             graph.erase_node(node)
             for base in bases:
@@ -123,13 +161,13 @@ def cat_flat_grads(gm: fx.GraphModule) -> fx.GraphModule:
     return finish(gm, changed)
 
 
-def _zeros(graph: fx.Graph, like: torch.Tensor, numel: int) -> fx.Node:
+def _zeros(graph: fx.Graph, like: torch.Tensor, shape: list[int]) -> fx.Node:
     node = graph.call_function(
         _aten.full.default,
-        ([numel], 0),
+        (shape, 0),
         {"dtype": like.dtype, "layout": torch.strided, "device": like.device, "pin_memory": False},
     )
-    node.meta["val"] = like.new_zeros(numel)
+    node.meta["val"] = like.new_zeros(shape)
     return node
 
 

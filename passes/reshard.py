@@ -11,13 +11,20 @@ from torch.utils.checkpoint import CheckpointPolicy
 from fsdp_graph.ir import UNSHARD_TARGETS
 from passes.fx_nodes import bind_args
 
+# Copies of a gather's view that depend on nothing else: the rows layout's copy-out (`reshape` of a strided column
+# range decomposes into these). Saving them would keep an unsharded parameter alive to the backward.
+_COPY_OUTS = (torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default)
+
 
 def _is_view_of(user: fx.Node, base: fx.Node) -> bool:
+    """Whether `user` is a view of `base`, or a copy of it taking no other tensor."""
     if user.op != "call_function":
         return False
     if user.target is operator.getitem:
         return user.args[0] is base
     target = user.target
+    if target in _COPY_OUTS:
+        return user.args[0] is base
     return isinstance(target, torch._ops.OpOverload) and target.is_view and user.args[0] is base
 
 
@@ -25,10 +32,10 @@ def tag_reshard(graph: fx.Graph) -> fx.Graph:
     """In place on the joint graph (before partitioning).
 
     Matches: `fsdp.unshard` nodes. For `reshard_after_forward=True` it tags the node and every view chained
-    on it `meta["recompute"] = MUST_RECOMPUTE`, so the partitioner saves only the shard and the backward
+    on it (and every copy of one: the rows layout's copy-out) `meta["recompute"] = MUST_RECOMPUTE`, so the partitioner saves only the shard and the backward
     re-gathers; for False it tags the gather `MUST_SAVE`, so the backward reuses it and gathers nothing. A gather
     the forward outputs (kept past the step by `set_reshard_after_backward(False)`) lives on anyway: `MUST_SAVE`.
-    View ops have exactly one tensor input, so this walk can never reach tangent-dependent nodes: no tangent
+    View and copy ops have exactly one tensor input, so this walk can never reach tangent-dependent nodes: no tangent
     detection is needed. Inside an activation-checkpoint region the tags override the region's (a gathered
     parameter is never worth saving) but each node keeps its region's `ac_graph_id`. No-op when nothing
     matches.

@@ -19,9 +19,8 @@ def _local_grad(state: FlatParamState) -> torch.Tensor | None:
         return None
     local = torch.zeros_like(state.flat_shard)
     for slot, view in zip(state.layout.slots, state.views):
-        lo, hi = state.layout.local_range(slot)
         if view.grad is not None:
-            local[lo:hi] = view.grad
+            state.layout.local_view(local, slot).copy_(view.grad)
     return local
 
 
@@ -82,11 +81,9 @@ def summon_full_params(
                 full_grad = None if full_grad is None else full_grad.cpu()
             params = []
             for slot, view, owners in zip(state.layout.slots, state.views, _owners(model, state)):
-                param = nn.Parameter(
-                    full[slot.offset : slot.offset + slot.numel].view(slot.shape), requires_grad=view.requires_grad
-                )
+                param = nn.Parameter(state.layout.param_of(full, slot), requires_grad=view.requires_grad)
                 if full_grad is not None:
-                    param.grad = full_grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                    param.grad = state.layout.param_of(full_grad, slot)
                 for module, name in owners:
                     module._parameters[name] = param
                 params.append((param, view, owners))

@@ -15,7 +15,7 @@ from fsdp_graph.api.groups import Groups, resolve_groups, with_reduce_group
 from fsdp_graph.api.wrap import auto_wrap_policy
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.runtime import offload
-from fsdp_graph.runtime.flat_param import FlatParamLayout
+from fsdp_graph.runtime.flat_param import LAYOUTS
 from fsdp_graph.runtime.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
 from fsdp_graph.runtime.misuse import make_view
 from fsdp_graph.runtime.unit import (
@@ -49,6 +49,7 @@ def fully_shard(
     sync_module_states: bool = False,
     cpu_offload: CPUOffload | None = None,
     separate_reduce_group: bool = False,
+    layout: str = "flat",
 ) -> nn.Module:
     """Shard `model` in place over `mesh` and return it. Create the optimizer AFTER this call.
 
@@ -70,7 +71,14 @@ def fully_shard(
     - `separate_reduce_group`: reduce gradients over a second process group with the shard group's ranks, so a
       reduce-scatter and a prefetched all-gather can run at the same time (NCCL runs one stream per group). Off by
       default: the overlap it buys is unmeasured, and each rank then holds a second communicator (its buffers).
+    - `layout`: what a rank's shard of a unit holds, and so what the optimizer sees. "flat" (FSDP1): a contiguous
+      1/world range of the unit's concatenated parameters; each parameter is a 1-D slice, possibly empty. "rows"
+      (FSDP2): each parameter's `Shard(0)` row block (torch.chunk: the last ranks may hold fewer rows or none) with
+      its trailing dims, so `p.ndim`, row-wise optimizers and DTensor state dicts work; still one all-gather per
+      unit, plus a copy of each parameter out of the gathered flat. 0-dim parameters need "flat".
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"fully_shard: layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
     groups = with_reduce_group(resolve_groups(mesh, strategy), separate_reduce_group)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(f"fully_shard: mixed_precision must be a fsdp_graph.MixedPrecision, got {mixed_precision!r}")
@@ -112,6 +120,7 @@ def fully_shard(
                 mp,
                 root_state,
                 compute_device,
+                layout,
             )
             root_state.flat_params.append(state)
         del values
@@ -331,9 +340,10 @@ def _shard_flat_param(
     mp: MixedPrecision,
     root_state,
     compute_device: torch.device | None,
+    layout_kind: str,
 ) -> FlatParamState:
     _check_flat_params(name, values, param_uses)
-    layout = FlatParamLayout.build(
+    layout = LAYOUTS[layout_kind].build(
         [(tuple(f"{m}.{n}".lstrip(".") for m, _, n in u), p.shape) for p, u in zip(params, param_uses)],
         groups.shard_world,
         groups.shard_rank,

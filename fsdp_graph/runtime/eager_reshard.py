@@ -4,7 +4,9 @@ Autograd saves what backward needs (a linear layer saves its weight, i.e. a view
 parameter); kept as such, every unit stays gathered until backward (ZeRO-2 memory, whatever the strategy). While an
 eager forward runs, a `saved_tensors_hooks` pair replaces each saved view of a resharding unit's gathered flat
 parameter by a `_Regather` handle (no tensor), so the gather dies with the unit's forward; the first unpack in
-backward gathers the flat parameter again, and the unit's later unpacks reuse it until the last one is taken.
+backward gathers the flat parameter again, and the unit's later unpacks reuse it until the last one is taken. The
+rows layout's parameters are copies out of the gathered flat, not views: they are tracked as well, and a handle of
+one is unpacked from a fresh copy-out of the backward's gather (one per parameter, shared by its handles).
 Everything else is saved as it is. Activation-checkpointed regions keep their own (inner) hooks: they save nothing,
 and their recomputation gathers (`fsdp_graph.runtime.unit.unsharded_flat`).
 """
@@ -29,7 +31,8 @@ class _Regather:
     state: object
     size: torch.Size
     stride: tuple[int, ...]
-    offset: int  # from the start of the flat parameter
+    offset: int  # from the start of the flat parameter (or of the copied-out parameter)
+    slot: int | None = None  # a copied-out parameter's slot in its layout (None: a view of the flat parameter)
 
 
 @dataclass(eq=False)
@@ -48,25 +51,28 @@ class ForwardSession:
 
     gather: Gather
     outer: tuple[Callable, Callable] | None = None  # (pack, unpack) of the enclosing saved-tensor hooks
-    # storage address -> (the gathered flat parameter, weakly: its storage can't be reused while it lives; state)
-    tracked: dict[int, tuple[weakref.ref, object]] = field(default_factory=dict)
+    # storage address -> (the gathered flat parameter or a copy out of it, weakly: its storage can't be reused
+    # while it lives; state; the copy's slot)
+    tracked: dict[int, tuple[weakref.ref, object, int | None]] = field(default_factory=dict)
     regathered: dict[str, torch.Tensor] = field(default_factory=dict)  # unit flat-param name -> backward's gather
+    copies: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # (name, slot) -> backward's copy
     pending: Counter = field(default_factory=Counter)  # handles not unpacked yet, per flat-param name
 
-    def track(self, state, flat: torch.Tensor) -> None:
-        """`flat` is `state`'s gathered flat parameter in this forward; saved views of it become handles."""
-        self.tracked[flat.untyped_storage().data_ptr()] = (weakref.ref(flat), state)
+    def track(self, state, flat: torch.Tensor, slot: int | None = None) -> None:
+        """`flat` is `state`'s gathered flat parameter in this forward (or, with `slot`, its parameter copied out
+        of it); saved views of it become handles."""
+        self.tracked[flat.untyped_storage().data_ptr()] = (weakref.ref(flat), state, slot)
 
     def pack(self, tensor: torch.Tensor):
         entry = None
         if type(tensor) is torch.Tensor and tensor.layout == torch.strided:
             entry = self.tracked.get(tensor.untyped_storage().data_ptr())
-        flat, state = (entry[0](), entry[1]) if entry is not None else (None, None)
+        flat, state, slot = (entry[0](), entry[1], entry[2]) if entry is not None else (None, None, None)
         if flat is None or flat.dtype != tensor.dtype or flat.device != tensor.device:
             return tensor if self.outer is None else _Outer(self.outer[1], self.outer[0](tensor))
         self.pending[state.name] += 1
         offset = tensor.storage_offset() - flat.storage_offset()
-        return _Regather(self, state, tensor.size(), tensor.stride(), offset)
+        return _Regather(self, state, tensor.size(), tensor.stride(), offset, slot)
 
     @staticmethod
     def unpack(saved):
@@ -80,10 +86,19 @@ class ForwardSession:
             with torch.no_grad():
                 flat = session.gather(saved.state)
             session.regathered[name] = flat
+        base = flat
+        if saved.slot is not None:
+            base = session.copies.get((name, saved.slot))
+            if base is None:
+                layout = saved.state.layout
+                with torch.no_grad():
+                    base = session.copies[(name, saved.slot)] = layout.param_of(flat, layout.slots[saved.slot])
         session.pending[name] -= 1
         if session.pending[name] <= 0:  # the unit's last saved view: the re-gathered copy goes with its backward
             del session.regathered[name]
-        return flat.as_strided(saved.size, saved.stride, flat.storage_offset() + saved.offset)
+            for key in [key for key in session.copies if key[0] == name]:
+                del session.copies[key]
+        return base.as_strided(saved.size, saved.stride, base.storage_offset() + saved.offset)
 
 
 def begin(gather: Gather) -> tuple[ForwardSession, torch.autograd.graph.saved_tensors_hooks]:

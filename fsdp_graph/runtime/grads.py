@@ -7,18 +7,20 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from fsdp_graph.runtime.flat_param import Layout
 from fsdp_graph.runtime.offload import GradFence
 
 
 def install_grad_hook(
     flat_shard: torch.Tensor,
     views: list[nn.Parameter],
-    ranges: list[tuple[int, int]],
+    layout: Layout,
     after: list[Callable[[], None]],
     grad_dtype: torch.dtype | None = None,
     fence: tuple[GradFence, torch.device] | None = None,
 ) -> None:
-    """After each backward, hand every original parameter its slice of `flat_shard.grad`.
+    """After each backward, hand every original parameter its piece of `flat_shard.grad` (`layout.local_view`:
+    the same shape as the parameter view).
 
     Plain PyTorch semantics: `.grad is None` (after `zero_grad()`) -> becomes a view of this backward's
     reduced gradient; otherwise the new gradient is added in place (accumulation). The flat shard's own
@@ -42,10 +44,10 @@ def install_grad_hook(
             hand_out(grad)
 
     def hand_out(grad: torch.Tensor) -> None:
-        for param, (lo, hi) in zip(views, ranges):
+        for param, slot in zip(views, layout.slots):
             if not param.requires_grad:
                 continue
-            piece = grad[lo:hi]
+            piece = layout.local_view(grad, slot)
             if grad_dtype is not None:
                 piece = piece.to(grad_dtype)
                 if param.grad is None:

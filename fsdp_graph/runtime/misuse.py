@@ -20,7 +20,7 @@ _requires_grad = torch._C.TensorBase.requires_grad
 
 
 class ShardedParameter(nn.Parameter):
-    """A sharded parameter's view (this rank's 1-D slice of its unit's flat shard). Behaves as an `nn.Parameter`;
+    """A sharded parameter's view (this rank's piece of its unit's flat shard). Behaves as an `nn.Parameter`;
     changing its `requires_grad` raises, naming the parameter and the fix."""
 
     _fsdp_fqn: str = "?"

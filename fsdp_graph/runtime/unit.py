@@ -3,8 +3,9 @@
 A unit module holds its flat shards in `_fsdp_flat_shards` (plain tensor attributes: graph inputs under Dynamo,
 not in `parameters()`): one for its trainable parameters and, if it has any, one for its frozen ones, which
 never get a gradient. `_fsdp_states[i]` describes `_fsdp_flat_shards[i]`. Every module owning a sharded parameter
-gets a subclass whose property for that name returns a view of `fsdp.unshard(flat_shard, ...)` inside forward,
-and the 1-D sharded `nn.Parameter` view (what the optimizer holds) outside forward.
+gets a subclass whose property for that name returns the parameter read from `fsdp.unshard(flat_shard, ...)` inside
+forward (its layout's `param_of`), and the sharded `nn.Parameter` view (what the optimizer holds: a 1-D slice with
+the flat layout, the `Shard(0)` row block with the rows layout) outside forward.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch.utils._pytree import tree_map
 from fsdp_graph.api.controls import FSDPModule
 from fsdp_graph.ir.ops import UNSHARD_SIGNATURE, reuse_gathered
 from fsdp_graph.runtime import eager_reshard, offload
-from fsdp_graph.runtime.flat_param import FlatParamLayout
+from fsdp_graph.runtime.flat_param import Layout
 from fsdp_graph.runtime.grads import install_grad_hook
 
 
@@ -63,7 +64,7 @@ class FlatParamState:
     module: nn.Module
     index: int
     name: str
-    layout: FlatParamLayout
+    layout: Layout
     group_name: str
     world: int
     reshard_after_forward: bool
@@ -168,7 +169,7 @@ def _keeps(state: FlatParamState) -> bool:
 
 
 def _shard_version(state: FlatParamState) -> int:
-    # The optimizer writes the 1-D parameter views, whose version counters are their own, not the flat shard's.
+    # The optimizer writes the parameter views, whose version counters are their own, not the flat shard's.
     return state.flat_shard._version + sum(view._version for view in state.views)
 
 
@@ -277,20 +278,32 @@ def _make_property(name: str) -> property:
         flat = unsharded_flat(spec.unit, spec.index)
         if flat is None:
             return self._parameters[name]
-        slot = spec.unit._fsdp_states[spec.index].layout.slots[spec.slot]
-        return flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        state: FlatParamState = spec.unit._fsdp_states[spec.index]
+        return _tracked(state, spec.slot, flat, state.layout.param_of(flat, state.layout.slots[spec.slot]))
 
-    return property(get, doc=f"`{name}`: unsharded in forward, this rank's 1-D shard outside it (fsdp_graph).")
+    return property(get, doc=f"`{name}`: unsharded in forward, this rank's shard of it outside (fsdp_graph).")
+
+
+def _tracked(state: FlatParamState, slot: int, flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`param`, read from `flat` in an eager forward; a copy of it (rows layout) is tracked like the gather itself:
+    freed with it, made again in backward."""
+    session = state.root.session
+    if session is not None and resharded_in_eager(state) and not _same_storage(param, flat):
+        session.track(state, param, slot)
+    return param
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def bind_flat_shard(state: FlatParamState, flat_shard: torch.Tensor) -> None:
     """Make `flat_shard` the storage of `state`: every original-parameter view is re-pointed at its range (the
     Parameter objects stay the same, so optimizers keep working) and the gradient hook moves with it."""
     layout = state.layout
-    ranges = [layout.local_range(slot) for slot in layout.slots]
     base = flat_shard.detach()
-    for view, (lo, hi) in zip(state.views, ranges):
-        view.data = base[lo:hi]
+    for view, slot in zip(state.views, layout.slots):
+        view.data = layout.local_view(base, slot)
     # A flat shard's size never changes. Without this, compiling a second model of the same class in one process
     # (other sizes) makes Dynamo's automatic-dynamic mark the shards dynamic: symbolic collective sizes, which the
     # passes then cannot bucket, convert or schedule by size.
@@ -305,7 +318,7 @@ def bind_flat_shard(state: FlatParamState, flat_shard: torch.Tensor) -> None:
         fence = None
         if offload.is_accelerator(state.compute_device) and flat_shard.device.type == "cpu":
             fence = (state.root.grad_fence, state.compute_device)
-        install_grad_hook(flat_shard, state.views, ranges, state.after_grad, state.grad_dtype, fence)
+        install_grad_hook(flat_shard, state.views, layout, state.after_grad, state.grad_dtype, fence)
 
 
 def _unit_apply(self: nn.Module, fn, recurse: bool = True):

@@ -7,7 +7,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_graph.runtime.unit import FlatParamState, flat_params
-from fsdp_graph.state.sharded import gather_flat, local_range_of, to_dtensor
+from fsdp_graph.state.sharded import gather_flat, local_dtensor, local_range_of, to_dtensor
 
 
 def _fqns(model: nn.Module) -> dict[int, str]:
@@ -49,12 +49,16 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
             {k for v in state.views for k, val in optimizer.state.get(v, {}).items() if _is_per_element(val, v)}
         )
         for key in keys:
+            if state.layout.kind == "rows":  # each state tensor is its parameter's Shard(0) local piece already
+                for index, view in enumerate(state.views):
+                    if key in optimizer.state.get(view, {}):
+                        state_out[fqns[id(view)]][key] = local_dtensor(optimizer.state[view][key], state, index)
+                continue
             dtype = next(optimizer.state[v][key].dtype for v in state.views if key in optimizer.state.get(v, {}))
             local = torch.zeros(state.layout.shard_numel, dtype=dtype, device=state.flat_shard.device)
             for slot, view in zip(state.layout.slots, state.views):
                 if key in optimizer.state.get(view, {}):
-                    lo, hi = state.layout.local_range(slot)
-                    local[lo:hi] = optimizer.state[view][key]
+                    state.layout.local_view(local, slot).copy_(optimizer.state[view][key])
             full = gather_flat(state, local)
             for view, value in zip(state.views, state.layout.unflatten(full)):
                 if key in optimizer.state.get(view, {}):

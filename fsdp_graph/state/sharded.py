@@ -1,10 +1,11 @@
 """Sharded state dicts in FSDP2's layout: original FQNs, DTensor values sharded on dim 0.
 
-Our flat layout is not FSDP2's per-parameter dim-0 sharding, so converting moves data: each flat parameter
+The flat layout is not FSDP2's per-parameter dim-0 sharding, so converting moves data: each flat parameter
 is gathered (one at a time: a unit is the most any rank holds unsharded) and every parameter is re-chunked on
-dim 0 the way `DTensor` with `Shard(0)` expects (`torch.chunk` semantics). In exchange `model.state_dict()`
-goes straight into `torch.distributed.checkpoint` (DCP), which reshards across world sizes and reads and
-writes checkpoints of torch's own FSDP2.
+dim 0 the way `DTensor` with `Shard(0)` expects (`torch.chunk` semantics). With the rows layout each parameter
+view already IS its `Shard(0)` local tensor: the DTensors wrap the views and nothing moves. Either way
+`model.state_dict()` goes straight into `torch.distributed.checkpoint` (DCP), which reshards across world sizes
+and reads and writes checkpoints of torch's own FSDP2.
 """
 
 from __future__ import annotations
@@ -58,19 +59,39 @@ def to_dtensor(full: torch.Tensor, root: RootState) -> DTensor:
     return DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
+def local_dtensor(local: torch.Tensor, state: FlatParamState, slot_index: int) -> DTensor:
+    """A rows-layout parameter's piece (`local`, shaped like its view) as the full parameter's DTensor, no copy."""
+    slot, root = state.layout.slots[slot_index], state.root
+    stride = torch.empty(slot.shape, device="meta").stride()
+    return DTensor.from_local(
+        local, state_dict_mesh(root), root.placements, run_check=False, shape=slot.shape, stride=stride
+    )
+
+
+def _is_own_local(value: DTensor, state: FlatParamState) -> bool:
+    """Whether `value` is sharded exactly as the rows layout shards it here (then its local tensor is ours)."""
+    root = state.root
+    return (
+        state.layout.kind == "rows"
+        and tuple(value.placements) == tuple(root.placements)
+        and value.device_mesh == state_dict_mesh(root)
+    )
+
+
 def local_range_of(value: torch.Tensor, state: FlatParamState, slot_index: int) -> torch.Tensor:
-    """This rank's 1-D piece of a parameter-shaped tensor (full tensor or DTensor, identical on every rank)."""
+    """This rank's piece of a parameter-shaped tensor (full tensor or DTensor, identical on every rank), shaped like
+    the parameter's view (1-D with the flat layout, the row block with rows)."""
     slot = state.layout.slots[slot_index]
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
     if tuple(value.shape) != tuple(slot.shape):
         raise ValueError(
             f"load_state_dict: '{slot.fqns[0]}' has shape {tuple(value.shape)} in the state dict but "
             f"{tuple(slot.shape)} in the model."
         )
-    lo, hi = state.layout.local_range(slot)
-    start = state.layout.shard_start + lo - slot.offset
-    return value.detach().reshape(-1)[start : start + hi - lo].to(state.flat_shard.dtype)
+    if isinstance(value, DTensor):
+        if _is_own_local(value, state):
+            return value.to_local().detach().to(state.flat_shard.dtype)
+        value = value.full_tensor()
+    return state.layout.local_piece(value, slot).to(state.flat_shard.dtype)
 
 
 def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
@@ -82,10 +103,15 @@ def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_met
 
 def _put_flat_param(state_dict: dict, prefix: str, state: FlatParamState, root: RootState) -> None:
     """Gather one flat parameter into the state dict's entries of its parameters. A function of its own so the
-    gathered tensor dies on return unless the entries keep it (full_state_dict's streaming relies on that)."""
-    full = gather_flat(state, state.flat_shard.detach())
-    for slot, value in zip(state.layout.slots, state.layout.unflatten(full)):
-        entry = root.full_state_dict(value) if root.full_state_dict else to_dtensor(value, root)
+    gathered tensor dies on return unless the entries keep it (full_state_dict's streaming relies on that). The rows
+    layout's sharded state dict gathers nothing: each entry wraps its parameter's view."""
+    if state.layout.kind == "rows" and root.full_state_dict is None:
+        entries = [local_dtensor(view.detach(), state, i) for i, view in enumerate(state.views)]
+    else:
+        full = gather_flat(state, state.flat_shard.detach())
+        values = state.layout.unflatten(full)
+        entries = [root.full_state_dict(v) if root.full_state_dict else to_dtensor(v, root) for v in values]
+    for slot, entry in zip(state.layout.slots, entries):
         for fqn in slot.fqns:
             if prefix + fqn not in state_dict:
                 continue

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import fsdp_graph
 from fsdp_graph.runtime import offload
+from fsdp_graph.runtime.flat_param import FlatParamLayout
 from fsdp_graph.runtime.grads import install_grad_hook
 from fsdp_graph.runtime.offload import GradFence
 from fsdp_graph.runtime.unit import flat_params
@@ -38,7 +39,10 @@ def test_grad_fence_hands_out_the_gradient_after_waiting_for_its_copy():
     flat = torch.zeros(4, requires_grad=True)
     view = nn.Parameter(flat.detach()[1:3])
     fence = GradFence(make_event=log.event)
-    install_grad_hook(flat, [view], [(1, 3)], [lambda: log.append(("step", view.grad.tolist()))], fence=(fence, CPU))
+    layout = FlatParamLayout.build([(("a",), torch.Size([1])), (("v",), torch.Size([2])), (("b",), torch.Size([1]))], 1, 0)
+    frozen = [nn.Parameter(flat.detach()[i : i + 1], requires_grad=False) for i in (0, 3)]
+    step = [lambda: log.append(("step", view.grad.tolist()))]
+    install_grad_hook(flat, [frozen[0], view, frozen[1]], layout, step, fence=(fence, CPU))
     log.watch = lambda: None if view.grad is None else view.grad.tolist()
 
     (flat * torch.arange(4.0)).sum().backward()
@@ -53,7 +57,8 @@ def test_grad_fence_drops_the_work_of_a_backward_that_raised():
     log = _Log()
     flat = torch.zeros(2, requires_grad=True)
     view = nn.Parameter(flat.detach())
-    install_grad_hook(flat, [view], [(0, 2)], [lambda: log.append("step")], fence=(GradFence(log.event), CPU))
+    layout = FlatParamLayout.build([(("v",), torch.Size([2]))], 1, 0)
+    install_grad_hook(flat, [view], layout, [lambda: log.append("step")], fence=(GradFence(log.event), CPU))
 
     class Fail(torch.autograd.Function):
         @staticmethod

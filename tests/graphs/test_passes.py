@@ -464,3 +464,28 @@ def forward(self, w_1, b_1, w_again_1):
     )(torch.randn(4), torch.randn(4))
     before = code(overlapping)
     assert code(cat_flat_grads(overlapping)) == before  # slots overlap: left alone
+
+
+def test_cat_flat_grads_with_zeros_shared_by_units():
+    """Inductor's CSE makes one `full(0)` for every same-sized flat gradient (every transformer block): the pass must
+    still rewrite each unit's sum (it used to require a base of its own, so it never fired under Inductor)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from passes import cat_flat_grads
+
+    aten = torch.ops.aten
+
+    def two_units(w0, b0, w1, b1):
+        full = aten.full.default([8], 0, dtype=torch.float32, layout=torch.strided, device="cpu", pin_memory=False)
+        unit0 = aten.slice_scatter.default(full, w0, 0, 0, 6) + aten.slice_scatter.default(full, b0, 0, 6, 8)
+        unit1 = aten.slice_scatter.default(full, w1, 0, 0, 6) + aten.slice_scatter.default(full, b1, 0, 6, 8)
+        return unit0, unit1
+
+    inputs = (torch.randn(6), torch.randn(2), torch.randn(6), torch.randn(2))
+    gm = make_fx(two_units, tracing_mode="fake")(*inputs)
+    assert code(gm).count("aten.full.default") == 1
+    expected = gm(*inputs)
+    cat_flat_grads(gm)
+    assert "slice_scatter" not in code(gm) and "aten.full" not in code(gm) and code(gm).count("aten.cat") == 2
+    for got, want in zip(gm(*inputs), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
