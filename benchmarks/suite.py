@@ -60,6 +60,17 @@ BASELINE = "FSDP2 eager"
 SIMPLE_FSDP = "SimpleFSDP (torchtitan) + Inductor"
 SINGLE = "single process (torch.compile)"
 
+# How the SimpleFSDP peer's environment was made (a venv of its own: torchtitan is not a dependency of this project,
+# and its declared dependencies would pull a CUDA torch). Written into the report.
+SIMPLE_FSDP_RECIPE = """\
+python3 -m venv /work/venv-bench
+/work/venv-bench/bin/pip install torch==2.13.0          # always this exact pin: unpinned pulls GBs of CUDA wheels
+/work/venv-bench/bin/pip install -e ".[test]"
+/work/venv-bench/bin/pip install --no-deps torchtitan==0.3.0
+/work/venv-bench/bin/pip install tyro                   # torchtitan.config imports it (pulls typeguard, docstring-parser)
+/work/venv-bench/bin/pip install --no-deps spmd_types==0.2.3   # torchtitan.protocols.module imports it
+/work/venv-bench/bin/python benchmarks/suite.py --runs 5"""
+
 
 def _fsdp_graph(model, **options):
     fsdp_graph.fully_shard(model)
@@ -181,6 +192,11 @@ def _cold(setup, base, args, rank: int, world: int, distributed: bool) -> dict:
     }
 
 
+def _progress(rank: int, message: str) -> None:
+    if rank == 0:
+        print(f"[{time.strftime('%H:%M:%S')}] {message} (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+
+
 def measure_peers(rank: int, world: int, args: argparse.Namespace, skip: tuple[str, ...]) -> dict:
     # Load Inductor and start its compile workers before any peer is timed: the first compile in a process pays
     # for that, and it must not be charged to whichever peer happens to run first.
@@ -198,6 +214,7 @@ def measure_peers(rank: int, world: int, args: argparse.Namespace, skip: tuple[s
             cache = tempfile.mkdtemp(prefix=f"suite-cold-rank{rank}-")
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
             cold[name].append(_cold(PEERS[name], base, args, rank, world, name in DISTRIBUTED))
+            _progress(rank, f"cold {name}: compile {cold[name][-1]['cold_compile']:.1f} s")
             caches[name] = cache  # the warm phase compiles over the last cold compile's cache
 
     # Phase 2, every peer alive in one Dynamo state (each compiles its model once more, over its warm cache), then
@@ -211,6 +228,7 @@ def measure_peers(rank: int, world: int, args: argparse.Namespace, skip: tuple[s
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = caches[name]
         peers[name] = _Peer(PEERS[name], base, batches(args.batch, rank, world, seed=2), name in DISTRIBUTED)
         first[name] = peers[name].timed(1 + args.warmup)[0][0]
+        _progress(rank, f"warm {name}: first step {first[name]:.1f} s")
     runs = []
     for run in range(args.runs):
         shift = run % len(names)
@@ -220,6 +238,9 @@ def measure_peers(rank: int, world: int, args: argparse.Namespace, skip: tuple[s
             peak, _ = peak_allocated_bytes(peers[name].step)
             measured[name] = {"median": statistics.median(times), "peak": peak}
         runs.append(measured)
+        _progress(
+            rank, f"run {run + 1}/{args.runs}: " + ", ".join(f"{n} {m['median']:.3f} s" for n, m in measured.items())
+        )
 
     results = {}
     for name in names:
@@ -455,6 +476,13 @@ def main() -> None:
         "| target | measured | met |",
         "|---|---|---|",
         *[f"| {label} | {value:.2f} | {'yes' if value <= limit else 'no'} |" for label, value, limit in targets],
+        "",
+        "SimpleFSDP's environment (torchtitan is loaded from the installed package at run time, never copied; "
+        "without it the suite prints why and measures the other peers):",
+        "",
+        "```bash",
+        SIMPLE_FSDP_RECIPE,
+        "```",
     ]
     chart = out.with_suffix(".png")
     if _chart(results, chart):
