@@ -139,6 +139,7 @@ PEERS = {
     SIMPLE_FSDP: _simple_fsdp,
 }
 DISTRIBUTED = set(PEERS) - {SINGLE}
+CORE = (OURS, BASELINE, "DDP", SINGLE, SIMPLE_FSDP)  # the peers every ratio of issue 15 needs (--core)
 
 
 class _Peer:
@@ -386,6 +387,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per peer per run (their median)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--cold-runs", type=int, default=1, help="cold compiles per peer (each a full compile)")
+    parser.add_argument(
+        "--core", action="store_true", help=f"only {', '.join(CORE)}: skips the three compiled variants' cost"
+    )
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
     parser.add_argument("--out", default="docs/benchmarks.md", help="also writes the raw numbers next to it (.json)")
@@ -393,6 +397,7 @@ def main() -> None:
     args = parser.parse_args()
     started = time.perf_counter()
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     raw = out.with_suffix(".json")
     if args.from_json:  # re-render a saved run's tables without measuring again
         saved = json.loads(Path(args.from_json).read_text())
@@ -411,11 +416,10 @@ def main() -> None:
         skipped = simple_fsdp_unavailable()
         if skipped:
             print(f"SimpleFSDP peer skipped (torchtitan not importable: {skipped})", flush=True)
-        skip = (SIMPLE_FSDP,) if skipped else ()
+        skip = ((SIMPLE_FSDP,) if skipped else ()) + tuple(n for n in PEERS if args.core and n not in CORE)
         measured = spawn(measure_peers, args.world, (args, skip), timeout_s=3600)[0]
         load_after = os.getloadavg()
         passes = {layers: _fake_world(pass_seconds, 8, layers) for layers in (12, 48)}
-        out.parent.mkdir(parents=True, exist_ok=True)
         saved = {
             "measured": measured,
             "passes": passes,
@@ -453,6 +457,11 @@ def main() -> None:
         f"rank, AdamW. Step time: median over {args.runs} runs of each run's median of {args.steps} steps (after "
         f"{args.warmup} warm-up steps); cold compile: {args.cold_runs} per peer.",
         *([f"SimpleFSDP peer skipped (torchtitan not importable: {skipped})."] if skipped else []),
+        *(
+            [f"`--core`: only {', '.join(n for n in CORE)}; not run: {', '.join(n for n in PEERS if n not in CORE)}."]
+            if getattr(args, "core", False)
+            else []
+        ),
         "",
         *_table(results, zero_min),
         "",
@@ -477,6 +486,17 @@ def main() -> None:
         "|---|---|---|",
         *[f"| {label} | {value:.2f} | {'yes' if value <= limit else 'no'} |" for label, value, limit in targets],
         "",
+        "SimpleFSDP on CPU/gloo: `data_parallel(model, init_device_mesh('cpu', (world,)), mode='fully_shard')` "
+        "(no mixed precision: fp32 like every peer), then `torch.compile(model, fullgraph=True)`; Dynamo traces "
+        "the DTensor parametrizations into functional collectives, which gloo runs, in one graph. Two harness "
+        "adjustments: its `data_parallel` replaces parameters module by module, so the tied head comes out "
+        "untied (a second, separately trained copy of the embedding): the suite re-ties "
+        "`output._parameters['weight']` to the embedding's DTensor; and it reduces gradients as a sum "
+        "(`Partial('sum')`; torchtitan divides its loss by the global token count), so the suite divides the "
+        "loss by the world size. With both, its losses match single-process training "
+        "(`tests/numerics/test_simple_fsdp_peer.py`, eager and Inductor, and the parity table above). Its "
+        "optimizer steps DTensor parameters (eagerly, as in torchtitan), and that cost is in its step time.",
+        "",
         "SimpleFSDP's environment (torchtitan is loaded from the installed package at run time, never copied; "
         "without it the suite prints why and measures the other peers):",
         "",
@@ -487,7 +507,6 @@ def main() -> None:
     chart = out.with_suffix(".png")
     if _chart(results, chart):
         lines += ["", f"![ratios against FSDP2 eager]({chart.name})"]
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
