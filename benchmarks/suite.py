@@ -458,7 +458,7 @@ def main() -> None:
         f"{args.warmup} warm-up steps); cold compile: {args.cold_runs} per peer.",
         *([f"SimpleFSDP peer skipped (torchtitan not importable: {skipped})."] if skipped else []),
         *(
-            [f"`--core`: only {', '.join(n for n in CORE)}; not run: {', '.join(n for n in PEERS if n not in CORE)}."]
+            [f"`--core`: only {'; '.join(CORE)}. Not run: {'; '.join(n for n in PEERS if n not in CORE)}."]
             if getattr(args, "core", False)
             else []
         ),
