@@ -419,6 +419,8 @@ def main() -> None:
         skip = ((SIMPLE_FSDP,) if skipped else ()) + tuple(n for n in PEERS if args.core and n not in CORE)
         measured = spawn(measure_peers, args.world, (args, skip), timeout_s=3600)[0]
         load_after = os.getloadavg()
+        saved = {"measured": measured, "args": vars(args)}
+        raw.write_text(json.dumps(saved, indent=1))  # the ranks' numbers are kept even if the pass timing fails
         passes = {layers: _fake_world(pass_seconds, 8, layers) for layers in (12, 48)}
         saved = {
             "measured": measured,
