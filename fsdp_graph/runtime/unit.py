@@ -53,7 +53,7 @@ class HeldGather:
     its shard was when it was gathered: a different shard object or version means it is stale."""
 
     flat: torch.Tensor  # detached: the next forward links it to the shard anew
-    shard: weakref.ref | None = None  # eager: checked by the next forward (compiled: `drop_stale_held`)
+    shard: weakref.ref | None = None  # eager: checked by the next forward (compiled: `track_kept_gathers`)
     version: int = 0
 
 
@@ -82,7 +82,7 @@ class FlatParamState:
     divide_factor: float | None = None  # set_gradient_divide_factor (None: the data-parallel size, a mean)
     requires_all_reduce: bool = True  # set_requires_all_reduce(False): replicas' sums accumulate in `partial`
     partial: torch.Tensor | None = None  # shard-size leaf; its `.grad` is the partial sum not all-reduced yet
-    reshard_after_backward: bool = True  # set_reshard_after_backward(False): eager keeps the gather (RootState.held)
+    reshard_after_backward: bool = True  # set_reshard_after_backward(False): the gather is kept (RootState.held)
 
     @property
     def flat_shard(self) -> torch.Tensor:
