@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from fsdp_graph.compiler.backend import GraphReport, make_backend
 from fsdp_graph.ir import META_BUCKET, META_ROLE, ROLE_REDUCE
+from fsdp_graph.planning.attention import fused_attention_on_meta
 from fsdp_graph.runtime.unit import FlatParamState, flat_params
 from passes.cost import (
     HARDWARE,
@@ -248,6 +249,7 @@ def explain(
     loss_fn: Callable | None = None,
     hardware: str | Hardware = "cpu-gloo",
     example_kwargs: dict | None = None,
+    fused_attention: bool = True,
     **backend_options,
 ) -> ExplainReport:
     """Plan one training step of a model sharded with `fully_shard`, on this rank.
@@ -264,6 +266,10 @@ def explain(
     returns. The graphs are the same either way; Inductor's fusion and buffer reuse are not modelled.
     The process group can be the fake one (`dist.init_process_group("fake", ...)`): collectives then move no
     data, and the plan is the one for that world size.
+
+    `fused_attention` (meta-device models): plan `F.scaled_dot_product_attention` as the memory-efficient fused
+    kernel a real device runs (`fsdp_graph.planning.attention`), not the math fallback meta tracing would take (an
+    fp32 score matrix per layer). False plans what meta traces.
     """
     module = getattr(model, "_orig_mod", model)  # a torch.compile'd module: plan the module itself
     states = flat_params(module)
@@ -277,7 +283,7 @@ def explain(
     backend = make_backend(inductor=False, keep_graphs=True, **backend_options)
     # Static shapes: Dynamo would otherwise make a plan depend on the shapes earlier plans traced (automatic dynamic).
     compiled = torch.compile(_step, backend=backend, fullgraph=True, dynamic=False)
-    with _state_preserved(module, states):
+    with _state_preserved(module, states), fused_attention_on_meta() if fused_attention else nullcontext():
         try:
             loss = compiled(module, loss_fn, tuple(example_inputs), dict(example_kwargs or {}))
             if isinstance(loss, torch.Tensor) and loss.requires_grad:

@@ -84,6 +84,16 @@ class FlatParamState:
     partial: torch.Tensor | None = None  # shard-size leaf; its `.grad` is the partial sum not all-reduced yet
     reshard_after_backward: bool = True  # set_reshard_after_backward(False): the gather is kept (RootState.held)
 
+    def __post_init__(self) -> None:
+        self.__dict__["static_unshard_args"] = _static_unshard_args(self)
+
+    def __setattr__(self, name: str, value) -> None:
+        # `static_unshard_args` is kept current eagerly, never computed inside a trace: Dynamo reads one tuple per
+        # parameter access instead of tracing a dozen attribute reads and a dict (3x its own tracing time).
+        super().__setattr__(name, value)
+        if name in _STATIC_FIELDS.values() and "static_unshard_args" in self.__dict__:
+            self.__dict__["static_unshard_args"] = _static_unshard_args(self)
+
     @property
     def flat_shard(self) -> torch.Tensor:
         return self.module._fsdp_flat_shards[self.index]
@@ -237,7 +247,33 @@ def _regather(state: FlatParamState) -> torch.Tensor:
     return flat
 
 
+# `fsdp.unshard` arguments that are facts of the flat parameter (not tensors, not per-step switches): op argument
+# name -> FlatParamState field.
+_STATIC_FIELDS = {
+    "unit": "name",
+    "group": "group_name",
+    "world": "world",
+    "dtype": "param_dtype",
+    "reduce_dtype": "reduce_dtype",
+    "reshard_after_forward": "reshard_after_forward",
+    "replicate_group": "replicate_group",
+    "replicate_world": "replicate_world",
+    "compute_device": "compute_device",
+    "reduce_group": "reduce_group",
+    "divide_factor": "divide_factor",
+}
+
+
+def _static_unshard_args(state: FlatParamState) -> tuple:
+    """The call's positional arguments after `shard` when no tensor argument follows (`call_args` drops trailing
+    defaults, so the graph shows only the facts that matter)."""
+    values = {arg: getattr(state, field) for arg, field in _STATIC_FIELDS.items()}
+    return UNSHARD_SIGNATURE.call_args({"shard": None, **values})[1:]
+
+
 def _call_unshard(shard: torch.Tensor, state: FlatParamState, gathered: torch.Tensor | None = None) -> torch.Tensor:
+    if gathered is None and state.unsynced is None and state.partial is None:
+        return torch.ops.fsdp.unshard(shard, *state.static_unshard_args)
     values = _unshard_values(shard, state)
     if gathered is not None:
         values["gathered"] = gathered
@@ -245,20 +281,7 @@ def _call_unshard(shard: torch.Tensor, state: FlatParamState, gathered: torch.Te
 
 
 def _unshard_values(shard: torch.Tensor, state: FlatParamState) -> dict:
-    values = {
-        "shard": shard,
-        "unit": state.name,
-        "group": state.group_name,
-        "world": state.world,
-        "dtype": state.param_dtype,
-        "reduce_dtype": state.reduce_dtype,
-        "reshard_after_forward": state.reshard_after_forward,
-        "replicate_group": state.replicate_group,
-        "replicate_world": state.replicate_world,
-        "compute_device": state.compute_device,
-        "reduce_group": state.reduce_group,
-        "divide_factor": state.divide_factor,
-    }
+    values = {"shard": shard, **{arg: getattr(state, field) for arg, field in _STATIC_FIELDS.items()}}
     if state.unsynced is not None and shard.requires_grad:
         if not state.root.requires_gradient_sync:
             values.update(sync=False, unsynced=state.unsynced)
