@@ -41,6 +41,7 @@ def _row(**overrides) -> PlanRow:
         step_seconds=1.5,
         hardware="infiniband",
         plan_seconds=42.0,
+        plan_cpu_seconds=30.0,
     )
     values.update(overrides)
     return PlanRow(**values)
@@ -55,7 +56,7 @@ def test_table_row():
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert cells == [
         "8b", "64", "bf16", "2.00", "2.00", "4.00", "1.00", "12.00", "10.00", "1.20", "48.0", "1.50 s (infiniband)",
-        "42 s",
+        "42 s (30 s)",
     ]  # fmt: skip
     assert lines[3].split("|")[2].strip() == "8"
 
