@@ -297,7 +297,7 @@ def explain(
             f"fsdp_graph.explain(): expected one forward graph and at most one backward, got {backend.reports}"
         )
     graphs = forward + backward
-    if backward and _ignores_gradient(forward[0].graph, backward[0].graph):
+    if backward and _ignores_gradient(backward[0].graph):
         raise RuntimeError(
             "fsdp_graph.explain(): the compiled backward does not use the loss's gradient, so the plan would be "
             "wrong. Some op of the step has no autograd formula on this device: on the meta device (torch 2.13) "
@@ -314,10 +314,10 @@ def explain(
     return ExplainReport(world, hardware, executor, rows, memory, fw_sim, bw_sim, other, graphs, group_sizes)
 
 
-def _ignores_gradient(fw: fx.GraphModule, bw: fx.GraphModule) -> bool:
-    """No incoming gradient (backward input that is not a saved forward value) is read by the backward."""
-    saved = {n.name for n in fw.graph.nodes}
-    tangents = [n for n in bw.graph.nodes if n.op == "placeholder" and n.name not in saved]
+def _ignores_gradient(bw: fx.GraphModule) -> bool:
+    """No incoming gradient (AOT autograd names them tangents_N) is read by the backward. Other placeholders are
+    saved forward values, whose names need not match a forward node's."""
+    tangents = [n for n in bw.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
     return bool(tangents) and all(not n.users for n in tangents)
 
 

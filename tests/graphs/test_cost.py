@@ -245,7 +245,7 @@ def _lm_loss(idx):
 
 def test_explain_plans_64_ranks_from_a_meta_model():
     """A meta-device model runs no kernel, so any size plans on one machine. The units and collectives are the
-    CPU model's; memory differs only where kernels are chosen per device (attention takes the math path)."""
+    CPU model's; memory differs only where kernels are chosen per device (on meta, attention plans as the fused kernel)."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
     try:
         model, idx = _gpt()
