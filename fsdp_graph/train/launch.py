@@ -57,8 +57,9 @@ def _entry(
     os.environ.clear()
     os.environ.update(env)
     for target, fd in zip((1, 2), outputs):
-        os.dup2(fd, target)
-        os.close(fd)
+        if fd != target:  # under spawn the child inherits the caller's descriptors under the same numbers
+            os.dup2(fd, target)
+            os.close(fd)
     # As torchrun does: ranks sharing a machine split its cores instead of oversubscribing them.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -1,11 +1,12 @@
 """The launcher every multi-rank test relies on: a failing rank ends the run with its own error, no hang."""
 
+import sys
 import time
 
 import pytest
 import torch.distributed as dist
 
-from fsdp_graph.train.launch import RankFailedError, spawn
+from fsdp_graph.train.launch import START_METHOD_ENV, RankFailedError, spawn
 
 
 def _fails_on_rank_1(rank: int, world: int) -> None:
@@ -16,6 +17,23 @@ def _fails_on_rank_1(rank: int, world: int) -> None:
 
 def _returns_rank(rank: int, world: int) -> int:
     return rank * 10
+
+
+def _writes_to_both_streams(rank: int, world: int) -> int:
+    print(f"rank {rank} to stdout", flush=True)
+    print(f"rank {rank} to stderr", file=sys.stderr, flush=True)
+    return rank
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_ranks_write_to_the_callers_streams(method, monkeypatch, capfd):
+    """Under spawn a rank inherits the caller's descriptors under their own numbers: re-pointing stdout at itself
+    once closed it, and the main job's progress bar died on its first write (EBADF)."""
+    monkeypatch.setenv(START_METHOD_ENV, method)
+    assert spawn(_writes_to_both_streams, 2) == [0, 1]
+    out, err = capfd.readouterr()
+    for rank in range(2):
+        assert f"rank {rank} to stdout" in out and f"rank {rank} to stderr" in err, (out, err)
 
 
 def test_results_come_back_per_rank():
