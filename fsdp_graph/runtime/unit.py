@@ -137,9 +137,10 @@ def unsharded_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
         if root.session is not None and resharded_in_eager(state):
             root.session.track(state, cached)
             if state.post_forward_world > 1:
-                root.session.keep_piece(state, piece_of(cached, state.post_forward_world, state.world, state.layout.rank))
+                root.session.keep_piece(
+                    state, piece_of(cached, state.post_forward_world, state.world, state.layout.rank)
+                )
     return cached
-
 
 
 def _compiled_gather(shard: torch.Tensor, state: FlatParamState) -> torch.Tensor:
