@@ -114,3 +114,20 @@ def peak_allocated_bytes(fn: Callable[[], object]) -> tuple[int, object]:
         running += event.nbytes()
         peak = max(peak, running)
     return peak, result
+
+
+def collectives_per_group(
+    fn: Callable[[], object], group_names: list[str] | tuple[str, ...], device: str = "cpu"
+) -> dict[str, int]:
+    """How many collectives each named process group ran on `device`'s backend during `fn()`, from the sequence
+    number that backend keeps (gloo and NCCL count every collective issued on the group). The profiler names no
+    groups: this tells apart groups of one size, e.g. `reshard_after_forward=k`'s piece and node groups."""
+    import torch
+    import torch.distributed as dist
+
+    backends = {}
+    for name in dict.fromkeys(group_names):
+        backends[name] = dist.distributed_c10d._resolve_process_group(name)._get_backend(torch.device(device))
+    before = {name: b._get_sequence_number_for_group() for name, b in backends.items()}
+    fn()
+    return {name: b._get_sequence_number_for_group() - before[name] for name, b in backends.items()}
