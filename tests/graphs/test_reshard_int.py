@@ -8,8 +8,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_graph
-from fsdp_graph.ir import ALL_GATHER, WAIT
-from fsdp_graph.runtime.unit import flat_params
+from fsdp_graph.ir import ALL_GATHER, UNSHARD_SIGNATURE, WAIT
+from fsdp_graph.runtime.unit import _STATIC_FIELDS, _unshard_values, flat_params
 from passes.fx_nodes import collective_group
 from tests.graphs.capture import TwoBlock
 from tests.workers.models import GPT, GPTConfig
@@ -104,6 +104,29 @@ reduce_scatter_tensor(ranks=[0, 1, 2, 3], reduce_op=sum, group_size=4, 20 x floa
         [([0, 2], padded["blocks.1"] // 2), ([0, 2], padded[""] // 2)]
     )
     assert "permute" in reports["fw"].code and "permute" in reports["bw"].code  # rank order before the views
+
+
+def test_fast_path_arguments_carry_the_post_forward_fields(fake_pg):
+    """Dynamo reads `static_unshard_args` (one precomputed tuple) instead of the fields: every op argument that is a
+    fact of the flat parameter must be in it, and it must follow the fields when they are set (fully_shard sets the
+    post-forward ones after building the state)."""
+    per_step = {"shard", "sync", "unsynced", "all_reduce", "partial", "gathered"}
+    assert set(UNSHARD_SIGNATURE.names) - per_step == set(_STATIC_FIELDS)
+    model = fsdp_graph.fully_shard(TwoBlock(), reshard_after_forward={"blocks.1": 2})
+    states = {s.name: s for s in flat_params(model)}
+    for state in states.values():
+        slow = UNSHARD_SIGNATURE.call_args(_unshard_values(state.flat_shard.detach(), state))[1:]
+        assert state.static_unshard_args == slow, state.name
+    by_node, whole = states["blocks.1"], states["blocks.0"]
+    bound = UNSHARD_SIGNATURE.bind((None, *by_node.static_unshard_args), {})
+    assert (bound.post_forward_world, bound.post_forward_group, bound.piece_group) == (
+        2,
+        by_node.post_forward_group,
+        by_node.piece_group,
+    )
+    assert len(whole.static_unshard_args) < UNSHARD_SIGNATURE.names.index("post_forward_world")
+    by_node.post_forward_world, by_node.post_forward_group, by_node.piece_group = 1, "", ""
+    assert by_node.static_unshard_args[1:] == whole.static_unshard_args[1:]  # all but the unit's name
 
 
 def test_int_with_the_rows_layout_reorders_before_the_copy_out(fake_pg):
