@@ -151,6 +151,20 @@ def test_int_per_unit_and_normalised_values(fake_pg):
     assert {(s.reshard_after_forward, s.post_forward_world) for s in flat_params(model)} == {(False, 1)}
 
 
+def test_int_overrides_shard_grad_ops_default(fake_pg):
+    """SHARD_GRAD_OP keeps the gathered parameters by default; an int reshards them to pieces as under FULL_SHARD."""
+    torch.manual_seed(0)
+    model = fsdp_graph.fully_shard(
+        TwoBlock(), strategy=fsdp_graph.ShardingStrategy.SHARD_GRAD_OP, reshard_after_forward=2
+    )
+    assert {(s.reshard_after_forward, s.post_forward_world) for s in flat_params(model)} == {(True, 2)}
+    reports = _compile(model, torch.randn(2, 4, requires_grad=True))
+    assert reports["fw"].collectives.counts == {"all_gather": 6}
+    assert {tuple(r) for r, _ in _saved_gathers(reports["fw"].graph)} == {(0, 2)}
+    bw = _lines(reports["bw"])
+    assert bw.count("all_gather_into_tensor(ranks=[0, 1],") == 3 and "ranks=[0, 2]" not in bw, bw
+
+
 def test_int_hybrid_shards_within_the_shard_dimension(fake_world_8):
     """HYBRID_SHARD on a (2, 4) mesh, k=2, rank 5: shard group [4..7], node [4, 5], piece [5, 7], replicas [1, 5]."""
     mesh = init_device_mesh("cpu", (2, 4))
