@@ -18,7 +18,7 @@ from fsdp_graph.ir import (
     WAIT,
     gradient_divide_factors,
 )
-from passes.fx_nodes import NodeEmitter, bind_args, fake_value, finish
+from passes.fx_nodes import INFER, NodeEmitter, bind_args, fake_value, finish
 
 _aten, _prims = torch.ops.aten, torch.ops.prims
 
@@ -60,8 +60,30 @@ def _lower_unshard(graph: fx.Graph, node: fx.Node) -> fx.Node:
     if a["world"] == 1:
         return shard
     out_val = node.meta.get("val")
+    k = a["post_forward_world"]
+    if k > 1:  # reshard_after_forward=k, where the reshard pass left it whole (inference; a gather kept for later)
+        pieces = a["world"] // k
+        piece_val = None if out_val is None else out_val.new_empty(out_val.numel() // k)
+        piece = emit.op(ALL_GATHER, (shard, pieces, a["piece_group"]), piece_val)
+        piece = emit.op(WAIT, (piece,), piece_val)
+        gathered = emit.op(ALL_GATHER, (piece, k, a["post_forward_group"]), out_val)
+        return emit_rank_order(emit, emit.op(WAIT, (gathered,), out_val), k, a["world"])
     gathered = emit.op(ALL_GATHER, (shard, a["world"], a["group"]), out_val)
     return emit.op(WAIT, (gathered,), out_val)
+
+
+def emit_rank_order(emit: NodeEmitter, node_major: fx.Node, k: int, world: int) -> fx.Node:
+    """`fsdp_graph.ir.ops.rank_order` as nodes (view, permute, contiguous copy, view): the node group's gather of
+    pieces in rank order. No rank-dependent constant: every rank emits the same nodes."""
+    val = fake_value(node_major)
+
+    def step(target, args: tuple, kwargs: dict | None = None) -> fx.Node:
+        return emit(target, args, kwargs, val=INFER if val is not None else None)
+
+    blocks = step(_aten.view.default, (node_major, [k, world // k, -1]))
+    swapped = step(_aten.permute.default, (blocks, [1, 0, 2]))
+    copied = step(_aten.clone.default, (swapped,), {"memory_format": torch.contiguous_format})
+    return step(_aten.view.default, (copied, [-1]))
 
 
 def _lower_reduce(graph: fx.Graph, node: fx.Node) -> fx.Node:
@@ -94,7 +116,8 @@ def lower_fsdp_ops(gm: fx.GraphModule) -> fx.GraphModule:
 
     Matches: `fsdp.unshard` -> [`device_put` to compute_device] + [cast to dtype] + `all_gather_into_tensor` +
     `wait_tensor` (world 1: no gather; with `gathered`, a flat parameter kept from an earlier step, that input
-    itself); `fsdp.reduce_grad` -> [cast to dtype] + [div by `pre` if > 1] +
+    itself; with `post_forward_world` k > 1, a gather over `piece_group` (world / k ranks), one over
+    `post_forward_group` (k ranks) and `emit_rank_order`); `fsdp.reduce_grad` -> [cast to dtype] + [div by `pre` if > 1] +
     [`reduce_scatter_tensor(sum)` + `wait_tensor` if world > 1] + [`all_reduce(sum)` + `wait_tensor` over the
     replicate group if replicate_world > 1] + div by `post` + [cast to out_dtype] + [`device_put` to out_device],
     with (pre, post) = `gradient_divide_factors(world * replicate_world)`, the eager op's own factors. Every produced node carries `meta["fsdp_unit"]` and `meta["fsdp_role"]`.

@@ -8,8 +8,9 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fsdp_graph.ir import UNSHARD_TARGETS
-from passes.fx_nodes import bind_args
+from fsdp_graph.ir import UNSHARD, UNSHARD_SIGNATURE, UNSHARD_TARGETS
+from passes.fx_nodes import INFER, NodeEmitter, bind_args
+from passes.lower import emit_rank_order
 
 # Copies of a gather's view that depend on nothing else: the rows layout's copy-out (`reshape` of a strided column
 # range decomposes into these). Saving them would keep an unsharded parameter alive to the backward.
@@ -37,19 +38,53 @@ def tag_reshard(graph: fx.Graph) -> fx.Graph:
     the forward outputs (kept past the step by `set_reshard_after_backward(False)`) lives on anyway: `MUST_SAVE`.
     View and copy ops have exactly one tensor input, so this walk can never reach tangent-dependent nodes: no tangent
     detection is needed. Inside an activation-checkpoint region the tags override the region's (a gathered
-    parameter is never worth saving) but each node keeps its region's `ac_graph_id`. No-op when nothing
-    matches.
+    parameter is never worth saving) but each node keeps its region's `ac_graph_id`.
+
+    `post_forward_world` k > 1 (`reshard_after_forward=k`), resharded: the node is split into its two steps,
+    `piece = fsdp.unshard(shard, group=piece_group, world=world / k)` (tagged `MUST_SAVE`: the forward keeps this
+    1/k piece) and `fsdp.unshard(piece, group=post_forward_group, world=k)` followed by `emit_rank_order` (tagged
+    `MUST_RECOMPUTE` with every view: the backward gathers within the node group only). Both steps are plain
+    gathers, so the lowering needs nothing more; the gradient's reduction (already in the joint graph) stays over
+    the whole group. No-op when nothing matches.
     """
-    for node in graph.nodes:
+    for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in UNSHARD_TARGETS:
             continue
         views = _view_closure(node)
-        if not bind_args(node)["reshard_after_forward"] or any(u.op == "output" for v in views for u in v.users):
+        args = bind_args(node)
+        if not args["reshard_after_forward"] or any(u.op == "output" for v in views for u in v.users):
             _tag(node, CheckpointPolicy.MUST_SAVE)
             continue
+        if args["post_forward_world"] > 1 and args["gathered"] is None:
+            node = _split_gather(graph, node, args)
+            views = _view_closure(node)
         for view in views:
             _tag(view, CheckpointPolicy.MUST_RECOMPUTE)
     return graph
+
+
+def _split_gather(graph: fx.Graph, node: fx.Node, args: dict) -> fx.Node:
+    """`node` (a gather under `reshard_after_forward=k`) as its piece gather (tagged `MUST_SAVE`) and the node-group
+    gather of the piece; returns the latter, which now has `node`'s users (through the rank-order permutation)."""
+    k, world = args["post_forward_world"], args["world"]
+    meta = {key: value for key, value in node.meta.items() if key in ("ac_graph_id", "stack_trace", "seq_nr")}
+    emit = NodeEmitter(graph, meta, before=node)
+    piece_values = {
+        "shard": args["shard"],
+        "unit": args["unit"],
+        "group": args["piece_group"],
+        "world": world // k,
+        "dtype": args["dtype"],
+        "compute_device": args["compute_device"],
+    }
+    piece = emit(UNSHARD, UNSHARD_SIGNATURE.call_args(piece_values))
+    _tag(piece, CheckpointPolicy.MUST_SAVE)
+    node_values = {"shard": piece, "unit": args["unit"], "group": args["post_forward_group"], "world": k}
+    node_major = emit(UNSHARD, UNSHARD_SIGNATURE.call_args(node_values), val=INFER)
+    full = emit_rank_order(emit, node_major, k, world)
+    node.replace_all_uses_with(full)
+    graph.erase_node(node)
+    return node_major
 
 
 def _view_closure(node: fx.Node) -> list[fx.Node]:

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_graph.api.config import CPUOffload, MixedPrecision, ShardingStrategy
-from fsdp_graph.api.groups import Groups, resolve_groups, with_reduce_group
+from fsdp_graph.api.groups import Groups, post_forward_groups, resolve_groups, with_reduce_group
 from fsdp_graph.api.wrap import auto_wrap_policy
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.runtime import offload
@@ -31,7 +31,7 @@ from fsdp_graph.runtime.unit import (
 from fsdp_graph.state.sharded import install_state_dict_hooks
 
 WrapPolicy = Callable[[nn.Module], list[nn.Module]]
-ReshardSpec = bool | None | Mapping[nn.Module | str, bool]
+ReshardSpec = bool | int | None | Mapping[nn.Module | str, bool | int]
 
 
 def fully_shard(
@@ -57,8 +57,10 @@ def fully_shard(
       a list of modules, or None (the blocks of the largest same-typed ModuleList/Sequential). The root is
       always the last unit and takes what is left.
     - `mesh`: None (the world) or a 1-D DeviceMesh; a 2-D (replicate, shard) mesh for HYBRID strategies.
-    - `reshard_after_forward`: None (the strategy's default), a bool for every unit, or a mapping from unit
-      module or FQN ("" = root) to bool; units not in the mapping keep the default.
+    - `reshard_after_forward`: None (the strategy's default), a bool or an int for every unit, or a mapping from
+      unit module or FQN ("" = root) to either; units not in the mapping keep the default. An int k dividing the
+      shard group's N ranks frees the gathered parameters after forward down to a 1/k piece, so the backward
+      re-gathers within groups of k consecutive ranks only (a node); k == N is True, k == 1 is False.
     - `mixed_precision`: see `MixedPrecision`.
     - `ignored_modules` / `ignored_params`: left as ordinary replicated parameters; their gradients are not
       reduced.
@@ -89,7 +91,11 @@ def fully_shard(
     unit_fqns = [module_fqns[id(u)] for u in units]
     params, uses = _collect_parameters(model, ignored)
     assignment = _assign_to_units(params, uses, unit_fqns)
-    reshard = _resolve_reshard(reshard_after_forward, strategy, units, unit_fqns)
+    reshard = _resolve_reshard(reshard_after_forward, strategy, units, unit_fqns, groups.shard_world)
+    post_forward = {
+        k: post_forward_groups(mesh, strategy, groups, k)
+        for k in sorted({k for k in reshard.values() if not isinstance(k, bool)})
+    }
     mp = mixed_precision or MixedPrecision()
     compute_device = _offload_compute_device(cpu_offload, device)
     if compute_device is not None:
@@ -117,6 +123,7 @@ def fully_shard(
                 [uses[pid] for pid in group],
                 groups,
                 reshard[unit_fqn],
+                post_forward.get(reshard[unit_fqn]) if not isinstance(reshard[unit_fqn], bool) else None,
                 mp,
                 root_state,
                 compute_device,
@@ -272,23 +279,46 @@ def _assign_to_units(params, uses, unit_fqns: list[str]) -> dict[int, str]:
     return assignment
 
 
-def _resolve_reshard(spec: ReshardSpec, strategy: ShardingStrategy, units, unit_fqns) -> dict[str, bool]:
+def _resolve_reshard(
+    spec: ReshardSpec, strategy: ShardingStrategy, units, unit_fqns, shard_world: int
+) -> dict[str, bool | int]:
+    """Each unit's reshard_after_forward: a bool, or an int k with 1 < k < shard_world dividing it (k ==
+    shard_world is True, k == 1 False)."""
     default = strategy.default_reshard_after_forward
     if strategy is ShardingStrategy.NO_SHARD:
-        if spec not in (None, True):
+        if spec is not None and spec is not True:
             raise ValueError("fully_shard: NO_SHARD has nothing to reshard; leave reshard_after_forward=None.")
         return dict.fromkeys(unit_fqns, True)
-    if spec is None or isinstance(spec, bool):
-        return dict.fromkeys(unit_fqns, default if spec is None else spec)
+    if spec is None or isinstance(spec, bool | int):
+        value = default if spec is None else _reshard_value(spec, shard_world)
+        return dict.fromkeys(unit_fqns, value)
     if not isinstance(spec, Mapping):
-        raise TypeError(f"fully_shard: reshard_after_forward must be None, a bool or a mapping, got {type(spec)}")
+        raise TypeError(
+            f"fully_shard: reshard_after_forward must be None, a bool, an int or a mapping, got {type(spec)}"
+        )
     by_key = {}
     for key, value in spec.items():
         fqn = key if isinstance(key, str) else next((f for u, f in zip(units, unit_fqns) if u is key), None)
         if fqn not in unit_fqns:
             raise ValueError(f"fully_shard: reshard_after_forward names {key!r}, which is not a unit ({unit_fqns}).")
-        by_key[fqn] = bool(value)
+        by_key[fqn] = _reshard_value(value, shard_world, key)
     return {fqn: by_key.get(fqn, default) for fqn in unit_fqns}
+
+
+def _reshard_value(value, shard_world: int, key=None) -> bool | int:
+    where = "" if key is None else f"[{key!r}]"
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise TypeError(f"fully_shard: reshard_after_forward{where} must be a bool or an int, got {value!r}")
+    divisors = [d for d in range(1, shard_world + 1) if shard_world % d == 0]
+    if value not in divisors:
+        raise ValueError(
+            f"fully_shard: reshard_after_forward{where}={value} must divide the shard group's {shard_world} ranks: "
+            f"one of {divisors} (1 is False, {shard_world} is True; k keeps a 1/k piece after forward, so the "
+            "backward re-gathers within groups of k consecutive ranks)."
+        )
+    return True if value == shard_world else False if value == 1 else value
 
 
 def _cast_buffers(model: nn.Module, dtype: torch.dtype, ignored_modules) -> None:
@@ -336,7 +366,8 @@ def _shard_flat_param(
     values,
     param_uses,
     groups: Groups,
-    reshard: bool,
+    reshard: bool | int,
+    post_forward: tuple[str, str] | None,
     mp: MixedPrecision,
     root_state,
     compute_device: torch.device | None,
@@ -360,7 +391,7 @@ def _shard_flat_param(
         layout=layout,
         group_name=groups.shard_name,
         world=groups.shard_world,
-        reshard_after_forward=reshard,
+        reshard_after_forward=reshard is not False,
         root=root_state,
         param_dtype=mp.param_dtype if mp.param_dtype != shard.dtype else None,
         reduce_dtype=mp.effective_reduce_dtype,
@@ -370,6 +401,8 @@ def _shard_flat_param(
         grad_dtype=mp.param_dtype if mp.keep_low_precision_grads else None,
         compute_device=compute_device,
     )
+    if post_forward is not None:
+        state.post_forward_world, (state.piece_group, state.post_forward_group) = reshard, post_forward
     for slot_index, (orig, slot_uses) in enumerate(zip(params, param_uses)):
         view = make_view(orig, layout.slots[slot_index].fqns[0], shard)
         state.views.append(view)

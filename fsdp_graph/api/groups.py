@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_graph.api.config import ShardingStrategy
-from fsdp_graph.runtime.gloo import gloo_timeout, single_thread_gloo_group
+from fsdp_graph.runtime.gloo import GLOO_BACKENDS, gloo_timeout, single_thread_gloo_group
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def resolve_groups(mesh: DeviceMesh | None, strategy: ShardingStrategy) -> Group
                 "init_device_mesh('cuda', (num_nodes, gpus_per_node)); got "
                 f"{'no mesh' if mesh is None else f'a {mesh.ndim}-D mesh'}."
             )
-        shard = _single_thread_if_gloo(mesh.get_group(1), _mesh_dim_ranks(mesh, 1), "shard")
+        shard = _single_thread_if_gloo(mesh.get_group(1), _shard_rank_lists(mesh, strategy), "shard")
         replicate = _single_thread_if_gloo(mesh.get_group(0), _mesh_dim_ranks(mesh, 0), "replicate")
         return Groups(shard.group_name, shard.size(), shard.rank(), replicate.group_name, replicate.size())
     if mesh is not None and mesh.ndim != 1:
@@ -96,11 +96,41 @@ def resolve_groups(mesh: DeviceMesh | None, strategy: ShardingStrategy) -> Group
             "_HYBRID_SHARD_ZERO2); pass a 1-D mesh or mesh=None for other strategies."
         )
     group = dist.group.WORLD if mesh is None else mesh.get_group()
-    ranks = [dist.get_process_group_ranks(group)] if mesh is None else _mesh_dim_ranks(mesh, 0)
-    group = _single_thread_if_gloo(group, ranks, "world")
+    group = _single_thread_if_gloo(group, _shard_rank_lists(mesh, strategy), "world")
     if strategy is ShardingStrategy.NO_SHARD:
         return Groups("", 1, 0, group.group_name if group.size() > 1 else "", group.size())
     return Groups(group.group_name, group.size(), group.rank())
+
+
+def _shard_rank_lists(mesh: DeviceMesh | None, strategy: ShardingStrategy) -> list[list[int]]:
+    """Every shard group of the world (HYBRID: one per replica; one otherwise), as rank lists."""
+    if mesh is None:
+        return [dist.get_process_group_ranks(dist.group.WORLD)]
+    return _mesh_dim_ranks(mesh, 1 if strategy.is_hybrid else 0)
+
+
+def post_forward_groups(mesh: DeviceMesh | None, strategy: ShardingStrategy, groups: Groups, k: int) -> tuple[str, str]:
+    """(piece group, node group) of this rank for `reshard_after_forward=k`: the shard group of N ranks (in rank
+    order) as an (N / k, k) arrangement. Node groups are k consecutive ranks (a node's GPUs, when k is the GPUs per
+    node); the piece group is the N / k ranks at this rank's position in theirs (ranks j, j + k, ...). Collective:
+    every rank of the world creates every group, in the same order (gloo: single-thread copies, like the shard
+    group's)."""
+    lists = [sorted(ranks) for ranks in _shard_rank_lists(mesh, strategy)]
+    nodes = [ranks[i : i + k] for ranks in lists for i in range(0, len(ranks), k)]
+    pieces = [ranks[j::k] for ranks in lists for j in range(k)]
+    shard_pg = dist.distributed_c10d._resolve_process_group(groups.shard_name)
+    return _this_ranks_group(pieces, f"piece{k}", shard_pg), _this_ranks_group(nodes, f"node{k}", shard_pg)
+
+
+def _this_ranks_group(rank_lists: list[list[int]], purpose: str, like: dist.ProcessGroup) -> str:
+    if dist.get_backend(like) in GLOO_BACKENDS:
+        return single_thread_gloo_group(rank_lists, purpose, gloo_timeout(like)).group_name
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks, backend=dist.get_backend_config(like), group_desc=f"fsdp_{purpose}")
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine.group_name
 
 
 def _check_spans_or_slices_world(mesh: DeviceMesh) -> None:

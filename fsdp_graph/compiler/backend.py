@@ -292,7 +292,7 @@ def _gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
             if device is None:  # gathers and reductions run where the shard is
                 shard = args["shard"].meta.get("example_value") if isinstance(args["shard"], fx.Node) else None
                 device = shard.device if isinstance(shard, torch.Tensor) else torch.device("cpu")
-            for arg in ("group", "reduce_group", "replicate_group"):
+            for arg in ("group", "reduce_group", "replicate_group", "piece_group", "post_forward_group"):
                 names.add((args[arg] or "", device))
     return frozenset(name for name, device in names if name and ops.is_gloo_group(name, device))
 

@@ -114,6 +114,9 @@ def unshard(
     all_reduce: bool = True,
     partial: torch.Tensor | None = None,
     gathered: torch.Tensor | None = None,
+    post_forward_world: int = 1,
+    post_forward_group: str = "",
+    piece_group: str = "",
 ) -> torch.Tensor:
     """The unit's full padded flat parameter: `shard` copied to `compute_device` (CPU offload; None: where it
     is), cast to `dtype`, then all-gathered over `group` (`world` == 1: nothing to gather, NO_SHARD). With a
@@ -139,10 +142,39 @@ def unshard(
     `gathered` (`set_reshard_after_backward(False)` in a compiled step): this flat parameter as gathered by an
     earlier step and kept; the forward communicates nothing and returns it (the lowering pass forwards the input
     itself; called eagerly, a copy, since an op's output cannot alias its input). The backward is unchanged.
+
+    `post_forward_world` k > 1 (`reshard_after_forward=k`): the gather runs in two steps over the (world / k, k)
+    arrangement of `group`: the 1/k piece over `piece_group` (the world / k ranks at this rank's position in its
+    node group of k consecutive ranks), then the pieces over `post_forward_group` (that node group), and
+    `rank_order` puts the shards back in rank order. Same result and bytes as one gather; the reshard pass lets the
+    forward save only the piece, so the backward gathers within the node group only. The reduction is unchanged.
     """
     if gathered is not None:
         return gathered.clone()
+    if post_forward_world > 1:
+        pieces = world // post_forward_world
+        piece = wait_gather(start_gather(shard, piece_group, pieces, dtype, compute_device), pieces)
+        return gather_pieces(piece, post_forward_group, post_forward_world, world)
     return wait_gather(start_gather(shard, group, world, dtype, compute_device), world)
+
+
+def gather_pieces(piece: torch.Tensor, group: str, k: int, world: int) -> torch.Tensor:
+    """The full flat parameter, in rank order, from this rank's 1/k piece (`unshard`'s second step; the eager
+    backward's re-gather under `reshard_after_forward=k`)."""
+    return rank_order(wait_gather(_c10d.all_gather_into_tensor(piece.contiguous(), k, group), k), k, world)
+
+
+def rank_order(node_major: torch.Tensor, k: int, world: int) -> torch.Tensor:
+    """The node group's gather of pieces, `(k, world / k, shard)` (piece j holds the shards of ranks j, j + k, ...),
+    as the rank-order flat `(world / k, k, shard)`: a transpose, the same code on every rank."""
+    return node_major.view(k, world // k, -1).transpose(0, 1).reshape(-1)
+
+
+def piece_of(flat: torch.Tensor, k: int, world: int, shard_rank: int) -> torch.Tensor:
+    """Rank `shard_rank`'s 1/k piece of a rank-order flat parameter (what its `piece_group` gather gives it): the
+    shards of ranks j, j + k, ... with j = shard_rank % k its position in its node group. A copy (the flat can be
+    freed); eager only, since it depends on the rank."""
+    return flat.view(world // k, k, -1)[:, shard_rank % k].clone(memory_format=torch.contiguous_format).view(-1)
 
 
 def start_gather(

@@ -307,6 +307,8 @@ def explain(
     world = dist.get_world_size() if dist.is_initialized() else 1
     group_sizes = {s.group_name: s.world for s in states}
     group_sizes.update({s.replicate_group: s.replicate_world for s in states if s.replicate_group})
+    group_sizes.update({s.post_forward_group: s.post_forward_world for s in states if s.post_forward_group})
+    group_sizes.update({s.piece_group: s.world // s.post_forward_world for s in states if s.piece_group})
     fw_sim, bw_sim = _simulate(graphs, hardware, world, group_sizes)
     memory = estimate_memory(graphs[0].graph, graphs[1].graph if backward else None, release_inputs=inductor)
     rows, other = _unit_rows(states, graphs)

@@ -114,3 +114,62 @@ def peak_allocated_bytes(fn: Callable[[], object]) -> tuple[int, object]:
         running += event.nbytes()
         peak = max(peak, running)
     return peak, result
+
+
+def collectives_per_group(
+    fn: Callable[[], object], group_names: list[str] | tuple[str, ...], device: str = "cpu"
+) -> dict[str, int]:
+    """How many collectives each named process group ran on `device`'s backend during `fn()`, from the sequence
+    number that backend keeps (gloo and NCCL count every collective issued on the group). The profiler names no
+    groups: this tells apart groups of one size, e.g. `reshard_after_forward=k`'s piece and node groups."""
+    import torch
+    import torch.distributed as dist
+
+    backends = {}
+    for name in dict.fromkeys(group_names):
+        backends[name] = dist.distributed_c10d._resolve_process_group(name)._get_backend(torch.device(device))
+    before = {name: b._get_sequence_number_for_group() for name, b in backends.items()}
+    fn()
+    return {name: b._get_sequence_number_for_group() - before[name] for name, b in backends.items()}
+
+
+def wire_bytes_per_group(fn: Callable[[], object]) -> dict[str, Counter]:
+    """Bytes this rank sends with ring algorithms, per process group (by name) and collective kind, while `fn()`
+    runs: the functional collectives seen by a dispatch mode, with their groups (which the profiler does not
+    record). The `fsdp` ops run their Python bodies under the mode, so their collectives are seen too.
+
+    Eager code only: Dynamo runs a compiled callable's original code under a dispatch mode, so a compiled step
+    measured here is its eager path. A compiled graph's collectives, groups and sizes are in its report's
+    fingerprint; `collectives_per_group` counts what ran."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fsdp_graph.ir import ops
+
+    bodies = {"unshard": ops.unshard._init_fn, "reduce_grad": ops.reduce_grad._init_fn}
+    sent: dict[str, Counter] = {}
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.namespace == "fsdp":
+                with self:
+                    return bodies[func._opname](*args, **kwargs)
+            if func.namespace == "_c10d_functional" and func._opname != "wait_tensor":
+                kind = _KINDS.get(f"_c10d_functional::{func._opname}")
+                if kind is None:
+                    raise NotImplementedError(f"wire_bytes_per_group: {func} is not counted; add it to _KINDS")
+                group = args[-1] if isinstance(args[-1], str) else kwargs["group_name"]
+                sent.setdefault(group, Counter())[kind] += _sent_bytes(kind, args[0], group)
+            return func(*args, **kwargs)
+
+    with _Count():
+        fn()
+    return sent
+
+
+def _sent_bytes(kind: str, tensor, group: str) -> float:
+    import torch.distributed as dist
+
+    n = dist.distributed_c10d._resolve_process_group(group).size()
+    size = tensor.numel() * tensor.element_size()
+    return {"all_gather": size * (n - 1), "all_reduce": 2 * size * (n - 1) / n}.get(kind, size * (n - 1) / n)

@@ -7,7 +7,9 @@ parameter by a `_Regather` handle (no tensor), so the gather dies with the unit'
 backward gathers the flat parameter again, and the unit's later unpacks reuse it until the last one is taken. The
 rows layout's parameters are copies out of the gathered flat, not views: they are tracked as well, and a handle of
 one is unpacked from a fresh copy-out of the backward's gather (one per parameter, shared by its handles).
-Everything else is saved as it is. Activation-checkpointed regions keep their own (inner) hooks: they save nothing,
+Under `reshard_after_forward=k` the session keeps the unit's 1/k piece of the forward's gather, and the backward
+gathers the pieces over the unit's node group instead of the shards over the whole group. Everything else is saved
+as it is. Activation-checkpointed regions keep their own (inner) hooks: they save nothing,
 and their recomputation gathers (`fsdp_graph.runtime.unit.unsharded_flat`).
 """
 
@@ -20,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-Gather = Callable[[object], torch.Tensor]  # FlatParamState -> its full flat parameter, gathered without autograd
+# (FlatParamState, its kept 1/k piece or None) -> its full flat parameter, gathered without autograd
+Gather = Callable[[object, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass(eq=False)
@@ -57,6 +60,11 @@ class ForwardSession:
     regathered: dict[str, torch.Tensor] = field(default_factory=dict)  # unit flat-param name -> backward's gather
     copies: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # (name, slot) -> backward's copy
     pending: Counter = field(default_factory=Counter)  # handles not unpacked yet, per flat-param name
+    pieces: dict[str, torch.Tensor] = field(default_factory=dict)  # reshard_after_forward=k: the kept 1/k pieces
+
+    def keep_piece(self, state, piece: torch.Tensor) -> None:
+        """`state`'s 1/k piece of this forward's gather: what its backward gathers over its node group."""
+        self.pieces[state.name] = piece
 
     def track(self, state, flat: torch.Tensor, slot: int | None = None) -> None:
         """`flat` is `state`'s gathered flat parameter in this forward (or, with `slot`, its parameter copied out
@@ -84,7 +92,7 @@ class ForwardSession:
         flat = session.regathered.get(name)
         if flat is None:
             with torch.no_grad():
-                flat = session.gather(saved.state)
+                flat = session.gather(saved.state, session.pieces.get(name))
             session.regathered[name] = flat
         base = flat
         if saved.slot is not None:
@@ -96,6 +104,7 @@ class ForwardSession:
         session.pending[name] -= 1
         if session.pending[name] <= 0:  # the unit's last saved view: the re-gathered copy goes with its backward
             del session.regathered[name]
+            session.pieces.pop(name, None)
             for key in [key for key in session.copies if key[0] == name]:
                 del session.copies[key]
         return base.as_strided(saved.size, saved.stride, base.storage_offset() + saved.offset)

@@ -20,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map
 
 from fsdp_graph.api.controls import FSDPModule
-from fsdp_graph.ir.ops import UNSHARD_SIGNATURE, reuse_gathered
+from fsdp_graph.ir.ops import UNSHARD_SIGNATURE, gather_pieces, piece_of, reuse_gathered
 from fsdp_graph.runtime import eager_reshard, offload
 from fsdp_graph.runtime.flat_param import Layout
 from fsdp_graph.runtime.grads import install_grad_hook
@@ -83,6 +83,9 @@ class FlatParamState:
     requires_all_reduce: bool = True  # set_requires_all_reduce(False): replicas' sums accumulate in `partial`
     partial: torch.Tensor | None = None  # shard-size leaf; its `.grad` is the partial sum not all-reduced yet
     reshard_after_backward: bool = True  # set_reshard_after_backward(False): the gather is kept (RootState.held)
+    post_forward_world: int = 1  # reshard_after_forward=k: the forward keeps a 1/k piece (1: its shard, or all)
+    post_forward_group: str = ""  # the k ranks (a node) the backward gathers the pieces over
+    piece_group: str = ""  # the world / k ranks the forward gathers this rank's piece over
 
     def __post_init__(self) -> None:
         self.__dict__["static_unshard_args"] = _static_unshard_args(self)
@@ -133,6 +136,10 @@ def unsharded_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
         cached = root.gathered[state.name] = _forward_gather(unit._fsdp_flat_shards[index], state, in_backward)
         if root.session is not None and resharded_in_eager(state):
             root.session.track(state, cached)
+            if state.post_forward_world > 1:
+                root.session.keep_piece(
+                    state, piece_of(cached, state.post_forward_world, state.world, state.layout.rank)
+                )
     return cached
 
 
@@ -235,13 +242,17 @@ def resharded_in_eager(state: FlatParamState) -> bool:
     return state.reshard_after_forward and state.world > 1
 
 
-def _regather(state: FlatParamState) -> torch.Tensor:
-    """The backward's gather of a unit the forward resharded (no autograd); kept afterwards when the unit does not
-    reshard after backward."""
+def _regather(state: FlatParamState, piece: torch.Tensor | None = None) -> torch.Tensor:
+    """The backward's gather of a unit the forward resharded (no autograd): from the forward's 1/k `piece` over the
+    node group (`reshard_after_forward=k`), else from the shard; kept afterwards when the unit does not reshard
+    after backward."""
     held = _valid_held(state)
     if held is not None:
         return held.flat
-    flat = _call_unshard(state.flat_shard.detach(), state)
+    if piece is not None:
+        flat = gather_pieces(piece, state.post_forward_group, state.post_forward_world, state.world)
+    else:
+        flat = _call_unshard(state.flat_shard.detach(), state)
     if _keeps(state):
         _hold(state, flat)
     return flat
@@ -261,12 +272,16 @@ _STATIC_FIELDS = {
     "compute_device": "compute_device",
     "reduce_group": "reduce_group",
     "divide_factor": "divide_factor",
+    "post_forward_world": "post_forward_world",
+    "post_forward_group": "post_forward_group",
+    "piece_group": "piece_group",
 }
 
 
 def _static_unshard_args(state: FlatParamState) -> tuple:
-    """The call's positional arguments after `shard` when no tensor argument follows (`call_args` drops trailing
-    defaults, so the graph shows only the facts that matter)."""
+    """The call's positional arguments after `shard` when every tensor argument is None (`call_args` drops trailing
+    defaults, so the graph shows only the facts that matter; under `reshard_after_forward=k` the None tensor
+    arguments before the post-forward fields are among them)."""
     values = {arg: getattr(state, field) for arg, field in _STATIC_FIELDS.items()}
     return UNSHARD_SIGNATURE.call_args({"shard": None, **values})[1:]
 
@@ -418,6 +433,8 @@ def exit_forward(root: RootState, own_states: list[FlatParamState]) -> None:
     root.forward_depth -= 1
     for state in own_states:
         if resharded_in_eager(state):
+            if root.session is not None and not root.session.pending[state.name]:
+                root.session.pieces.pop(state.name, None)  # nothing saved: the backward will not gather it
             flat = root.gathered.pop(state.name, None)
             if flat is not None and _keeps(state) and root.session is not None and not root.session.pending[state.name]:
                 # Autograd saved no view of it (e.g. the first unit: its input needs no gradient), so its backward

@@ -40,13 +40,22 @@ class Case:
     reference: str = "single"  # "single": one process on the full batch; "ddp": DDP on the same local batches
     mp: bool = False  # MixedPrecision(param_dtype=bf16, reduce_dtype=fp32); the reference casts the same way
     freeze: tuple[str, ...] = ()  # parameters whose FQN starts with one of these are frozen (in both models)
-    reshard: str = "default"  # "default", or "keep_root": reshard_after_forward={"": False}
+    reshard: str = "default"  # a key of RESHARD: what fully_shard's reshard_after_forward gets
     dynamic: bool = False  # the per-rank batch size changes every step
     offload: bool = False  # CPUOffload(offload_params=True)
     separate_reduce_group: bool = False  # fully_shard's option
     activation_memory_budget: float | None = None  # make_backend's option
     bucket_bytes: int = 0  # make_backend(bucket_bytes=...): merge consecutive units' collectives
     verify_collectives: bool = True  # make_backend's option: ranks compare each graph's collectives at its first call
+    layout: str = "flat"  # fully_shard's option
+
+
+RESHARD = {
+    "default": None,
+    "keep_root": {"": False},
+    "int2": 2,  # every unit keeps a 1/2 piece after forward; the backward gathers over pairs of ranks
+    "int2_root": {"": 2},  # the root alone (the mapping form); the other units reshard fully
+}
 
 
 @dataclass
@@ -159,9 +168,10 @@ def shard_and_compile(model: nn.Module, case: Case):
         wrap=wrap_policy(case.wrap),
         strategy=strategy,
         mixed_precision=BF16 if case.mp else None,
-        reshard_after_forward={"": False} if case.reshard == "keep_root" else None,
+        reshard_after_forward=RESHARD[case.reshard],
         cpu_offload=fsdp_graph.CPUOffload(offload_params=True) if case.offload else None,
         separate_reduce_group=case.separate_reduce_group,
+        layout=case.layout,
     )
     if case.mode == "eager":
         return model, None
