@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 MODELS = ("8b", "70b", "405b")
 WORLDS = (8, 64, 512, 1024)
 DTYPES = ("bf16", "fp32")
+LAYOUTS = ("rows", "flat")  # fully_shard(layout=...): row blocks with a copy-out, or the zero-copy flat views
 BATCH, SEQ = 1, 2048
 ADAM_STATE_PER_PARAM = 8  # AdamW's exp_avg and exp_avg_sq, fp32, per element of the rank's shard
 GIB = 2**30
@@ -41,6 +42,7 @@ class PlanRow:
     model: str
     world: int
     dtype: str
+    layout: str
     params: int
     param_bytes: int  # this rank's fp32 master shards
     grad_bytes: int  # its fp32 gradient shards
@@ -81,7 +83,15 @@ def hardware_for(world: int) -> str:
     return "nvlink" if world <= 8 else "infiniband"
 
 
-def plan(model: str, world: int, dtype: str, batch: int = BATCH, seq: int = SEQ, vocab: int | None = None) -> PlanRow:
+def plan(
+    model: str,
+    world: int,
+    dtype: str,
+    layout: str = LAYOUTS[0],
+    batch: int = BATCH,
+    seq: int = SEQ,
+    vocab: int | None = None,
+) -> PlanRow:
     """Plan one configuration in this process (it starts and ends a fake process group of `world` ranks)."""
     import torch
     import torch.distributed as dist
@@ -99,7 +109,9 @@ def plan(model: str, world: int, dtype: str, batch: int = BATCH, seq: int = SEQ,
         start, cpu_start = time.perf_counter(), time.process_time()
         with torch.device("meta"):
             llama = Llama(cfg)
-        fsdp_graph.fully_shard(llama, device="meta", param_init_fn=llama.init_module, mixed_precision=mp)
+        fsdp_graph.fully_shard(
+            llama, device="meta", param_init_fn=llama.init_module, mixed_precision=mp, layout=layout
+        )
         idx = torch.zeros(batch, seq, dtype=torch.long, device="meta")
 
         def lm_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -120,6 +132,7 @@ def plan(model: str, world: int, dtype: str, batch: int = BATCH, seq: int = SEQ,
         model=model,
         world=world,
         dtype=dtype,
+        layout=layout,
         params=sum(r.params for r in report.units),
         param_bytes=shard_bytes,
         grad_bytes=shard_bytes,
@@ -140,14 +153,14 @@ def plan(model: str, world: int, dtype: str, batch: int = BATCH, seq: int = SEQ,
 def format_table(rows: Iterable[PlanRow]) -> str:
     """A Markdown table, GiB per rank."""
     header = (
-        "| model | ranks | dtype | params/rank | grads/rank | AdamW/rank | largest unit | predicted peak | "
+        "| model | ranks | dtype | layout | params/rank | grads/rank | AdamW/rank | largest unit | predicted peak | "
         "ZeRO-3 formula | peak / formula | sent/rank/step | step (hardware) | plan time (CPU) |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
         lines.append(
-            f"| {r.model} | {r.world} | {r.dtype} | {r.param_bytes / GIB:.2f} | {r.grad_bytes / GIB:.2f} | "
+            f"| {r.model} | {r.world} | {r.dtype} | {r.layout} | {r.param_bytes / GIB:.2f} | {r.grad_bytes / GIB:.2f} | "
             f"{r.optim_bytes / GIB:.2f} | {r.largest_unit_bytes / GIB:.2f} | {r.peak_bytes / GIB:.2f} | "
             f"{r.zero3_bytes / GIB:.2f} | {r.peak_bytes / r.zero3_bytes:.2f} | {r.comm_bytes / GIB:.1f} | "
             f"{r.step_seconds:.2f} s ({r.hardware}) | {r.plan_seconds:.0f} s ({r.plan_cpu_seconds:.0f} s) |"
@@ -155,8 +168,8 @@ def format_table(rows: Iterable[PlanRow]) -> str:
     return header + "\n".join(lines) + "\n"
 
 
-def _plan_in_subprocess(model: str, world: int, dtype: str) -> PlanRow:
-    args = [sys.executable, __file__, "--one", model, str(world), dtype]
+def _plan_in_subprocess(model: str, world: int, dtype: str, layout: str) -> PlanRow:
+    args = [sys.executable, __file__, "--one", model, str(world), dtype, layout]
     out = subprocess.run(args, check=True, capture_output=True, text=True, cwd=ROOT).stdout
     return PlanRow(**json.loads(out.strip().splitlines()[-1]))
 
@@ -166,19 +179,21 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--worlds", nargs="+", type=int, default=list(WORLDS))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--layouts", nargs="+", default=[LAYOUTS[0]], choices=LAYOUTS)
     parser.add_argument("--out", default=str(ROOT / "docs" / "scale-plans.md"), help="'-' for stdout")
-    parser.add_argument("--one", nargs=3, metavar=("MODEL", "WORLD", "DTYPE"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", nargs=4, metavar=("MODEL", "WORLD", "DTYPE", "LAYOUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        model, world, dtype = args.one
-        print(json.dumps(asdict(plan(model, int(world), dtype))))
+        model, world, dtype, layout = args.one
+        print(json.dumps(asdict(plan(model, int(world), dtype, layout))))
         return
     rows = []
     for model in args.models:
         for world in args.worlds:
             for dtype in args.dtypes:
-                rows.append(_plan_in_subprocess(model, world, dtype))
-                print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+                for layout in args.layouts:
+                    rows.append(_plan_in_subprocess(model, world, dtype, layout))
+                    print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     text = format_table(rows)
     if args.out == "-":
         print(text)

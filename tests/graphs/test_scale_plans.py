@@ -30,6 +30,7 @@ def _row(**overrides) -> PlanRow:
         model="8b",
         world=64,
         dtype="bf16",
+        layout="rows",
         params=8 * 2**30,
         param_bytes=2 * GIB,
         grad_bytes=2 * GIB,
@@ -55,7 +56,7 @@ def test_table_row():
     assert len(lines) == 4 and lines[0].startswith("| model | ranks |")
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert cells == [
-        "8b", "64", "bf16", "2.00", "2.00", "4.00", "1.00", "12.00", "10.00", "1.20", "48.0", "1.50 s (infiniband)",
+        "8b", "64", "bf16", "rows", "2.00", "2.00", "4.00", "1.00", "12.00", "10.00", "1.20", "48.0", "1.50 s (infiniband)",
         "42 s (30 s)",
     ]  # fmt: skip
     assert lines[3].split("|")[2].strip() == "8"
@@ -68,7 +69,8 @@ def test_hardware_by_world():
 def test_tiny_plan_bytes_match_the_model():
     world, seq = 8, 32
     cfg = preset("tiny", seq=seq)
-    row = scale_plans.plan("tiny", world, "fp32", batch=1, seq=seq, vocab=cfg.vocab)
+    # The flat layout pads each unit's flat parameter as a whole, the arithmetic below.
+    row = scale_plans.plan("tiny", world, "fp32", "flat", batch=1, seq=seq, vocab=cfg.vocab)
     assert row.params == cfg.num_params()
     # Tied tiny Llama: a unit per block, the root holding embedding (= head) and the final norm.
     block = (cfg.num_params() - cfg.vocab * cfg.dim - cfg.dim) // cfg.layers
