@@ -97,29 +97,38 @@ def verify_ranks_agree(graphs: Sequence[GraphCollectives], timeout_s: float) -> 
     # Over the groups the graphs use, not the world: ranks outside them may run other graphs (another pipeline
     # stage's) or be blocked on this rank (a pipeline receive), and need not agree. HYBRID's shard and replicate
     # groups are checked one after the other, in the order the graphs first use them (the same on every rank that
-    # compiled the same graphs); equality is transitive, so the whole mesh agrees.
+    # compiled the same graphs); equality is transitive, so the whole mesh agrees. A rank finishes its exchanges
+    # before raising, so the members of its later groups are not left waiting for it.
+    error = None
     for group in exchange_groups(graphs):
         digests = _gather_digests(mine, group, timeout_s, label)
         if len(set(digests)) > 1:
-            _raise_mismatch(graphs, group, digests)
+            error = error or _mismatch(graphs, group, digests)
+    if error is not None:
+        raise error
 
 
 def exchange_groups(graphs: Sequence[GraphCollectives]) -> list[dist.ProcessGroup]:
     """One process group per distinct set of ranks the graphs communicate on (more than one rank), in the order
-    of first use: a graph's group, its single-thread gloo copy and its duplicate for reductions are one set."""
+    of their collectives (not of `groups`, which is sorted by name: names, unlike roles, differ between ranks of
+    different replicas). A graph's group, its single-thread gloo copy and its duplicate for reductions are one set."""
+    names = [m.group(1) for graph in graphs for line in graph.lines for m in _GROUP_ARGUMENT.finditer(line)]
     seen: set[tuple[int, ...]] = set()
     groups = []
-    for graph in graphs:
-        for name in graph.groups:
-            group = _resolve(name)
-            ranks = tuple(sorted(dist.get_process_group_ranks(group)))
-            if len(ranks) > 1 and ranks not in seen:
-                seen.add(ranks)
-                groups.append(group)
+    for name in [*names, *(name for graph in graphs for name in graph.groups)]:
+        group = _resolve(name)
+        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+        if len(ranks) > 1 and ranks not in seen:
+            seen.add(ranks)
+            groups.append(group)
     return groups
 
 
-def _raise_mismatch(graphs: Sequence[GraphCollectives], group: dist.ProcessGroup, digests: list[bytes]) -> None:
+def _mismatch(
+    graphs: Sequence[GraphCollectives], group: dist.ProcessGroup, digests: list[bytes]
+) -> CollectiveMismatchError:
+    """The error every member of `group` raises (the same text): the lists travel, from the lowest group member
+    and the first member that differs from it."""
     graphs = [_rank_independent(graph) for graph in graphs]
     lists: list = [None] * len(digests)
     dist.all_gather_object(lists, [(g.name, g.lines, g.groups) for g in graphs], group=group)
@@ -127,7 +136,7 @@ def _raise_mismatch(graphs: Sequence[GraphCollectives], group: dist.ProcessGroup
     a, b = ([GraphCollectives(*item) for item in lists[i]] for i in (0, other))
     ranks = (dist.get_global_rank(group, 0), dist.get_global_rank(group, other))
     difference = first_difference(ranks, (a, b)) or "(lists equal, digests differ)"
-    raise CollectiveMismatchError(
+    return CollectiveMismatchError(
         f"fsdp_graph: ranks compiled different collectives, running them would hang or mix up buffers: "
         f"{difference}. Every rank must compile the same model with the same backend options (a recompile or "
         "graph break on one rank only?); fsdp_graph.make_backend(verify_collectives=False) turns this check off."

@@ -3,7 +3,6 @@ run by torch.distributed.pipelining schedules through `fsdp_graph.PipelineStage`
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn as nn
 from torch.distributed import pipelining
@@ -87,12 +86,14 @@ def pipeline_parity(rank: int, world: int, phases: tuple[str, ...], steps: int) 
     for phase in phases:
         stage_cls = pipelining.PipelineStage if phase == "torch" else fsdp_graph.PipelineStage
         pp_stage = stage_cls(compiled, stage, stages, torch.device("cpu"), group=mesh["pp"].get_group())
-        schedule = SCHEDULES.get(phase, pipelining.ScheduleGPipe)(pp_stage, MICROBATCHES, loss_fn=nn.functional.mse_loss)
+        schedule = SCHEDULES.get(phase, pipelining.ScheduleGPipe)(
+            pp_stage, MICROBATCHES, loss_fn=nn.functional.mse_loss
+        )
         for step in range(steps):
             x, y = torch.randn(rows, DIM, generator=gen), torch.randn(rows, 1, generator=gen)
             mine = x.chunk(dp_size)[dp_rank], y.chunk(dp_size)[dp_rank]
 
-            def run(mine: tuple = mine) -> None:
+            def run(mine: tuple = mine, schedule=schedule) -> None:
                 if stage == 0:
                     schedule.step(mine[0])
                 else:
@@ -118,8 +119,6 @@ def pipeline_parity(rank: int, world: int, phases: tuple[str, ...], steps: int) 
     return out
 
 
-
-
 MULTI_SCHEDULES = {"interleaved": pipelining.ScheduleInterleaved1F1B, "looped_bfs": pipelining.ScheduleLoopedBFS}
 
 
@@ -139,7 +138,10 @@ def multi_stage_parity(rank: int, world: int, phases: tuple[str, ...], steps: in
         fsdp_graph.fully_shard(model, mesh["dp"])
         local.append((index, model, torch.compile(model, backend=backend, fullgraph=True), names))
     params = [p for _, model, _, _ in local for p in model.parameters()]
-    opt, ref_opt = torch.optim.SGD(params, lr=0.1, momentum=0.9), torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt, ref_opt = (
+        torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
+    )
     gen = torch.Generator().manual_seed(7)
     rows = MICROBATCHES * MICRO_ROWS * dp_size
     units = sum(s.flat_shard.requires_grad for _, model, _, _ in local for s in flat_params(model))
@@ -154,7 +156,7 @@ def multi_stage_parity(rank: int, world: int, phases: tuple[str, ...], steps: in
             x, y = torch.randn(rows, DIM, generator=gen), torch.randn(rows, 1, generator=gen)
             mine = x.chunk(dp_size)[dp_rank], y.chunk(dp_size)[dp_rank]
 
-            def run(mine: tuple = mine) -> None:
+            def run(mine: tuple = mine, schedule=schedule) -> None:
                 schedule.step(*(mine[:1] if pp_rank == 0 else ()), target=mine[1] if pp_rank == 1 else None)
 
             if step == 1:
