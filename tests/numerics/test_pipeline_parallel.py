@@ -21,6 +21,9 @@ def test_pipeline_schedules_match_single_process_and_reduce_once_per_step():
         assert single["torch_reduce_scatters"] == MICROBATCHES * units and single["torch_max_diff"] < TOL, r
         assert single["torch_graphs"] == 2, r  # the synced variant, once more
         assert not single["pending"] and single["sync_after"], r
+        # clip_grad_norm_ over the stages (pp group) = torch's on the whole model; it clipped every step.
+        for part in (single, multi):
+            assert part["clip_norm_diff"] < TOL and part["clipped"] == 1.0, r
         # Two stages per rank (Interleaved 1F1B, looped BFS): each stage module is its own graph, reduced once.
         for phase in ("interleaved", "looped_bfs"):
             assert multi[f"{phase}_max_diff"] < TOL and multi[f"{phase}_reduce_scatters"] == multi["units"], r

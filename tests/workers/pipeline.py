@@ -107,6 +107,8 @@ def pipeline_parity(rank: int, world: int, phases: tuple[str, ...], steps: int) 
             else:
                 run()
             nn.functional.mse_loss(ref(x), y).backward()
+            if phase == "1f1b":
+                _clip_both([model], ref, mesh, out)
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
@@ -165,6 +167,8 @@ def multi_stage_parity(rank: int, world: int, phases: tuple[str, ...], steps: in
             else:
                 run()
             nn.functional.mse_loss(ref(x), y).backward()
+            if phase == "interleaved":
+                _clip_both([model for _, model, _, _ in local], ref, mesh, out)
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
@@ -176,6 +180,17 @@ def multi_stage_parity(rank: int, world: int, phases: tuple[str, ...], steps: in
         out[f"{phase}_max_diff"] = diff
         out[f"{phase}_graphs"] = backend.dynamo_graphs
     return out
+
+
+CLIP = 0.05  # below the gradient norms of this model and data: every step clips
+
+
+def _clip_both(models: list[nn.Module], ref: nn.Module, mesh, out: dict) -> None:
+    """fsdp_graph.clip_grad_norm_ over this rank's stages and the pp group vs torch's on the whole model."""
+    norm = fsdp_graph.clip_grad_norm_(models, CLIP, pp_group=mesh["pp"].get_group())
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+    out["clip_norm_diff"] = max(out.get("clip_norm_diff", 0.0), (norm - ref_norm).abs().item())
+    out["clipped"] = min(out.get("clipped", 1.0), float(ref_norm > CLIP))
 
 
 def pipeline_checks(rank: int, world: int, steps: int) -> dict:
