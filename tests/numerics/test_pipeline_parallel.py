@@ -20,6 +20,8 @@ def test_pipeline_schedules_match_single_process_and_reduce_once_per_step():
         # torch's own PipelineStage does not know our module: every microbatch's backward reduces (still correct).
         assert single["torch_reduce_scatters"] == MICROBATCHES * units and single["torch_max_diff"] < TOL, r
         assert single["torch_graphs"] == 2, r  # the synced variant, once more
+        # The uncompiled module under fsdp_graph.PipelineStage: the eager path accumulates and reduces the same way.
+        assert single["eager_max_diff"] < TOL and single["eager_reduce_scatters"] == units, r
         assert not single["pending"] and single["sync_after"], r
         # clip_grad_norm_ over the stages (pp group) = torch's on the whole model; it clipped every step.
         for part in (single, multi):

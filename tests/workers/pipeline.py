@@ -67,7 +67,7 @@ def pipeline_parity(rank: int, world: int, phases: tuple[str, ...], steps: int) 
     """(pp=2, dp=2) on 4 ranks: pipeline p (dp coordinate) trains on its half of each global batch, stage s (pp
     coordinate) owns blocks [2s, 2s+2) (+ the head on the last stage), sharded over its dp group and compiled with
     eager kernels. Each phase runs `steps` steps of one schedule ("gpipe", "1f1b"; "torch" = torch's own
-    PipelineStage under GPipe) with 4 microbatches, on the same model and optimizer; a single-process model trains
+    PipelineStage under GPipe; "eager" = GPipe on the uncompiled module) with 4 microbatches, on the same model and optimizer; a single-process model trains
     on the whole batches beside it. Per phase: the largest parameter difference, and the collectives of one step
     after the first."""
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
@@ -85,7 +85,8 @@ def pipeline_parity(rank: int, world: int, phases: tuple[str, ...], steps: int) 
     out: dict = {"stage": stage, "units": sum(s.flat_shard.requires_grad for s in flat_params(model))}
     for phase in phases:
         stage_cls = pipelining.PipelineStage if phase == "torch" else fsdp_graph.PipelineStage
-        pp_stage = stage_cls(compiled, stage, stages, torch.device("cpu"), group=mesh["pp"].get_group())
+        module = model if phase == "eager" else compiled
+        pp_stage = stage_cls(module, stage, stages, torch.device("cpu"), group=mesh["pp"].get_group())
         schedule = SCHEDULES.get(phase, pipelining.ScheduleGPipe)(
             pp_stage, MICROBATCHES, loss_fn=nn.functional.mse_loss
         )
@@ -194,7 +195,8 @@ def _clip_both(models: list[nn.Module], ref: nn.Module, mesh, out: dict) -> None
 
 
 def pipeline_checks(rank: int, world: int, steps: int) -> dict:
-    """Both workers in one spawn: GPipe, 1F1B and torch's own stage; then Interleaved 1F1B and looped BFS."""
-    single = pipeline_parity(rank, world, ("gpipe", "1f1b", "torch"), steps)
+    """Both workers in one spawn: GPipe, 1F1B, torch's own stage and the eager module; then Interleaved 1F1B and
+    looped BFS."""
+    single = pipeline_parity(rank, world, ("gpipe", "1f1b", "torch", "eager"), steps)
     multi = multi_stage_parity(rank, world, ("interleaved", "looped_bfs"), steps)
     return {"single": single, "multi": multi}
