@@ -22,6 +22,7 @@ __all__ = [
     "GraphReport",
     "MixedPrecision",
     "ModuleWrapPolicy",
+    "PipelineStage",
     "ShardingStrategy",
     "UnshardHandle",
     "clip_grad_norm_",
@@ -41,3 +42,12 @@ __all__ = [
     "summon_full_params",
     "size_based_wrap_policy",
 ]
+
+
+def __getattr__(name: str):
+    # torch.distributed.pipelining takes most of a second to import: only for pipeline-parallel users.
+    if name == "PipelineStage":
+        from fsdp_graph.api.pipelining import PipelineStage
+
+        return PipelineStage
+    raise AttributeError(f"module 'fsdp_graph' has no attribute {name!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,12 @@ def _local_norm_part(grads: list[torch.Tensor], norm_type: float, device: torch.
 
 @torch.no_grad()
 def clip_grad_norm_(
-    model: nn.Module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    model: nn.Module | Sequence[nn.Module],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    *,
+    pp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Clip the gradients of a sharded model in place; returns the total norm (a tensor, on every rank).
 
@@ -39,11 +45,17 @@ def clip_grad_norm_(
     partitioned over its shard group, so the local parts are summed (or maxed) over that group only: replicas
     (HYBRID_SHARD, NO_SHARD) hold identical reduced gradients. Parameters fully_shard did not shard (ignored
     ones) count once, with this rank's gradient.
+
+    Pipeline parallelism: pass the stage modules this rank holds (each sharded on its own) and `pp_group` (e.g.
+    `world_mesh["pp"].get_group()`): the stages' parts are combined over it, so every stage clips by the norm of
+    the whole model.
     """
-    states = flat_params(model)
+    models = [model] if isinstance(model, nn.Module) else list(model)
+    states = [state for m in models for state in flat_params(m)]
     if not states:
         raise RuntimeError("clip_grad_norm_: the model is not sharded; use torch.nn.utils.clip_grad_norm_.")
     norm_type = float(norm_type)
+    inf = math.isinf(norm_type)
     # Keyed by the flat shards' device too: it is the same on every rank (a rank's own gradients may be absent),
     # so every rank picks the same collective device for the group.
     by_group: dict[tuple[str, int, torch.device], list[torch.Tensor]] = defaultdict(list)
@@ -52,7 +64,7 @@ def clip_grad_norm_(
         sharded.update(id(v) for v in state.views)
         key = (state.group_name, state.world, state.flat_shard.device)
         by_group[key].extend(v.grad for v in state.views if v.grad is not None)
-    others = [p.grad for p in model.parameters() if id(p) not in sharded and p.grad is not None]
+    others = [p.grad for m in models for p in m.parameters() if id(p) not in sharded and p.grad is not None]
     home = states[0].flat_shard.device  # where the total is returned: with the sharded gradients
 
     parts = []
@@ -62,13 +74,15 @@ def clip_grad_norm_(
             continue
         group = dist.distributed_c10d._resolve_process_group(group_name)
         part = _local_norm_part(grads, norm_type, collective_device(group, device))
-        dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
         parts.append(part.to(home))
     parts.append(_local_norm_part(others, norm_type, home))
-    if math.isinf(norm_type):
-        total = torch.stack(parts).max()
-    else:
-        total = torch.stack(parts).sum() ** (1.0 / norm_type)
+    combined = torch.stack(parts).max() if inf else torch.stack(parts).sum()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        combined = combined.to(collective_device(pp_group, home))
+        dist.all_reduce(combined, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=pp_group)
+        combined = combined.to(home)
+    total = combined if inf else combined ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is non-finite ({total.item()}).")
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+from fsdp_graph.ir.ops import REDUCE_SIGNATURE, UNSHARD_SIGNATURE, reduce_args
 from fsdp_graph.runtime.unit import FlatParamState
 
 
@@ -25,12 +26,7 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
 
     `.grad` of the parameters is untouched while sync is off; the backward after turning it on hands out the
     reduced gradient of every microbatch since the last sync (added to `.grad` as usual)."""
-    root = model.__dict__.get("_fsdp_root")
-    if root is None:
-        raise ValueError(
-            f"set_requires_gradient_sync: {type(model).__name__} is not sharded; pass the model you called "
-            "fsdp_graph.fully_shard on (not its torch.compile wrapper's inner modules)."
-        )
+    root = _root(model, "set_requires_gradient_sync")
     if not requires_gradient_sync:
         for state in root.flat_params:
             if state.flat_shard.requires_grad and state.unsynced is None:
@@ -48,6 +44,46 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         set_requires_gradient_sync(model, previous)
+
+
+def reduce_accumulated(model: nn.Module) -> int:
+    """Reduce, outside any backward, every gradient accumulated while sync was off, and hand it out as a synced
+    backward would; returns how many flat parameters it reduced (one reduction each).
+
+    For schedules that run a microbatch's forward before earlier microbatches' backwards (pipeline parallelism):
+    a synced backward reduces what was accumulated when its FORWARD ran (the graph takes it as an input), which is
+    too early there. Each gradient goes through `fsdp.reduce_grad` eagerly with the arguments the backward would
+    use (`ops.reduce_args`), then through autograd into the flat shard, so its hook hands `.grad` out (added to an
+    existing one) and runs the `after_grad` callbacks exactly as after a backward."""
+    root = _root(model, "reduce_accumulated")
+    shards, reduced = [], []
+    for state in root.flat_params:
+        leaf = state.unsynced
+        if leaf is None or leaf.grad is None:
+            continue
+        if state.partial is not None:
+            raise NotImplementedError(
+                f"fsdp_graph: unit {state.name!r} has set_requires_all_reduce(False) state; reducing gradients "
+                "accumulated without sync outside a backward does not combine with it (leave requires_all_reduce on)."
+            )
+        shard = state.flat_shard
+        args = reduce_args(UNSHARD_SIGNATURE.bind((shard, *state.static_unshard_args), {}))
+        grad, leaf.grad = leaf.grad, None
+        reduced.append(torch.ops.fsdp.reduce_grad(*REDUCE_SIGNATURE.call_args({"full_grad": grad, **args})))
+        shards.append(shard)
+    if shards:
+        torch.autograd.backward(shards, reduced)
+    return len(shards)
+
+
+def _root(model: nn.Module, caller: str):
+    root = model.__dict__.get("_fsdp_root")
+    if root is None:
+        raise ValueError(
+            f"{caller}: {type(model).__name__} is not sharded; pass the model you called "
+            "fsdp_graph.fully_shard on (not its torch.compile wrapper's inner modules)."
+        )
+    return root
 
 
 def _add_accumulator(state: FlatParamState) -> None:

@@ -87,27 +87,60 @@ def _gather_digests(mine: bytes, group: dist.ProcessGroup | None, timeout_s: flo
 
 def verify_ranks_agree(graphs: Sequence[GraphCollectives], timeout_s: float) -> None:
     """Raises CollectiveMismatchError on every rank if the ranks sharing these graphs' groups compiled other
-    collectives. One all-gather of 32 bytes over the world; the full lists travel only on a mismatch."""
+    collectives. One 32-byte all-gather per group the graphs communicate on (groups of the same ranks once); the
+    full lists travel only on a mismatch."""
     names = {group for graph in graphs for group in graph.groups}
     if not names or not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return  # nothing to agree on; or the fake group of graph tests, whose collectives move nothing
     label = " and ".join(f"graph '{g.name}'" for g in graphs)
+    mine = digest([_rank_independent(graph) for graph in graphs])
+    # Over the groups the graphs use, not the world: ranks outside them may run other graphs (another pipeline
+    # stage's) or be blocked on this rank (a pipeline receive), and need not agree. HYBRID's shard and replicate
+    # groups are checked one after the other, in the order the graphs first use them (the same on every rank that
+    # compiled the same graphs); equality is transitive, so the whole mesh agrees. A rank finishes its exchanges
+    # before raising, so the members of its later groups are not left waiting for it.
+    error = None
+    for group in exchange_groups(graphs):
+        digests = _gather_digests(mine, group, timeout_s, label)
+        if len(set(digests)) > 1:
+            error = error or _mismatch(graphs, group, digests)
+    if error is not None:
+        raise error
+
+
+def exchange_groups(graphs: Sequence[GraphCollectives]) -> list[dist.ProcessGroup]:
+    """One process group per distinct set of ranks the graphs communicate on (more than one rank), in the order
+    of their collectives (not of `groups`, which is sorted by name: names, unlike roles, differ between ranks of
+    different replicas). A graph's group, its single-thread gloo copy and its duplicate for reductions are one set."""
+    names = [m.group(1) for graph in graphs for line in graph.lines for m in _GROUP_ARGUMENT.finditer(line)]
+    seen: set[tuple[int, ...]] = set()
+    groups = []
+    for name in [*names, *(name for graph in graphs for name in graph.groups)]:
+        group = _resolve(name)
+        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+        if len(ranks) > 1 and ranks not in seen:
+            seen.add(ranks)
+            groups.append(group)
+    return groups
+
+
+def _mismatch(
+    graphs: Sequence[GraphCollectives], group: dist.ProcessGroup, digests: list[bytes]
+) -> CollectiveMismatchError:
+    """The error every member of `group` raises (the same text): the lists travel, from the lowest group member
+    and the first member that differs from it."""
     graphs = [_rank_independent(graph) for graph in graphs]
-    # Over the world: fully_shard's meshes span it, so every rank runs each graph (on groups of the same shapes).
-    # Exchanging over each of a graph's groups in turn could deadlock: ranks of different replicas would enter them
-    # in different orders. Sub-meshes (issue 14) will compare over the mesh that runs the graph.
-    digests = _gather_digests(digest(graphs), None, timeout_s, label)
-    if len(set(digests)) > 1:
-        lists: list = [None] * len(digests)
-        dist.all_gather_object(lists, [(g.name, g.lines, g.groups) for g in graphs])
-        other = next(i for i, d in enumerate(digests) if d != digests[0])
-        a, b = ([GraphCollectives(*item) for item in lists[i]] for i in (0, other))
-        difference = first_difference((0, other), (a, b)) or "(lists equal, digests differ)"
-        raise CollectiveMismatchError(
-            f"fsdp_graph: ranks compiled different collectives, running them would hang or mix up buffers: "
-            f"{difference}. Every rank must compile the same model with the same backend options (a recompile or "
-            "graph break on one rank only?); fsdp_graph.make_backend(verify_collectives=False) turns this check off."
-        )
+    lists: list = [None] * len(digests)
+    dist.all_gather_object(lists, [(g.name, g.lines, g.groups) for g in graphs], group=group)
+    other = next(i for i, d in enumerate(digests) if d != digests[0])
+    a, b = ([GraphCollectives(*item) for item in lists[i]] for i in (0, other))
+    ranks = (dist.get_global_rank(group, 0), dist.get_global_rank(group, other))
+    difference = first_difference(ranks, (a, b)) or "(lists equal, digests differ)"
+    return CollectiveMismatchError(
+        f"fsdp_graph: ranks compiled different collectives, running them would hang or mix up buffers: "
+        f"{difference}. Every rank must compile the same model with the same backend options (a recompile or "
+        "graph break on one rank only?); fsdp_graph.make_backend(verify_collectives=False) turns this check off."
+    )
 
 
 _GROUP_ARGUMENT = re.compile(r"\bgroup=([^,)]+)")

@@ -263,9 +263,11 @@ def _reduce_grad_fake(*args, **kwargs):
     )
 
 
-def _unshard_setup_context(ctx, inputs, output) -> None:
-    a = UNSHARD_SIGNATURE.bind(inputs, {})
-    ctx.reduce_args = {
+def reduce_args(a: Any) -> dict[str, Any]:
+    """The `fsdp.reduce_grad` arguments (all but `full_grad` and `partial`) for the gradient of an `fsdp.unshard`
+    call with bound arguments `a`: what its backward reduces with, and what a reduction outside any backward (the
+    pipeline stage's, `fsdp_graph.api.sync.reduce_accumulated`) must use to give the same result."""
+    return {
         "unit": a.unit,
         "group": a.reduce_group or a.group,
         "world": a.world,
@@ -277,6 +279,11 @@ def _unshard_setup_context(ctx, inputs, output) -> None:
         "divide_factor": a.divide_factor,
         "all_reduce": a.all_reduce,
     }
+
+
+def _unshard_setup_context(ctx, inputs, output) -> None:
+    a = UNSHARD_SIGNATURE.bind(inputs, {})
+    ctx.reduce_args = reduce_args(a)
     ctx.sync = a.sync
     ctx.has_unsynced, ctx.has_partial = a.unsynced is not None, a.partial is not None
     ctx.save_for_backward(*(t for t in (a.unsynced, a.partial) if t is not None))

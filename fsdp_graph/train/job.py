@@ -35,6 +35,8 @@ from fsdp_graph.runtime.devices import collective_device
 from fsdp_graph.train.corpus import batch_at, load_tokens
 from fsdp_graph.train.launch import RankFailedError, spawn
 from fsdp_graph.train.llama import PRESETS, Llama, llama_loss, preset
+from fsdp_graph.train.pipeline import SCHEDULES, build_pipeline
+from fsdp_graph.train.pipeline import check_args as check_pipeline_args
 from fsdp_graph.train.report import (
     RunStats,
     describe,
@@ -99,6 +101,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="loss curve PNG (default: CHECKPOINT_DIR/loss.png, else ./loss.png; 'none': no plot)",
     )
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages: a (pp, world/pp) mesh, each stage sharded over its dp group (default: 1, none)",
+    )
+    p.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default: 1f1b)")
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="microbatches per step with --pp (default: --pp); divides --batch",
+    )
     p.add_argument("--world", type=int, default=2, help="ranks to start when not under torchrun (default: 2)")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds (default: 300)")
     p.add_argument("--seed", type=int, default=0, help="seed of the init and of the data order")
@@ -118,6 +133,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"--resume {args.resume}: not a checkpoint of this job (DIR/step_NNNNNN with a .metadata file)"
             )
         args.checkpoint_dir = args.checkpoint_dir or os.path.dirname(os.path.abspath(args.resume))
+    if args.pp < 1:
+        parser.error(f"--pp must be at least 1, got {args.pp}")
+    if args.microbatches is None:
+        args.microbatches = args.pp
+    if args.pp > 1 and not _under_torchrun() and (why := check_pipeline_args(args, args.world)):
+        parser.error(why)
     if args.seq is None:
         args.seq = PRESETS[args.preset].seq
     if args.lr is None:
@@ -260,32 +281,43 @@ def _save(args, model, opt, step: int, history, rank: int) -> str:
     return path
 
 
+def _shard_kwargs(args: argparse.Namespace) -> dict:
+    """fully_shard's options from the command line (strategy, precision, offload)."""
+    mp = None
+    if args.mixed_precision == "bf16":
+        mp = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return {
+        "strategy": fsdp_graph.ShardingStrategy[args.strategy],
+        "mixed_precision": mp,
+        "cpu_offload": fsdp_graph.CPUOffload(offload_params=True) if args.cpu_offload else None,
+    }
+
+
+def _optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if "norm" not in n]
+    no_decay = [p for n, p in model.named_parameters() if "norm" in n]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+
+
+def _backend(args: argparse.Namespace):
+    if not args.compile:
+        return None
+    return fsdp_graph.make_backend(inductor=args.backend_mode == "inductor", dump_dir=args.dump_dir)
+
+
 def _build(args: argparse.Namespace, world: int, device: torch.device):
     """The sharded model (built on meta, materialised one unit at a time), its optimizer and the model to call."""
     cfg = preset(args.preset, seq=max(args.seq, PRESETS[args.preset].seq))
     torch.manual_seed(args.seed)
     with torch.device("meta"):
         model = Llama(cfg)
-    strategy = fsdp_graph.ShardingStrategy[args.strategy]
-    mp = None
-    if args.mixed_precision == "bf16":
-        mp = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kwargs = _shard_kwargs(args)
     fsdp_graph.fully_shard(
-        model,
-        _mesh(strategy, world, device),
-        strategy=strategy,
-        mixed_precision=mp,
-        param_init_fn=model.init_module,
-        device=device,
-        cpu_offload=fsdp_graph.CPUOffload(offload_params=True) if args.cpu_offload else None,
+        model, _mesh(kwargs["strategy"], world, device), param_init_fn=model.init_module, device=device, **kwargs
     )
-    decay = [p for n, p in model.named_parameters() if "norm" not in n]
-    no_decay = [p for n, p in model.named_parameters() if "norm" in n]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
-    backend = None
-    if args.compile:
-        backend = fsdp_graph.make_backend(inductor=args.backend_mode == "inductor", dump_dir=args.dump_dir)
+    opt = _optimizer(args, model)
+    backend = _backend(args)
     step_model = torch.compile(model, backend=backend, fullgraph=True) if backend else model
     return cfg, model, opt, step_model
 
@@ -295,7 +327,17 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
     from tqdm import tqdm
 
     device = collective_device()  # the accelerator of an NCCL (or mixed) group, else the CPU
-    cfg, model, opt, step_model = _build(args, world, device)
+    pipeline = None
+    if args.pp > 1:
+        if why := check_pipeline_args(args, world):
+            raise ValueError(why)
+        cfg, pipeline, opt = build_pipeline(
+            args, world, device, _shard_kwargs(args), lambda m: _optimizer(args, m), _backend(args)
+        )
+        model = pipeline.model
+    else:
+        cfg, model, opt, step_model = _build(args, world, device)
+    dp, dp_rank = (pipeline.dp, pipeline.dp_rank) if pipeline else (world, rank)  # data-parallel pipelines
     tokens = load_tokens()
     start, history = 0, []
     if found := _resume_point(args):
@@ -308,10 +350,13 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
         _print_header(args, cfg, world, device, start)
 
     def step_fn(batch) -> torch.Tensor:
-        loss = llama_loss(step_model, batch)
-        loss.backward()
+        if pipeline is not None:
+            loss = pipeline.step(batch)  # the last stage's mean loss, 0 on the others
+        else:
+            loss = llama_loss(step_model, batch)
+            loss.backward()
         if args.clip > 0:
-            fsdp_graph.clip_grad_norm_(model, args.clip)
+            fsdp_graph.clip_grad_norm_(model, args.clip, pp_group=pipeline.pp_group if pipeline else None)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -322,7 +367,7 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
     # the profiler's bookkeeping takes memory (up to 1 GB on the small preset) that the peak must not include.
     profile_at = args.steps - 1 if args.steps - start >= 3 else None
     executed, checkpoint, peak = None, None, None
-    tokens_per_step = args.batch * args.seq * world
+    tokens_per_step = args.batch * args.seq * dp
     # A thread lock, not tqdm's default multiprocessing one: spawned ranks leave with os._exit, which would leak
     # its semaphore (a resource_tracker warning at the end of every run).
     tqdm.set_lock(threading.RLock())
@@ -330,7 +375,7 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
     for step in range(start, args.steps):
         _fail_if_asked(rank, step)
         ticker = compile_ticker(bar, rank == 0 and step == start and args.compile)
-        batch = tuple(t.to(device) for t in batch_at(tokens, step, args.seed, args.batch, args.seq, rank, world))
+        batch = tuple(t.to(device) for t in batch_at(tokens, step, args.seed, args.batch, args.seq, dp_rank, dp))
         began = time.perf_counter()
         if step == profile_at:
             peak = local_peak_memory(device)
@@ -345,7 +390,7 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
             with ticker:
                 loss = step_fn(batch)
         dist.all_reduce(loss)
-        value = loss.item() / world
+        value = loss.item() / dp  # one loss per pipeline (all ranks without --pp)
         stats.step_s.append(time.perf_counter() - began)
         stats.history.append((step + 1, value))
         bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{tokens_per_step / stats.step_s[-1]:,.0f}", refresh=False)
@@ -368,11 +413,12 @@ def _print_header(args, cfg, world: int, device: torch.device, start: int) -> No
     resumed = f", resuming at step {start}" if start else ""
     print(
         f"fsdp_graph train: Llama {args.preset} ({cfg.num_params() / 1e6:.2f} M params), {describe(args, world, device)}"
-        f", batch {args.batch}x{args.seq} per rank, {args.steps} steps{resumed}",
+        f", batch {args.batch}x{args.seq} per {'pipeline' if args.pp > 1 else 'rank'}, {args.steps} steps{resumed}",
         flush=True,
     )
     if args.compile:
-        print(f"The first step compiles the model into one graph: {expected_compile_wait(args)}.", flush=True)
+        what = "each stage into one graph" if args.pp > 1 else "the model into one graph"
+        print(f"The first step compiles {what}: {expected_compile_wait(args)}.", flush=True)
 
 
 def expected_compile_wait(args: argparse.Namespace) -> str:

@@ -120,7 +120,12 @@ def describe(args: argparse.Namespace, world: int, device: torch.device) -> str:
     mode = f"compiled ({args.backend_mode})" if args.compile else "eager (not compiled)"
     precision = "bf16 params, fp32 reduce" if args.mixed_precision == "bf16" else "fp32"
     offload = ", CPU offload" if getattr(args, "cpu_offload", False) else ""
-    return f"{world} ranks ({backend_for(None, device)}, {device.type}), {args.strategy}, {precision}{offload}, {mode}"
+    pp = getattr(args, "pp", 1)
+    pipeline = ""
+    if pp > 1:
+        pipeline = f" as pp={pp} x dp={world // pp} ({args.pp_schedule}, {args.microbatches} microbatches)"
+    ranks = f"{world} ranks ({backend_for(None, device)}, {device.type}){pipeline}"
+    return f"{ranks}, {args.strategy}, {precision}{offload}, {mode}"
 
 
 def summarise(args, cfg, world, device, start, stats: RunStats, executed, memory, memory_what, checkpoint) -> dict:
@@ -128,7 +133,8 @@ def summarise(args, cfg, world, device, start, stats: RunStats, executed, memory
     if not stats.step_s:
         print(f"nothing to do: the checkpoint is at step {start}, --steps is {args.steps}", flush=True)
         return {"steps_run": 0, "start_step": start}
-    tokens_per_step = args.batch * args.seq * world
+    dp = world // getattr(args, "pp", 1)  # pipelines: each stage of one sees the same tokens
+    tokens_per_step = args.batch * args.seq * dp
     median = stats.median_step_s
     compile_s = stats.step_s[0] - median if args.compile else None
     title = f"Llama {args.preset}\n{describe(args, world, device)}"
@@ -137,7 +143,10 @@ def summarise(args, cfg, world, device, start, stats: RunStats, executed, memory
     rows = [
         ("model", f"Llama {args.preset}: {cfg.num_params() / 1e6:.2f} M params, byte-level vocab {VOCAB}"),
         ("run", describe(args, world, device)),
-        ("tokens per step", f"{tokens_per_step:,} ({args.batch}x{args.seq} per rank)"),
+        (
+            "tokens per step",
+            f"{tokens_per_step:,} ({args.batch}x{args.seq} per {'pipeline' if dp < world else 'rank'})",
+        ),
         ("steps", f"{start + 1} -> {args.steps} ({len(stats.step_s)} in this run)"),
         ("loss", f"{first:.4f} -> {last:.4f} (step {first_step} -> {last_step})"),
         ("median step time", f"{median:.3f} s"),
