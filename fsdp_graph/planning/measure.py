@@ -8,7 +8,17 @@ from dataclasses import dataclass, field
 
 from torch.profiler import ProfilerActivity, profile
 
-_ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "signed char": 1}
+_ELEMENT_BYTES = {
+    "float": 4,
+    "double": 8,
+    "c10::BFloat16": 2,
+    "c10::Half": 2,
+    "signed char": 1,
+    "unsigned char": 1,  # pickled objects (all_gather_object, DCP's plans)
+    "bool": 1,
+    "int": 4,
+    "long int": 8,
+}
 _KINDS = {
     "_c10d_functional::all_gather_into_tensor": "all_gather",
     "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",

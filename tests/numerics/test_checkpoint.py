@@ -1,5 +1,6 @@
 """Checkpoints (issue 5): DTensor state dicts through DCP, resharding, FSDP2 interop, exact resume, atomic saves."""
 
+import pytest
 import torch
 
 from fsdp_graph.train.launch import spawn
@@ -24,19 +25,26 @@ def test_resume_in_fresh_processes_is_bit_exact(tmp_path):
         assert _max_diff(resumed["optim"], straight["optim"]) == 0.0, phase
 
 
-def test_load_at_other_world_sizes(tmp_path):
+@pytest.mark.parametrize(
+    "saved_with, loads",
+    [("flat", ((1, "rows"), (4, "flat"))), ("rows", ((1, "flat"), (3, "rows"), (4, "flat")))],
+)
+def test_load_at_other_world_sizes(tmp_path, saved_with, loads):
+    """Saved at world 2 with one layout, loaded at other world sizes with either (world 3: the GPT's 32-row
+    matrices and 16-row position table split into uneven row blocks, 11/11/10 and 6/6/4)."""
     path = str(tmp_path / "ckpt")
-    saved = spawn(reshard_phase, 2, ("save", path))[0]
-    for world in (1, 4):
-        for loaded in spawn(reshard_phase, world, ("load", path)):
-            assert _max_diff(loaded["params"], saved["params"]) == 0.0, world
-            assert _max_diff(loaded["optim"], saved["optim"]) == 0.0, world
+    saved = spawn(reshard_phase, 2, ("save", path, saved_with))[0]
+    for world, layout in loads:
+        for loaded in spawn(reshard_phase, world, ("load", path, layout)):
+            assert _max_diff(loaded["params"], saved["params"]) == 0.0, (world, layout)
+            assert _max_diff(loaded["optim"], saved["optim"]) == 0.0, (world, layout)
     assert saved["optim"]["blocks.0.fc.weight/exp_avg"].shape == torch.Size([128, 32])  # full shapes, not shards
 
 
-def test_checkpoints_interoperate_with_torch_fsdp2(tmp_path):
-    assert max(spawn(fsdp2_interop, 2, ("fsdp2_to_ours", str(tmp_path / "a")))) == 0.0
-    assert max(spawn(fsdp2_interop, 2, ("ours_to_fsdp2", str(tmp_path / "b")))) == 0.0
+@pytest.mark.parametrize("layout", ["flat", "rows"])
+def test_checkpoints_interoperate_with_torch_fsdp2(tmp_path, layout):
+    assert max(spawn(fsdp2_interop, 2, ("fsdp2_to_ours", str(tmp_path / "a"), layout))) == 0.0
+    assert max(spawn(fsdp2_interop, 2, ("ours_to_fsdp2", str(tmp_path / "b"), layout))) == 0.0
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):

@@ -10,10 +10,10 @@ from fsdp_graph.state.optim import init_optimizer_state
 from tests.workers.training import Case, build, shard_and_compile
 
 
-def _model_and_optimizer(seed: int, mode: str = "aot"):
+def _model_and_optimizer(seed: int, mode: str = "aot", layout: str | None = None):
     torch.manual_seed(seed)
     model, loss_fn, make_batch = build("gpt")
-    compiled, _ = shard_and_compile(model, Case("gpt", mode=mode))
+    compiled, _ = shard_and_compile(model, Case("gpt", mode=mode, layout=layout))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     return model, compiled, optimizer, loss_fn, make_batch
 
@@ -65,10 +65,11 @@ def resume_phase(rank: int, world: int, phase: str, path: str) -> dict:
     return {"losses": losses, "params": fsdp_graph.full_state_dict(model), "optim": _full_optim_state(model, optimizer)}
 
 
-def reshard_phase(rank: int, world: int, phase: str, path: str) -> dict:
-    """ "save": train 2 steps at this world size and save. "load": a fresh model and optimizer load it."""
+def reshard_phase(rank: int, world: int, phase: str, path: str, layout: str | None = None) -> dict:
+    """ "save": train 2 steps at this world size and save. "load": a fresh model and optimizer load it. `layout`:
+    fully_shard's (None: its default)."""
     model, compiled, optimizer, loss_fn, make_batch = _model_and_optimizer(
-        seed=0 if phase == "save" else 5, mode="eager"
+        seed=0 if phase == "save" else 5, mode="eager", layout=layout
     )
     if phase == "save":
         _train(compiled, optimizer, loss_fn, make_batch, range(2), rank, world)
@@ -78,8 +79,9 @@ def reshard_phase(rank: int, world: int, phase: str, path: str) -> dict:
     return {"params": fsdp_graph.full_state_dict(model), "optim": _full_optim_state(model, optimizer)}
 
 
-def fsdp2_interop(rank: int, world: int, direction: str, path: str) -> float:
-    """Max |difference| of full parameters after one side writes a DCP checkpoint and the other reads it."""
+def fsdp2_interop(rank: int, world: int, direction: str, path: str, layout: str | None = None) -> float:
+    """Max |difference| of full parameters after one side writes a DCP checkpoint and the other reads it (ours
+    sharded with `layout`, None: fully_shard's default)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
@@ -90,7 +92,7 @@ def fsdp2_interop(rank: int, world: int, direction: str, path: str) -> float:
     fsdp2_fully_shard(theirs)
     torch.manual_seed(7)
     ours, _, _ = build("gpt")
-    fsdp_graph.fully_shard(ours)
+    fsdp_graph.fully_shard(ours, **({} if layout is None else {"layout": layout}))
     if direction == "fsdp2_to_ours":
         opt = torch.optim.SGD(theirs.parameters(), lr=0.1)
         batch = make_batch(torch.Generator().manual_seed(rank), 4)

@@ -157,3 +157,49 @@ def _gloo_gathers(backend_counts) -> int:
 def _max_diff(a: dict, b: dict) -> float:
     assert set(a) == set(b)
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def state_traffic(rank: int, world: int, path: str, layout: str) -> dict:
+    """Bytes each rank sends in collectives while it takes `model.state_dict()`, `optim_state_dict`, and a DCP
+    `save_checkpoint` + `load_checkpoint` of a 6.4 M-parameter GPT (SGD with momentum), against the model's bytes.
+    Counted from the process-group backend's own events (gloo: every collective, DCP's object collectives and
+    barriers included) plus any functional collective; and whether the loaded state equals the saved one."""
+    from fsdp_graph.train.gpt import GPT, GPTConfig, gpt_loss
+
+    torch.manual_seed(0)
+    model = fsdp_graph.fully_shard(GPT(GPTConfig(vocab=255, dim=512, heads=4, layers=2, seq=16)), layout=layout)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    tokens = torch.randint(0, 255, (2, 16), generator=torch.Generator().manual_seed(rank))
+    gpt_loss(model, (tokens, tokens)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    model_bytes = sum(v.numel() * v.element_size() for v in fsdp_graph.full_state_dict(model).values())
+    before = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    before_optim = {
+        fqn: s["momentum_buffer"].full_tensor().clone()
+        for fqn, s in fsdp_graph.optim_state_dict(model, optimizer)["state"].items()
+    }
+
+    def sent(fn) -> float:
+        counted = executed_collectives(fn)
+        return counted.total_wire_bytes + sum(counted.backend_wire_bytes.values())
+
+    out = {
+        "model_bytes": model_bytes,
+        "state_dict": sent(model.state_dict),
+        "optim_state_dict": sent(lambda: fsdp_graph.optim_state_dict(model, optimizer)),
+        "save": sent(lambda: fsdp_graph.save_checkpoint(path, model, optimizer)),
+    }
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    for s in optimizer.state.values():
+        s["momentum_buffer"].zero_()
+    out["load"] = sent(lambda: fsdp_graph.load_checkpoint(path, model, optimizer))
+    after = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    after_optim = {
+        fqn: s["momentum_buffer"].full_tensor()
+        for fqn, s in fsdp_graph.optim_state_dict(model, optimizer)["state"].items()
+    }
+    out["round_trip"] = max(_max_diff(before, after), _max_diff(before_optim, after_optim))
+    return out

@@ -47,7 +47,7 @@ class Case:
     activation_memory_budget: float | None = None  # make_backend's option
     bucket_bytes: int = 0  # make_backend(bucket_bytes=...): merge consecutive units' collectives
     verify_collectives: bool = True  # make_backend's option: ranks compare each graph's collectives at its first call
-    layout: str = "flat"  # fully_shard's option
+    layout: str | None = None  # fully_shard's layout ("flat" / "rows"); None: its default
 
 
 RESHARD = {
@@ -67,6 +67,7 @@ class CaseResult:
     param_change: float  # max |final - initial| of the reference: parity is not vacuous
     reports: list = field(default_factory=list)
     dynamo_graphs: int = 0
+    max_param_ndim: int = 0  # over model.parameters() after sharding: 1 with the flat layout, the original with rows
 
 
 def _mse(model: nn.Module, batch) -> torch.Tensor:
@@ -171,7 +172,7 @@ def shard_and_compile(model: nn.Module, case: Case):
         reshard_after_forward=RESHARD[case.reshard],
         cpu_offload=fsdp_graph.CPUOffload(offload_params=True) if case.offload else None,
         separate_reduce_group=case.separate_reduce_group,
-        layout=case.layout,
+        **({} if case.layout is None else {"layout": case.layout}),
     )
     if case.mode == "eager":
         return model, None
@@ -275,6 +276,7 @@ def run_case(case: Case, rank: int, world: int, per_rank_batch: int = 4) -> Case
         max((v - initial[k]).abs().max().item() for k, v in ref_module.state_dict().items() if v.is_floating_point()),
         reports=list(backend.reports) if backend else [],
         dynamo_graphs=backend.dynamo_graphs if backend else 0,
+        max_param_ndim=max(p.ndim for p in model.parameters()),
     )
 
 
