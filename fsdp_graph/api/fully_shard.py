@@ -49,7 +49,7 @@ def fully_shard(
     sync_module_states: bool = False,
     cpu_offload: CPUOffload | None = None,
     separate_reduce_group: bool = False,
-    layout: str = "flat",
+    layout: str = "rows",
 ) -> nn.Module:
     """Shard `model` in place over `mesh` and return it. Create the optimizer AFTER this call.
 

@@ -1,9 +1,10 @@
 """`passes.bucket` on TwoBlock's lowered graphs (fake process group, world 4). The snapshots are the spec.
 
-TwoBlock at world 4 in fp32: blocks.0 and blocks.1 gather 80 bytes each (20 elements), the root 32 (8).
+TwoBlock at world 4 in fp32 with the default rows layout: blocks.0 and blocks.1 gather 80 bytes each (20 elements:
+one row of the 4x4 weight and one bias element per rank), the root 64 (16: its 2x4 head padded to one row per rank).
 Buckets are greedy in graph order, so one cap of 160 bytes shows a bucket and its boundary in both graphs:
 the forward gathers blocks.0, blocks.1, root -> [blocks.0+blocks.1] [root]; the backward gathers root, blocks.1
--> [root+blocks.1] and reduces root, blocks.1, blocks.0 -> [root+blocks.1] [blocks.0] (192 bytes would not fit).
+-> [root+blocks.1] and reduces root, blocks.1, blocks.0 -> [root+blocks.1] [blocks.0] (224 bytes would not fit).
 """
 
 import copy
@@ -62,7 +63,7 @@ def test_bucket_forward(fake_pg):
         """\
 all_gather 'blocks.0' 80
 all_gather 'blocks.1' 80
-all_gather '' 32""",
+all_gather '' 64""",
     )
     bucket_collectives(fw, CAP)
     _check_meta(before, fw)
@@ -70,7 +71,7 @@ all_gather '' 32""",
         _collectives(fw),
         """\
 all_gather 'blocks.0+blocks.1' 160
-all_gather '' 32""",
+all_gather '' 64""",
     )
     # blocks.1's shard (primals_3) joins blocks.0's at blocks.0's gather; each unit's full flat parameter is
     # its column block of the (world, 5 + 5) gather, copied out contiguous.
@@ -88,27 +89,32 @@ def forward(self, primals_1, primals_2, primals_3, primals_4):
     slice_tensor_1 = torch.ops.aten.slice.Tensor(view_default, 1, 5, 10);  view_default = None
     clone_default_1 = torch.ops.aten.clone.default(slice_tensor_1, memory_format = torch.contiguous_format);  slice_tensor_1 = None
     view_default_2 = torch.ops.aten.view.default(clone_default_1, [20]);  clone_default_1 = None
-    slice_1 = torch.ops.aten.slice.Tensor(view_default_1, 0, 0, 16)
-    view = torch.ops.aten.view.default(slice_1, [4, 4]);  slice_1 = None
-    slice_2 = torch.ops.aten.slice.Tensor(view_default_1, 0, 16, 20);  view_default_1 = None
-    view_1 = torch.ops.aten.view.default(slice_2, [4]);  slice_2 = None
-    t = torch.ops.aten.t.default(view);  view = None
-    addmm = torch.ops.aten.addmm.default(view_1, primals_1, t);  view_1 = t = None
+    view = torch.ops.aten.view.default(view_default_1, [4, 5]);  view_default_1 = None
+    slice_1 = torch.ops.aten.slice.Tensor(view, 1, 0, 4)
+    view_1 = torch.ops.aten.view.default(slice_1, [4, 4]);  slice_1 = None
+    slice_2 = torch.ops.aten.slice.Tensor(view, 1, 4, 5);  view = None
+    view_3 = torch.ops.aten.view.default(slice_2, [4]);  slice_2 = None
+    t = torch.ops.aten.t.default(view_1);  view_1 = None
+    addmm = torch.ops.aten.addmm.default(view_3, primals_1, t);  view_3 = t = None
     relu = torch.ops.aten.relu.default(addmm);  addmm = None
-    slice_3 = torch.ops.aten.slice.Tensor(view_default_2, 0, 0, 16)
-    view_2 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
-    slice_4 = torch.ops.aten.slice.Tensor(view_default_2, 0, 16, 20);  view_default_2 = None
-    view_3 = torch.ops.aten.view.default(slice_4, [4]);  slice_4 = None
-    t_1 = torch.ops.aten.t.default(view_2);  view_2 = None
-    addmm_1 = torch.ops.aten.addmm.default(view_3, relu, t_1);  view_3 = t_1 = None
+    view_4 = torch.ops.aten.view.default(view_default_2, [4, 5]);  view_default_2 = None
+    slice_3 = torch.ops.aten.slice.Tensor(view_4, 1, 0, 4)
+    view_5 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
+    slice_4 = torch.ops.aten.slice.Tensor(view_4, 1, 4, 5);  view_4 = None
+    view_7 = torch.ops.aten.view.default(slice_4, [4]);  slice_4 = None
+    t_1 = torch.ops.aten.t.default(view_5);  view_5 = None
+    addmm_1 = torch.ops.aten.addmm.default(view_7, relu, t_1);  view_7 = t_1 = None
     relu_1 = torch.ops.aten.relu.default(addmm_1);  addmm_1 = None
     all_gather_into_tensor_default_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_4, 4, '0')
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_2);  all_gather_into_tensor_default_2 = None
-    slice_5 = torch.ops.aten.slice.Tensor(wait_tensor_default_2, 0, 0, 8);  wait_tensor_default_2 = None
-    view_4 = torch.ops.aten.view.default(slice_5, [2, 4]);  slice_5 = None
-    t_2 = torch.ops.aten.t.default(view_4);  view_4 = None
+    view_8 = torch.ops.aten.view.default(wait_tensor_default_2, [4, 4]);  wait_tensor_default_2 = None
+    alias = torch.ops.aten.alias.default(view_8);  view_8 = None
+    view_9 = torch.ops.aten.view.default(alias, [4, 4]);  alias = None
+    slice_5 = torch.ops.aten.slice.Tensor(view_9, 0, 0, 2);  view_9 = None
+    t_2 = torch.ops.aten.t.default(slice_5);  slice_5 = None
     mm = torch.ops.aten.mm.default(relu_1, t_2);  t_2 = None
-    return (mm, primals_1, primals_3, primals_4, relu, relu_1)""",
+    t_10 = torch.ops.aten.t.default(primals_1);  primals_1 = None
+    return (mm, primals_3, primals_4, relu, relu_1, t_10)""",
     )
 
 
@@ -118,8 +124,8 @@ def test_bucket_backward(fake_pg):
     assert_expected_inline(
         _collectives(bw),
         """\
-all_gather '' 32
-reduce_scatter '' 32
+all_gather '' 64
+reduce_scatter '' 64
 all_gather 'blocks.1' 80
 reduce_scatter 'blocks.1' 80
 reduce_scatter 'blocks.0' 80""",
@@ -129,8 +135,8 @@ reduce_scatter 'blocks.0' 80""",
     assert_expected_inline(
         _collectives(bw),
         """\
-all_gather '+blocks.1' 112
-reduce_scatter '+blocks.1' 112
+all_gather '+blocks.1' 144
+reduce_scatter '+blocks.1' 144
 reduce_scatter 'blocks.0' 80""",
     )
     # The root's and blocks.1's gradients are viewed as (world, s_i), concatenated per rank row and scattered at
@@ -138,73 +144,78 @@ reduce_scatter 'blocks.0' 80""",
     assert_expected_inline(
         code(bw),
         """\
-def forward(self, primals_1, primals_3, primals_4, relu, relu_1, tangents_1):
+def forward(self, primals_3, primals_4, relu, relu_1, t_10, tangents_1):
     t_3 = torch.ops.aten.t.default(tangents_1)
     mm_1 = torch.ops.aten.mm.default(t_3, relu_1);  t_3 = None
     t_4 = torch.ops.aten.t.default(mm_1);  mm_1 = None
     cat_default = torch.ops.aten.cat.default([primals_4, primals_3]);  primals_4 = primals_3 = None
     all_gather_into_tensor_default_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(cat_default, 4, '0');  cat_default = None
     wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_2);  all_gather_into_tensor_default_2 = None
-    view_default = torch.ops.aten.view.default(wait_tensor_default_5, [4, 7]);  wait_tensor_default_5 = None
-    slice_tensor = torch.ops.aten.slice.Tensor(view_default, 1, 0, 2)
+    view_default = torch.ops.aten.view.default(wait_tensor_default_5, [4, 9]);  wait_tensor_default_5 = None
+    slice_tensor = torch.ops.aten.slice.Tensor(view_default, 1, 0, 4)
     clone_default = torch.ops.aten.clone.default(slice_tensor, memory_format = torch.contiguous_format);  slice_tensor = None
-    view_default_1 = torch.ops.aten.view.default(clone_default, [8]);  clone_default = None
-    slice_tensor_1 = torch.ops.aten.slice.Tensor(view_default, 1, 2, 7);  view_default = None
+    view_default_1 = torch.ops.aten.view.default(clone_default, [16]);  clone_default = None
+    slice_tensor_1 = torch.ops.aten.slice.Tensor(view_default, 1, 4, 9);  view_default = None
     clone_default_1 = torch.ops.aten.clone.default(slice_tensor_1, memory_format = torch.contiguous_format);  slice_tensor_1 = None
     view_default_2 = torch.ops.aten.view.default(clone_default_1, [20]);  clone_default_1 = None
-    slice_5 = torch.ops.aten.slice.Tensor(view_default_1, 0, 0, 8);  view_default_1 = None
-    view_4 = torch.ops.aten.view.default(slice_5, [2, 4]);  slice_5 = None
-    t_2 = torch.ops.aten.t.default(view_4);  view_4 = None
+    view_8 = torch.ops.aten.view.default(view_default_1, [4, 4]);  view_default_1 = None
+    alias = torch.ops.aten.alias.default(view_8);  view_8 = None
+    view_9 = torch.ops.aten.view.default(alias, [4, 4]);  alias = None
+    slice_5 = torch.ops.aten.slice.Tensor(view_9, 0, 0, 2);  view_9 = None
+    t_2 = torch.ops.aten.t.default(slice_5);  slice_5 = None
     t_5 = torch.ops.aten.t.default(t_2);  t_2 = None
     mm_2 = torch.ops.aten.mm.default(tangents_1, t_5);  tangents_1 = t_5 = None
     t_6 = torch.ops.aten.t.default(t_4);  t_4 = None
-    view_5 = torch.ops.aten.view.default(t_6, [8]);  t_6 = None
-    slice_backward = torch.ops.aten.slice_backward.default(view_5, [8], 0, 0, 8, 1);  view_5 = None
-    div_tensor = torch.ops.aten.div.Tensor(slice_backward, 2);  slice_backward = None
+    slice_backward = torch.ops.aten.slice_backward.default(t_6, [4, 4], 0, 0, 2, 1);  t_6 = None
+    view_10 = torch.ops.aten.view.default(slice_backward, [4, 4]);  slice_backward = None
+    view_11 = torch.ops.aten.view.default(view_10, [16]);  view_10 = None
+    div_tensor = torch.ops.aten.div.Tensor(view_11, 2);  view_11 = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
-    slice_3 = torch.ops.aten.slice.Tensor(view_default_2, 0, 0, 16);  view_default_2 = None
-    view_2 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
-    t_1 = torch.ops.aten.t.default(view_2);  view_2 = None
+    view_4 = torch.ops.aten.view.default(view_default_2, [4, 5]);  view_default_2 = None
+    slice_3 = torch.ops.aten.slice.Tensor(view_4, 1, 0, 4);  view_4 = None
+    view_5 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
+    t_1 = torch.ops.aten.t.default(view_5);  view_5 = None
     t_7 = torch.ops.aten.t.default(t_1);  t_1 = None
     mm_3 = torch.ops.aten.mm.default(threshold_backward, t_7);  t_7 = None
-    t_8 = torch.ops.aten.t.default(threshold_backward)
-    mm_4 = torch.ops.aten.mm.default(t_8, relu);  t_8 = None
-    t_9 = torch.ops.aten.t.default(mm_4);  mm_4 = None
+    t_8 = torch.ops.aten.t.default(relu)
+    mm_4 = torch.ops.aten.mm.default(t_8, threshold_backward);  t_8 = None
     sum_1 = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True);  threshold_backward = None
-    view_6 = torch.ops.aten.view.default(sum_1, [4]);  sum_1 = None
-    t_10 = torch.ops.aten.t.default(t_9);  t_9 = None
-    view_7 = torch.ops.aten.view.default(view_6, [4]);  view_6 = None
-    slice_backward_1 = torch.ops.aten.slice_backward.default(view_7, [20], 0, 16, 20, 1);  view_7 = None
-    view_8 = torch.ops.aten.view.default(t_10, [16]);  t_10 = None
-    slice_backward_2 = torch.ops.aten.slice_backward.default(view_8, [20], 0, 0, 16, 1);  view_8 = None
-    add = torch.ops.aten.add.Tensor(slice_backward_1, slice_backward_2);  slice_backward_1 = slice_backward_2 = None
+    view_12 = torch.ops.aten.view.default(sum_1, [4]);  sum_1 = None
+    t_9 = torch.ops.aten.t.default(mm_4);  mm_4 = None
+    view_13 = torch.ops.aten.view.default(view_12, [4, 1]);  view_12 = None
+    slice_backward_1 = torch.ops.aten.slice_backward.default(view_13, [4, 5], 1, 4, 5, 1);  view_13 = None
+    view_14 = torch.ops.aten.view.default(slice_backward_1, [20]);  slice_backward_1 = None
+    view_15 = torch.ops.aten.view.default(t_9, [4, 4]);  t_9 = None
+    slice_backward_2 = torch.ops.aten.slice_backward.default(view_15, [4, 5], 1, 0, 4, 1);  view_15 = None
+    view_16 = torch.ops.aten.view.default(slice_backward_2, [20]);  slice_backward_2 = None
+    add = torch.ops.aten.add.Tensor(view_14, view_16);  view_14 = view_16 = None
     div_tensor_2 = torch.ops.aten.div.Tensor(add, 2);  add = None
-    view_default_3 = torch.ops.aten.view.default(div_tensor, [4, 2]);  div_tensor = None
+    view_default_3 = torch.ops.aten.view.default(div_tensor, [4, 4]);  div_tensor = None
     view_default_4 = torch.ops.aten.view.default(div_tensor_2, [4, 5]);  div_tensor_2 = None
     cat_default_1 = torch.ops.aten.cat.default([view_default_3, view_default_4], 1);  view_default_3 = view_default_4 = None
-    view_default_5 = torch.ops.aten.view.default(cat_default_1, [28]);  cat_default_1 = None
+    view_default_5 = torch.ops.aten.view.default(cat_default_1, [36]);  cat_default_1 = None
     reduce_scatter_tensor_default_3 = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_default_5, 'sum', 4, '0');  view_default_5 = None
     wait_tensor_default_6 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_3);  reduce_scatter_tensor_default_3 = None
-    slice_tensor_2 = torch.ops.aten.slice.Tensor(wait_tensor_default_6, 0, 0, 2)
-    slice_tensor_3 = torch.ops.aten.slice.Tensor(wait_tensor_default_6, 0, 2, 7);  wait_tensor_default_6 = None
+    slice_tensor_2 = torch.ops.aten.slice.Tensor(wait_tensor_default_6, 0, 0, 4)
+    slice_tensor_3 = torch.ops.aten.slice.Tensor(wait_tensor_default_6, 0, 4, 9);  wait_tensor_default_6 = None
     div_tensor_1 = torch.ops.aten.div.Tensor(slice_tensor_2, 2);  slice_tensor_2 = None
     div_tensor_3 = torch.ops.aten.div.Tensor(slice_tensor_3, 2);  slice_tensor_3 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
-    t_11 = torch.ops.aten.t.default(threshold_backward_1)
-    mm_5 = torch.ops.aten.mm.default(t_11, primals_1);  t_11 = primals_1 = None
-    t_12 = torch.ops.aten.t.default(mm_5);  mm_5 = None
+    mm_5 = torch.ops.aten.mm.default(t_10, threshold_backward_1);  t_10 = None
     sum_2 = torch.ops.aten.sum.dim_IntList(threshold_backward_1, [0], True);  threshold_backward_1 = None
-    view_9 = torch.ops.aten.view.default(sum_2, [4]);  sum_2 = None
-    t_13 = torch.ops.aten.t.default(t_12);  t_12 = None
-    view_10 = torch.ops.aten.view.default(view_9, [4]);  view_9 = None
-    slice_backward_3 = torch.ops.aten.slice_backward.default(view_10, [20], 0, 16, 20, 1);  view_10 = None
-    view_11 = torch.ops.aten.view.default(t_13, [16]);  t_13 = None
-    slice_backward_4 = torch.ops.aten.slice_backward.default(view_11, [20], 0, 0, 16, 1);  view_11 = None
-    add_1 = torch.ops.aten.add.Tensor(slice_backward_3, slice_backward_4);  slice_backward_3 = slice_backward_4 = None
+    view_17 = torch.ops.aten.view.default(sum_2, [4]);  sum_2 = None
+    t_11 = torch.ops.aten.t.default(mm_5);  mm_5 = None
+    view_18 = torch.ops.aten.view.default(view_17, [4, 1]);  view_17 = None
+    slice_backward_3 = torch.ops.aten.slice_backward.default(view_18, [4, 5], 1, 4, 5, 1);  view_18 = None
+    view_19 = torch.ops.aten.view.default(slice_backward_3, [20]);  slice_backward_3 = None
+    view_20 = torch.ops.aten.view.default(t_11, [4, 4]);  t_11 = None
+    slice_backward_4 = torch.ops.aten.slice_backward.default(view_20, [4, 5], 1, 0, 4, 1);  view_20 = None
+    view_21 = torch.ops.aten.view.default(slice_backward_4, [20]);  slice_backward_4 = None
+    add_1 = torch.ops.aten.add.Tensor(view_19, view_21);  view_19 = view_21 = None
     div_tensor_4 = torch.ops.aten.div.Tensor(add_1, 2);  add_1 = None
     reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_4, 'sum', 4, '0');  div_tensor_4 = None
     wait_tensor_default_4 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
@@ -291,10 +302,10 @@ def test_bucket_keeps_dependent_reductions_apart():
 @pytest.mark.parametrize(
     "cap, fw_counts, bw_counts",
     [
-        (111, [1, 1, 1], [(1, 1), (1, 1, 1)]),
-        (112, [1, 2], [(2,), (2, 1)]),
+        (143, [1, 1, 1], [(1, 1), (1, 1, 1)]),  # one byte short of blocks.1 + root (80 + 64)
+        (144, [1, 2], [(2,), (2, 1)]),
         (160, [2, 1], [(2,), (2, 1)]),
-        (192, [3], [(2,), (3,)]),
+        (224, [3], [(2,), (3,)]),  # all three units: 80 + 80 + 64
     ],
 )
 def test_bucket_respects_cap(fake_pg, cap, fw_counts, bw_counts):

@@ -12,6 +12,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_graph
 from fsdp_graph.ir import META_ROLE, META_UNIT, ROLE_REDUCE, ROLE_UNSHARD
+from fsdp_graph.runtime.unit import flat_params
 from passes.cost import Hardware, collective_cost, estimate_memory, node_flops, simulate, unit_labels
 from tests.graphs.capture import TwoBlock
 from tests.workers.models import GPT, GPTConfig
@@ -257,8 +258,14 @@ def test_explain_plans_64_ranks_from_a_meta_model():
     finally:
         dist.destroy_process_group()
     assert cpu.world == meta.world == 64
+    blocks = {  # the rows layout: every parameter's Shard(0) block, ceil(d0 / 64) rows
+        state.name: sum(math.ceil(s.shape[0] / 64) * s.shape[1:].numel() for s in state.layout.slots)
+        for state in flat_params(model)
+    }
     for row in cpu.units:
-        assert row.shard_bytes == 4 * math.ceil(row.params / 64)
+        assert row.shard_bytes == 4 * blocks[row.unit] and row.params == sum(
+            s.numel for state in flat_params(model) if state.name == row.unit for s in state.layout.slots
+        )
     assert cpu.units == meta.units
     assert cpu.comm_time == pytest.approx(meta.comm_time)
     assert cpu.memory.persistent_bytes == meta.memory.persistent_bytes

@@ -34,14 +34,14 @@ def test_fingerprint_of_two_block(fake_pg):
     assert_expected_inline(
         _text(backend).replace(f"group={group},", "group=G,"),
         """\
-fw: all_gather_into_tensor(group=G, group_size=4, 11 x float32 -> 44 x float32)
-fw: all_gather_into_tensor(group=G, group_size=4, 11 x float32 -> 44 x float32)
-fw: all_gather_into_tensor(group=G, group_size=4, 3 x float32 -> 12 x float32)
-bw: all_gather_into_tensor(group=G, group_size=4, 3 x float32 -> 12 x float32)
-bw: all_gather_into_tensor(group=G, group_size=4, 11 x float32 -> 44 x float32)
-bw: reduce_scatter_tensor(group=G, reduce_op=sum, group_size=4, 12 x float32 -> 3 x float32)
-bw: reduce_scatter_tensor(group=G, reduce_op=sum, group_size=4, 44 x float32 -> 11 x float32)
-bw: reduce_scatter_tensor(group=G, reduce_op=sum, group_size=4, 44 x float32 -> 11 x float32)""",
+fw: all_gather_into_tensor(group=G, group_size=4, 14 x float32 -> 56 x float32)
+fw: all_gather_into_tensor(group=G, group_size=4, 14 x float32 -> 56 x float32)
+fw: all_gather_into_tensor(group=G, group_size=4, 6 x float32 -> 24 x float32)
+bw: all_gather_into_tensor(group=G, group_size=4, 6 x float32 -> 24 x float32)
+bw: all_gather_into_tensor(group=G, group_size=4, 14 x float32 -> 56 x float32)
+bw: reduce_scatter_tensor(group=G, reduce_op=sum, group_size=4, 24 x float32 -> 6 x float32)
+bw: reduce_scatter_tensor(group=G, reduce_op=sum, group_size=4, 56 x float32 -> 14 x float32)
+bw: reduce_scatter_tensor(group=G, reduce_op=sum, group_size=4, 56 x float32 -> 14 x float32)""",
     )
 
 

@@ -30,9 +30,9 @@ def live_gathers(monkeypatch):
     return alive_at_gather
 
 
-def _sharded() -> torch.nn.Module:
+def _sharded(layout: str = "rows") -> torch.nn.Module:
     torch.manual_seed(0)
-    return fsdp_graph.fully_shard(TwoBlock(dim=8))
+    return fsdp_graph.fully_shard(TwoBlock(dim=8), layout=layout)
 
 
 def test_cpu_offload_holds_one_unsharded_unit_at_a_time(fake_pg, live_gathers):
@@ -44,8 +44,9 @@ def test_cpu_offload_holds_one_unsharded_unit_at_a_time(fake_pg, live_gathers):
 
 
 def test_without_offload_the_result_keeps_every_gathered_unit(fake_pg, live_gathers):
-    """What the streaming avoids: the result's tensors are views of the gathered flat parameters."""
-    state = fsdp_graph.full_state_dict(_sharded())
+    """What the streaming avoids: with the flat layout the result's tensors are views of the gathered flat
+    parameters (the rows layout copies each parameter out of its rank-major gathered flat, so none stays alive)."""
+    state = fsdp_graph.full_state_dict(_sharded("flat"))
     assert live_gathers == [0, 1, 2]
     assert state["head.weight"].shape == (2, 8)
 

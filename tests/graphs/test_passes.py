@@ -37,12 +37,16 @@ def forward(self, L_self_fsdp_flat_shards_0_ : torch.Tensor, L_x_ : torch.Tensor
     l_self_fsdp_flat_shards_0_ = L_self_fsdp_flat_shards_0_
     l_x_ = L_x_
     flat = torch.ops.fsdp.unshard(l_self_fsdp_flat_shards_0_, '', '0', 4);  l_self_fsdp_flat_shards_0_ = None
-    getitem = flat[slice(0, 9, None)]
-    view = getitem.view((3, 3));  getitem = None
-    matmul = l_x_ @ view;  view = None
-    getitem_1 = flat[slice(0, 9, None)];  flat = None
-    view_1 = getitem_1.view((3, 3));  getitem_1 = None
-    t = view_1.t();  view_1 = None
+    view = flat.view(4, 3)
+    blocks = view[(slice(None, None, None), slice(0, 3, None))];  view = None
+    full = blocks.reshape(4, 3);  blocks = None
+    getitem_1 = full[slice(None, 3, None)];  full = None
+    matmul = l_x_ @ getitem_1;  getitem_1 = None
+    view_1 = flat.view(4, 3);  flat = None
+    blocks_1 = view_1[(slice(None, None, None), slice(0, 3, None))];  view_1 = None
+    full_1 = blocks_1.reshape(4, 3);  blocks_1 = None
+    getitem_3 = full_1[slice(None, 3, None)];  full_1 = None
+    t = getitem_3.t();  getitem_3 = None
     matmul_1 = l_x_ @ t;  l_x_ = t = None
     add = matmul + matmul_1;  matmul = matmul_1 = None
     return (add,)""",
@@ -78,12 +82,16 @@ def forward(self, L_self_fsdp_flat_shards_0_ : torch.Tensor, L_x_ : torch.Tensor
     l_x_ = L_x_
     flat = torch.ops.fsdp.unshard(l_self_fsdp_flat_shards_0_, '', '0', 4);  l_self_fsdp_flat_shards_0_ = None
     detach = flat.detach()
-    getitem = flat[slice(0, 9, None)]
-    view = getitem.view((3, 3));  getitem = None
-    matmul = l_x_ @ view;  view = None
-    getitem_1 = flat[slice(0, 9, None)];  flat = None
-    view_1 = getitem_1.view((3, 3));  getitem_1 = None
-    t = view_1.t();  view_1 = None
+    view = flat.view(4, 3)
+    blocks = view[(slice(None, None, None), slice(0, 3, None))];  view = None
+    full = blocks.reshape(4, 3);  blocks = None
+    getitem_1 = full[slice(None, 3, None)];  full = None
+    matmul = l_x_ @ getitem_1;  getitem_1 = None
+    view_1 = flat.view(4, 3);  flat = None
+    blocks_1 = view_1[(slice(None, None, None), slice(0, 3, None))];  view_1 = None
+    full_1 = blocks_1.reshape(4, 3);  blocks_1 = None
+    getitem_3 = full_1[slice(None, 3, None)];  full_1 = None
+    t = getitem_3.t();  getitem_3 = None
     matmul_1 = l_x_ @ t;  l_x_ = t = None
     add = matmul + matmul_1;  matmul = matmul_1 = None
     return (detach, add)""",
@@ -116,25 +124,30 @@ unshard_2: MUST_SAVE""",
         code(kept.forward),
         """\
 def forward(self, primals_1, primals_2, primals_3, primals_4, primals_5, primals_6, primals_7):
-    slice_1 = torch.ops.aten.slice.Tensor(primals_2, 0, 0, 16)
-    view = torch.ops.aten.view.default(slice_1, [4, 4]);  slice_1 = None
-    slice_2 = torch.ops.aten.slice.Tensor(primals_2, 0, 16, 20);  primals_2 = None
-    view_1 = torch.ops.aten.view.default(slice_2, [4]);  slice_2 = None
-    t = torch.ops.aten.t.default(view);  view = None
-    addmm = torch.ops.aten.addmm.default(view_1, primals_1, t);  view_1 = t = None
+    view = torch.ops.aten.view.default(primals_2, [4, 5]);  primals_2 = None
+    slice_1 = torch.ops.aten.slice.Tensor(view, 1, 0, 4)
+    view_1 = torch.ops.aten.view.default(slice_1, [4, 4]);  slice_1 = None
+    slice_2 = torch.ops.aten.slice.Tensor(view, 1, 4, 5);  view = None
+    view_3 = torch.ops.aten.view.default(slice_2, [4]);  slice_2 = None
+    t = torch.ops.aten.t.default(view_1);  view_1 = None
+    addmm = torch.ops.aten.addmm.default(view_3, primals_1, t);  view_3 = t = None
     relu = torch.ops.aten.relu.default(addmm);  addmm = None
-    slice_3 = torch.ops.aten.slice.Tensor(primals_4, 0, 0, 16)
-    view_2 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
-    slice_4 = torch.ops.aten.slice.Tensor(primals_4, 0, 16, 20)
-    view_3 = torch.ops.aten.view.default(slice_4, [4]);  slice_4 = None
-    t_1 = torch.ops.aten.t.default(view_2);  view_2 = None
-    addmm_1 = torch.ops.aten.addmm.default(view_3, relu, t_1);  view_3 = t_1 = None
+    view_4 = torch.ops.aten.view.default(primals_4, [4, 5])
+    slice_3 = torch.ops.aten.slice.Tensor(view_4, 1, 0, 4)
+    view_5 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
+    slice_4 = torch.ops.aten.slice.Tensor(view_4, 1, 4, 5);  view_4 = None
+    view_7 = torch.ops.aten.view.default(slice_4, [4]);  slice_4 = None
+    t_1 = torch.ops.aten.t.default(view_5);  view_5 = None
+    addmm_1 = torch.ops.aten.addmm.default(view_7, relu, t_1);  view_7 = t_1 = None
     relu_1 = torch.ops.aten.relu.default(addmm_1);  addmm_1 = None
-    slice_5 = torch.ops.aten.slice.Tensor(primals_6, 0, 0, 8)
-    view_4 = torch.ops.aten.view.default(slice_5, [2, 4]);  slice_5 = None
-    t_2 = torch.ops.aten.t.default(view_4);  view_4 = None
+    view_8 = torch.ops.aten.view.default(primals_6, [4, 4])
+    alias = torch.ops.aten.alias.default(view_8);  view_8 = None
+    view_9 = torch.ops.aten.view.default(alias, [4, 4]);  alias = None
+    slice_5 = torch.ops.aten.slice.Tensor(view_9, 0, 0, 2);  view_9 = None
+    t_2 = torch.ops.aten.t.default(slice_5);  slice_5 = None
     mm = torch.ops.aten.mm.default(relu_1, t_2);  t_2 = None
-    return (mm, primals_1, primals_4, primals_5, primals_6, primals_7, relu, relu_1)""",
+    t_10 = torch.ops.aten.t.default(primals_1);  primals_1 = None
+    return (mm, primals_4, primals_5, primals_6, primals_7, relu, relu_1, t_10)""",
     )
 
 
@@ -174,20 +187,26 @@ def test_reshard_full_shard_recomputes_gathers(fake_pg):
         _tags(stages.joint),
         """\
 unshard: MUST_RECOMPUTE
-slice_1: MUST_RECOMPUTE
 view: MUST_RECOMPUTE
-slice_2: MUST_RECOMPUTE
+slice_1: MUST_RECOMPUTE
 view_1: MUST_RECOMPUTE
+view_2: MUST_RECOMPUTE
+slice_2: MUST_RECOMPUTE
+view_3: MUST_RECOMPUTE
 t: MUST_RECOMPUTE
 unshard_1: MUST_RECOMPUTE
+view_4: MUST_RECOMPUTE
 slice_3: MUST_RECOMPUTE
-view_2: MUST_RECOMPUTE
+view_5: MUST_RECOMPUTE
+view_6: MUST_RECOMPUTE
 slice_4: MUST_RECOMPUTE
-view_3: MUST_RECOMPUTE
+view_7: MUST_RECOMPUTE
 t_1: MUST_RECOMPUTE
 unshard_2: MUST_RECOMPUTE
+view_8: MUST_RECOMPUTE
+alias: MUST_RECOMPUTE
+view_9: MUST_RECOMPUTE
 slice_5: MUST_RECOMPUTE
-view_4: MUST_RECOMPUTE
 t_2: MUST_RECOMPUTE
 t_5: MUST_RECOMPUTE
 t_7: MUST_RECOMPUTE""",
@@ -226,27 +245,32 @@ def test_lower_forward(fake_pg):
         """\
 def forward(self, primals_1, primals_2, primals_3, primals_4):
     unshard = torch.ops.fsdp.unshard.default(primals_2, 'blocks.0', '0', 4);  primals_2 = None
-    slice_1 = torch.ops.aten.slice.Tensor(unshard, 0, 0, 16)
-    view = torch.ops.aten.view.default(slice_1, [4, 4]);  slice_1 = None
-    slice_2 = torch.ops.aten.slice.Tensor(unshard, 0, 16, 20);  unshard = None
-    view_1 = torch.ops.aten.view.default(slice_2, [4]);  slice_2 = None
-    t = torch.ops.aten.t.default(view);  view = None
-    addmm = torch.ops.aten.addmm.default(view_1, primals_1, t);  view_1 = t = None
+    view = torch.ops.aten.view.default(unshard, [4, 5]);  unshard = None
+    slice_1 = torch.ops.aten.slice.Tensor(view, 1, 0, 4)
+    view_1 = torch.ops.aten.view.default(slice_1, [4, 4]);  slice_1 = None
+    slice_2 = torch.ops.aten.slice.Tensor(view, 1, 4, 5);  view = None
+    view_3 = torch.ops.aten.view.default(slice_2, [4]);  slice_2 = None
+    t = torch.ops.aten.t.default(view_1);  view_1 = None
+    addmm = torch.ops.aten.addmm.default(view_3, primals_1, t);  view_3 = t = None
     relu = torch.ops.aten.relu.default(addmm);  addmm = None
     unshard_1 = torch.ops.fsdp.unshard.default(primals_3, 'blocks.1', '0', 4)
-    slice_3 = torch.ops.aten.slice.Tensor(unshard_1, 0, 0, 16)
-    view_2 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
-    slice_4 = torch.ops.aten.slice.Tensor(unshard_1, 0, 16, 20);  unshard_1 = None
-    view_3 = torch.ops.aten.view.default(slice_4, [4]);  slice_4 = None
-    t_1 = torch.ops.aten.t.default(view_2);  view_2 = None
-    addmm_1 = torch.ops.aten.addmm.default(view_3, relu, t_1);  view_3 = t_1 = None
+    view_4 = torch.ops.aten.view.default(unshard_1, [4, 5]);  unshard_1 = None
+    slice_3 = torch.ops.aten.slice.Tensor(view_4, 1, 0, 4)
+    view_5 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
+    slice_4 = torch.ops.aten.slice.Tensor(view_4, 1, 4, 5);  view_4 = None
+    view_7 = torch.ops.aten.view.default(slice_4, [4]);  slice_4 = None
+    t_1 = torch.ops.aten.t.default(view_5);  view_5 = None
+    addmm_1 = torch.ops.aten.addmm.default(view_7, relu, t_1);  view_7 = t_1 = None
     relu_1 = torch.ops.aten.relu.default(addmm_1);  addmm_1 = None
     unshard_2 = torch.ops.fsdp.unshard.default(primals_4, '', '0', 4)
-    slice_5 = torch.ops.aten.slice.Tensor(unshard_2, 0, 0, 8);  unshard_2 = None
-    view_4 = torch.ops.aten.view.default(slice_5, [2, 4]);  slice_5 = None
-    t_2 = torch.ops.aten.t.default(view_4);  view_4 = None
+    view_8 = torch.ops.aten.view.default(unshard_2, [4, 4]);  unshard_2 = None
+    alias = torch.ops.aten.alias.default(view_8);  view_8 = None
+    view_9 = torch.ops.aten.view.default(alias, [4, 4]);  alias = None
+    slice_5 = torch.ops.aten.slice.Tensor(view_9, 0, 0, 2);  view_9 = None
+    t_2 = torch.ops.aten.t.default(slice_5);  slice_5 = None
     mm = torch.ops.aten.mm.default(relu_1, t_2);  t_2 = None
-    return (mm, primals_1, primals_3, primals_4, relu, relu_1)""",
+    t_10 = torch.ops.aten.t.default(primals_1);  primals_1 = None
+    return (mm, primals_3, primals_4, relu, relu_1, t_10)""",
     )
     lower_fsdp_ops(fw)
     assert_expected_inline(
@@ -255,29 +279,34 @@ def forward(self, primals_1, primals_2, primals_3, primals_4):
 def forward(self, primals_1, primals_2, primals_3, primals_4):
     all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_2, 4, '0');  primals_2 = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
-    slice_1 = torch.ops.aten.slice.Tensor(wait_tensor_default, 0, 0, 16)
-    view = torch.ops.aten.view.default(slice_1, [4, 4]);  slice_1 = None
-    slice_2 = torch.ops.aten.slice.Tensor(wait_tensor_default, 0, 16, 20);  wait_tensor_default = None
-    view_1 = torch.ops.aten.view.default(slice_2, [4]);  slice_2 = None
-    t = torch.ops.aten.t.default(view);  view = None
-    addmm = torch.ops.aten.addmm.default(view_1, primals_1, t);  view_1 = t = None
+    view = torch.ops.aten.view.default(wait_tensor_default, [4, 5]);  wait_tensor_default = None
+    slice_1 = torch.ops.aten.slice.Tensor(view, 1, 0, 4)
+    view_1 = torch.ops.aten.view.default(slice_1, [4, 4]);  slice_1 = None
+    slice_2 = torch.ops.aten.slice.Tensor(view, 1, 4, 5);  view = None
+    view_3 = torch.ops.aten.view.default(slice_2, [4]);  slice_2 = None
+    t = torch.ops.aten.t.default(view_1);  view_1 = None
+    addmm = torch.ops.aten.addmm.default(view_3, primals_1, t);  view_3 = t = None
     relu = torch.ops.aten.relu.default(addmm);  addmm = None
     all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_3, 4, '0')
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1);  all_gather_into_tensor_default_1 = None
-    slice_3 = torch.ops.aten.slice.Tensor(wait_tensor_default_1, 0, 0, 16)
-    view_2 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
-    slice_4 = torch.ops.aten.slice.Tensor(wait_tensor_default_1, 0, 16, 20);  wait_tensor_default_1 = None
-    view_3 = torch.ops.aten.view.default(slice_4, [4]);  slice_4 = None
-    t_1 = torch.ops.aten.t.default(view_2);  view_2 = None
-    addmm_1 = torch.ops.aten.addmm.default(view_3, relu, t_1);  view_3 = t_1 = None
+    view_4 = torch.ops.aten.view.default(wait_tensor_default_1, [4, 5]);  wait_tensor_default_1 = None
+    slice_3 = torch.ops.aten.slice.Tensor(view_4, 1, 0, 4)
+    view_5 = torch.ops.aten.view.default(slice_3, [4, 4]);  slice_3 = None
+    slice_4 = torch.ops.aten.slice.Tensor(view_4, 1, 4, 5);  view_4 = None
+    view_7 = torch.ops.aten.view.default(slice_4, [4]);  slice_4 = None
+    t_1 = torch.ops.aten.t.default(view_5);  view_5 = None
+    addmm_1 = torch.ops.aten.addmm.default(view_7, relu, t_1);  view_7 = t_1 = None
     relu_1 = torch.ops.aten.relu.default(addmm_1);  addmm_1 = None
     all_gather_into_tensor_default_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_4, 4, '0')
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_2);  all_gather_into_tensor_default_2 = None
-    slice_5 = torch.ops.aten.slice.Tensor(wait_tensor_default_2, 0, 0, 8);  wait_tensor_default_2 = None
-    view_4 = torch.ops.aten.view.default(slice_5, [2, 4]);  slice_5 = None
-    t_2 = torch.ops.aten.t.default(view_4);  view_4 = None
+    view_8 = torch.ops.aten.view.default(wait_tensor_default_2, [4, 4]);  wait_tensor_default_2 = None
+    alias = torch.ops.aten.alias.default(view_8);  view_8 = None
+    view_9 = torch.ops.aten.view.default(alias, [4, 4]);  alias = None
+    slice_5 = torch.ops.aten.slice.Tensor(view_9, 0, 0, 2);  view_9 = None
+    t_2 = torch.ops.aten.t.default(slice_5);  slice_5 = None
     mm = torch.ops.aten.mm.default(relu_1, t_2);  t_2 = None
-    return (mm, primals_1, primals_3, primals_4, relu, relu_1)""",
+    t_10 = torch.ops.aten.t.default(primals_1);  primals_1 = None
+    return (mm, primals_3, primals_4, relu, relu_1, t_10)""",
     )
     assert _count(fw, UNSHARD_TARGETS) == 0 and _count(fw, (ALL_GATHER,)) == 3 and _count(fw, (WAIT,)) == 3
     assert {n.meta.get("fsdp_unit") for n in fw.graph.nodes if n.target is ALL_GATHER} == {"", "blocks.0", "blocks.1"}
@@ -291,15 +320,16 @@ def test_lower_backward(fake_pg):
     assert_expected_inline(
         code(bw),
         """\
-def forward(self, primals_1, relu, relu_1, t_5, t_7, tangents_1):
+def forward(self, relu, relu_1, t_5, t_7, t_10, tangents_1):
     t_3 = torch.ops.aten.t.default(tangents_1)
     mm_1 = torch.ops.aten.mm.default(t_3, relu_1);  t_3 = None
     t_4 = torch.ops.aten.t.default(mm_1);  mm_1 = None
     mm_2 = torch.ops.aten.mm.default(tangents_1, t_5);  tangents_1 = t_5 = None
     t_6 = torch.ops.aten.t.default(t_4);  t_4 = None
-    view_5 = torch.ops.aten.view.default(t_6, [8]);  t_6 = None
-    slice_backward = torch.ops.aten.slice_backward.default(view_5, [8], 0, 0, 8, 1);  view_5 = None
-    div_tensor = torch.ops.aten.div.Tensor(slice_backward, 2);  slice_backward = None
+    slice_backward = torch.ops.aten.slice_backward.default(t_6, [4, 4], 0, 0, 2, 1);  t_6 = None
+    view_10 = torch.ops.aten.view.default(slice_backward, [4, 4]);  slice_backward = None
+    view_11 = torch.ops.aten.view.default(view_10, [16]);  view_10 = None
+    div_tensor = torch.ops.aten.div.Tensor(view_11, 2);  view_11 = None
     reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 4, '0');  div_tensor = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
     div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default, 2);  wait_tensor_default = None
@@ -307,17 +337,18 @@ def forward(self, primals_1, relu, relu_1, t_5, t_7, tangents_1):
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
     mm_3 = torch.ops.aten.mm.default(threshold_backward, t_7);  t_7 = None
-    t_8 = torch.ops.aten.t.default(threshold_backward)
-    mm_4 = torch.ops.aten.mm.default(t_8, relu);  t_8 = None
-    t_9 = torch.ops.aten.t.default(mm_4);  mm_4 = None
+    t_8 = torch.ops.aten.t.default(relu)
+    mm_4 = torch.ops.aten.mm.default(t_8, threshold_backward);  t_8 = None
     sum_1 = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True);  threshold_backward = None
-    view_6 = torch.ops.aten.view.default(sum_1, [4]);  sum_1 = None
-    t_10 = torch.ops.aten.t.default(t_9);  t_9 = None
-    view_7 = torch.ops.aten.view.default(view_6, [4]);  view_6 = None
-    slice_backward_1 = torch.ops.aten.slice_backward.default(view_7, [20], 0, 16, 20, 1);  view_7 = None
-    view_8 = torch.ops.aten.view.default(t_10, [16]);  t_10 = None
-    slice_backward_2 = torch.ops.aten.slice_backward.default(view_8, [20], 0, 0, 16, 1);  view_8 = None
-    add = torch.ops.aten.add.Tensor(slice_backward_1, slice_backward_2);  slice_backward_1 = slice_backward_2 = None
+    view_12 = torch.ops.aten.view.default(sum_1, [4]);  sum_1 = None
+    t_9 = torch.ops.aten.t.default(mm_4);  mm_4 = None
+    view_13 = torch.ops.aten.view.default(view_12, [4, 1]);  view_12 = None
+    slice_backward_1 = torch.ops.aten.slice_backward.default(view_13, [4, 5], 1, 4, 5, 1);  view_13 = None
+    view_14 = torch.ops.aten.view.default(slice_backward_1, [20]);  slice_backward_1 = None
+    view_15 = torch.ops.aten.view.default(t_9, [4, 4]);  t_9 = None
+    slice_backward_2 = torch.ops.aten.slice_backward.default(view_15, [4, 5], 1, 0, 4, 1);  view_15 = None
+    view_16 = torch.ops.aten.view.default(slice_backward_2, [20]);  slice_backward_2 = None
+    add = torch.ops.aten.add.Tensor(view_14, view_16);  view_14 = view_16 = None
     div_tensor_2 = torch.ops.aten.div.Tensor(add, 2);  add = None
     reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_2, 'sum', 4, '0');  div_tensor_2 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
@@ -325,17 +356,17 @@ def forward(self, primals_1, relu, relu_1, t_5, t_7, tangents_1):
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
-    t_11 = torch.ops.aten.t.default(threshold_backward_1)
-    mm_5 = torch.ops.aten.mm.default(t_11, primals_1);  t_11 = primals_1 = None
-    t_12 = torch.ops.aten.t.default(mm_5);  mm_5 = None
+    mm_5 = torch.ops.aten.mm.default(t_10, threshold_backward_1);  t_10 = None
     sum_2 = torch.ops.aten.sum.dim_IntList(threshold_backward_1, [0], True);  threshold_backward_1 = None
-    view_9 = torch.ops.aten.view.default(sum_2, [4]);  sum_2 = None
-    t_13 = torch.ops.aten.t.default(t_12);  t_12 = None
-    view_10 = torch.ops.aten.view.default(view_9, [4]);  view_9 = None
-    slice_backward_3 = torch.ops.aten.slice_backward.default(view_10, [20], 0, 16, 20, 1);  view_10 = None
-    view_11 = torch.ops.aten.view.default(t_13, [16]);  t_13 = None
-    slice_backward_4 = torch.ops.aten.slice_backward.default(view_11, [20], 0, 0, 16, 1);  view_11 = None
-    add_1 = torch.ops.aten.add.Tensor(slice_backward_3, slice_backward_4);  slice_backward_3 = slice_backward_4 = None
+    view_17 = torch.ops.aten.view.default(sum_2, [4]);  sum_2 = None
+    t_11 = torch.ops.aten.t.default(mm_5);  mm_5 = None
+    view_18 = torch.ops.aten.view.default(view_17, [4, 1]);  view_17 = None
+    slice_backward_3 = torch.ops.aten.slice_backward.default(view_18, [4, 5], 1, 4, 5, 1);  view_18 = None
+    view_19 = torch.ops.aten.view.default(slice_backward_3, [20]);  slice_backward_3 = None
+    view_20 = torch.ops.aten.view.default(t_11, [4, 4]);  t_11 = None
+    slice_backward_4 = torch.ops.aten.slice_backward.default(view_20, [4, 5], 1, 0, 4, 1);  view_20 = None
+    view_21 = torch.ops.aten.view.default(slice_backward_4, [20]);  slice_backward_4 = None
+    add_1 = torch.ops.aten.add.Tensor(view_19, view_21);  view_19 = view_21 = None
     div_tensor_4 = torch.ops.aten.div.Tensor(add_1, 2);  add_1 = None
     reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_4, 'sum', 4, '0');  div_tensor_4 = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
@@ -366,9 +397,11 @@ def forward(self, primals_1, primals_2):
     device_put_default = torch.ops.prims.device_put.default(primals_2, device(type='cpu'), True);  primals_2 = None
     all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(device_put_default, 4, '0');  device_put_default = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
-    slice_1 = torch.ops.aten.slice.Tensor(wait_tensor_default, 0, 0, 8);  wait_tensor_default = None
-    view = torch.ops.aten.view.default(slice_1, [2, 4]);  slice_1 = None
-    t = torch.ops.aten.t.default(view);  view = None
+    view = torch.ops.aten.view.default(wait_tensor_default, [4, 4]);  wait_tensor_default = None
+    alias = torch.ops.aten.alias.default(view);  view = None
+    view_1 = torch.ops.aten.view.default(alias, [4, 4]);  alias = None
+    slice_1 = torch.ops.aten.slice.Tensor(view_1, 0, 0, 2);  view_1 = None
+    t = torch.ops.aten.t.default(slice_1);  slice_1 = None
     mm = torch.ops.aten.mm.default(primals_1, t);  t = None
     return (mm, primals_1)""",
     )
@@ -380,9 +413,10 @@ def forward(self, primals_1, tangents_1):
     mm_1 = torch.ops.aten.mm.default(t_1, primals_1);  t_1 = primals_1 = None
     t_2 = torch.ops.aten.t.default(mm_1);  mm_1 = None
     t_3 = torch.ops.aten.t.default(t_2);  t_2 = None
-    view_1 = torch.ops.aten.view.default(t_3, [8]);  t_3 = None
-    slice_backward = torch.ops.aten.slice_backward.default(view_1, [8], 0, 0, 8, 1);  view_1 = None
-    div_tensor = torch.ops.aten.div.Tensor(slice_backward, 2);  slice_backward = None
+    slice_backward = torch.ops.aten.slice_backward.default(t_3, [4, 4], 0, 0, 2, 1);  t_3 = None
+    view_2 = torch.ops.aten.view.default(slice_backward, [4, 4]);  slice_backward = None
+    view_3 = torch.ops.aten.view.default(view_2, [16]);  view_2 = None
+    div_tensor = torch.ops.aten.div.Tensor(view_3, 2);  view_3 = None
     reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 4, '0');  div_tensor = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
     div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default, 2);  wait_tensor_default = None
@@ -403,9 +437,10 @@ def forward(self, primals_1, tangents_1):
     mm_1 = torch.ops.aten.mm.default(t_1, primals_1);  t_1 = primals_1 = None
     t_2 = torch.ops.aten.t.default(mm_1);  mm_1 = None
     t_3 = torch.ops.aten.t.default(t_2);  t_2 = None
-    view_1 = torch.ops.aten.view.default(t_3, [8]);  t_3 = None
-    slice_backward = torch.ops.aten.slice_backward.default(view_1, [8], 0, 0, 8, 1);  view_1 = None
-    return (None, slice_backward, None)""",
+    slice_backward = torch.ops.aten.slice_backward.default(t_3, [4, 4], 0, 0, 2, 1);  t_3 = None
+    view_2 = torch.ops.aten.view.default(slice_backward, [4, 4]);  slice_backward = None
+    view_3 = torch.ops.aten.view.default(view_2, [16]);  view_2 = None
+    return (None, view_3, None)""",
     )
     fsdp_graph.set_requires_gradient_sync(model, True)
     reducing = aot_stages(model, torch.randn(3, 4), tag=tag_reshard).backward
@@ -417,9 +452,10 @@ def forward(self, primals_1, primals_3, tangents_1):
     mm_1 = torch.ops.aten.mm.default(t_1, primals_1);  t_1 = primals_1 = None
     t_2 = torch.ops.aten.t.default(mm_1);  mm_1 = None
     t_3 = torch.ops.aten.t.default(t_2);  t_2 = None
-    view_1 = torch.ops.aten.view.default(t_3, [8]);  t_3 = None
-    slice_backward = torch.ops.aten.slice_backward.default(view_1, [8], 0, 0, 8, 1);  view_1 = None
-    add = torch.ops.aten.add.Tensor(slice_backward, primals_3);  slice_backward = primals_3 = None
+    slice_backward = torch.ops.aten.slice_backward.default(t_3, [4, 4], 0, 0, 2, 1);  t_3 = None
+    view_2 = torch.ops.aten.view.default(slice_backward, [4, 4]);  slice_backward = None
+    view_3 = torch.ops.aten.view.default(view_2, [16]);  view_2 = None
+    add = torch.ops.aten.add.Tensor(view_3, primals_3);  view_3 = primals_3 = None
     div_tensor = torch.ops.aten.div.Tensor(add, 2);  add = None
     reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 4, '0');  div_tensor = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None

@@ -41,14 +41,16 @@ def test_layout_padding_and_ranges():
     assert last.shard_of([torch.arange(6.0).view(3, 2), torch.arange(5.0)]).tolist() == [3, 4, 0]
 
 
-def test_shards_cover_every_parameter_once(fake_pg):
-    """Rank views tile each parameter exactly: concatenating all ranks' slices rebuilds it."""
+@pytest.mark.parametrize("layout", ["flat", "rows"])
+def test_shards_cover_every_parameter_once(fake_pg, layout):
+    """Rank views tile each parameter exactly: concatenating all ranks' pieces rebuilds it (flat: 1-D slices of the
+    flattened parameter; rows: dim-0 blocks, the parameter itself)."""
     torch.manual_seed(0)
     ref = OddMLP()
-    pieces = [dict(_shard_as_rank(copy.deepcopy(ref), rank).named_parameters()) for rank in range(4)]
+    pieces = [dict(_shard_as_rank(copy.deepcopy(ref), rank, layout=layout).named_parameters()) for rank in range(4)]
     for name, p in ref.named_parameters():
         rebuilt = torch.cat([pieces[r][name].detach() for r in range(4)])
-        assert torch.equal(rebuilt, p.detach().reshape(-1)), name
+        assert torch.equal(rebuilt, p.detach() if layout == "rows" else p.detach().reshape(-1)), name
 
 
 def _shard_as_rank(model: nn.Module, rank: int, **kwargs) -> nn.Module:
@@ -109,7 +111,7 @@ def test_outside_forward_parameters_are_shards_and_free(fake_pg):
         w = model.blocks[0].weight
         params = list(model.parameters())
     assert ops.calls == []
-    assert w.dim() == 1 and isinstance(w, nn.Parameter) and w is params[0]
+    assert w.shape == (1, 4) and isinstance(w, nn.Parameter) and w is params[0]  # its Shard(0) block: 1 of 4 rows
     flat = model.blocks[0]._fsdp_flat_shards[0]
     assert w.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # a view: optimizer updates land
 
@@ -221,7 +223,7 @@ def test_meta_device_materialises_only_this_ranks_shard(fake_pg):
         )  # each rank keeps a quarter
         pieces.append(dict(sharded.named_parameters()))
     for name, p in ref.named_parameters():
-        assert torch.equal(torch.cat([pieces[r][name].detach() for r in range(4)]), p.detach().reshape(-1)), name
+        assert torch.equal(torch.cat([pieces[r][name].detach() for r in range(4)]), p.detach()), name  # rows
 
 
 def test_meta_buffers_without_param_init_fn_use_reset_parameters(fake_pg):
