@@ -73,11 +73,12 @@ def fully_shard(
     - `separate_reduce_group`: reduce gradients over a second process group with the shard group's ranks, so a
       reduce-scatter and a prefetched all-gather can run at the same time (NCCL runs one stream per group). Off by
       default: the overlap it buys is unmeasured, and each rank then holds a second communicator (its buffers).
-    - `layout`: what a rank's shard of a unit holds, and so what the optimizer sees. "flat" (FSDP1): a contiguous
-      1/world range of the unit's concatenated parameters; each parameter is a 1-D slice, possibly empty. "rows"
-      (FSDP2): each parameter's `Shard(0)` row block (torch.chunk: the last ranks may hold fewer rows or none) with
-      its trailing dims, so `p.ndim`, row-wise optimizers and DTensor state dicts work; still one all-gather per
-      unit, plus a copy of each parameter out of the gathered flat. 0-dim parameters need "flat".
+    - `layout`: what a rank's shard of a unit holds, and so what the optimizer sees. "rows" (the default, FSDP2):
+      each parameter's `Shard(0)` row block (torch.chunk: the last ranks may hold fewer rows or none) with its
+      trailing dims, so `p.ndim`, row-wise optimizers and DTensor state dicts work; still one all-gather per unit,
+      plus a copy of each parameter out of the gathered flat. "flat" (FSDP1): a contiguous 1/world range of the
+      unit's concatenated parameters; each parameter is a 1-D slice, possibly empty; no copy, and padding per unit
+      rather than per parameter. 0-dim parameters need "flat".
     """
     if layout not in LAYOUTS:
         raise ValueError(f"fully_shard: layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
