@@ -12,7 +12,7 @@ import fsdp_graph
 from fsdp_graph.planning.measure import executed_collectives
 from fsdp_graph.runtime.unit import flat_params, sharded_units
 from tests.workers.eager_reshard import DeepMLP, generate
-from tests.workers.training import Case, full_grads, shard_and_compile
+from tests.workers.training import Case, full_grads, is_shard_view, shard_and_compile
 
 
 def _sharded(mode: str) -> tuple[DeepMLP, DeepMLP, nn.Module, object]:
@@ -55,9 +55,9 @@ def unshard_reshard(rank: int, world: int, mode: str) -> dict[str, float]:
             (block[0].weight - ref_block[0].weight).abs().max().item(),
             (block[0].bias - ref_block[0].bias).abs().max().item(),
         )
-        out[f"others_sharded_{step}"] = float(model.blocks[step + 1][0].weight.dim() == 1)
+        out[f"others_sharded_{step}"] = float(is_shard_view(model, model.blocks[step + 1][0].weight))
         block.reshard()
-        out[f"resharded_{step}"] = float(block[0].weight.dim() == 1 and not model._fsdp_root.unsharded)
+        out[f"resharded_{step}"] = float(is_shard_view(model, block[0].weight) and not model._fsdp_root.unsharded)
     out["graphs"] = float(backend.dynamo_graphs if backend else 0)
     return out
 
@@ -87,17 +87,19 @@ def forward_method(rank: int, world: int) -> dict[str, float]:
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(7))
     model.generate = types.MethodType(generate, model)
     out = {}
-    try:
-        model.generate(x)
-        out["unregistered_fails"] = 0.0
-    except RuntimeError:  # the head's weight is this rank's 1-D shard outside forward
-        out["unregistered_fails"] = 1.0
+    with torch.no_grad():
+        expected = generate(ref, x)
+        try:  # the head's parameters are this rank's shards outside forward: an error, or a wrong result
+            got = model.generate(x)
+            out["unregistered_wrong"] = float(got.shape != expected.shape or not torch.allclose(got, expected))
+        except RuntimeError:
+            out["unregistered_wrong"] = 1.0
     fsdp_graph.register_fsdp_forward_method(model, "generate")
     with torch.no_grad():
-        out["diff"] = (model.generate(x) - generate(ref, x)).abs().max().item()
+        out["diff"] = (model.generate(x) - expected).abs().max().item()
     root = model._fsdp_root
     out["closed"] = float(root.forward_depth == 0 and not root.gathered and root.session is None)
-    out["sharded_after"] = float(model.head.weight.dim() == 1)
+    out["sharded_after"] = float(is_shard_view(model, model.head.weight))
     return out
 
 

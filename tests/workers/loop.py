@@ -7,7 +7,7 @@ import copy
 import torch
 
 import fsdp_graph
-from tests.workers.training import Case, build, full_grads, max_param_diff, run_case, shard_and_compile
+from tests.workers.training import Case, build, full_grads, is_shard_view, max_param_diff, run_case, shard_and_compile
 
 
 def clip_matches_pytorch(rank: int, world: int, strategy: str, mode: str) -> dict[str, float]:
@@ -51,9 +51,9 @@ def summon_checks(rank: int, world: int) -> dict[str, float]:
     with torch.no_grad():
         ref.blocks[0].fc.weight.mul_(2.0)
     out["after_writeback"] = max_param_diff(model, ref)
-    out["sharded_again"] = float(model.blocks[0].fc.weight.dim() == 1)
+    out["sharded_again"] = float(is_shard_view(model, model.blocks[0].fc.weight))
     with fsdp_graph.summon_full_params(model, rank0_only=True, writeback=False, offload_to_cpu=True):
-        out["rank0_only_full"] = float(model.blocks[0].fc.weight.dim() == 2)
+        out["rank0_only_full"] = float(model.blocks[0].fc.weight.shape == ref.blocks[0].fc.weight.shape)
     return out
 
 

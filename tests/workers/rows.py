@@ -88,12 +88,13 @@ def reference(world: int) -> dict:
     }
 
 
-def train_rows(rank: int, world: int, mode: str, layout: str = "rows") -> dict:
+def train_rows(rank: int, world: int, mode: str, layout: str | None = None) -> dict:
     """STEPS steps of the sharded model (`mode`: "eager", "compiled" with eager kernels, or "bucketed": compiled
     with every unit's gathers and reductions in one bucket each way, whose copy-out feeds the rows copy-out); what
-    the optimizer saw, the state dict's shape and values, and what `model.state_dict()` communicated."""
+    the optimizer saw, the state dict's shape and values, and what `model.state_dict()` communicated. `layout`:
+    None is fully_shard's default (rows)."""
     torch.manual_seed(0)
-    model = fsdp_graph.fully_shard(RowsModel(), layout=layout)
+    model = fsdp_graph.fully_shard(RowsModel(), **({} if layout is None else {"layout": layout}))
     shapes = {n: (tuple(p.shape), p.ndim) for n, p in model.named_parameters()}
     optimizer = _optimizer(model)
     run = model

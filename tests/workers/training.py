@@ -284,6 +284,13 @@ def run_cases(rank: int, world: int, cases: list[Case]) -> list[CaseResult]:
     return [run_case(c, rank, world) for c in cases]
 
 
+def is_shard_view(model: nn.Module, param: torch.Tensor) -> bool:
+    """Whether `param` (read from its module) is the sharded `nn.Parameter` the optimizer holds, under either layout
+    (a 1-D slice with "flat", a row block with "rows", which may have the full shape on a rank holding every row),
+    rather than an unsharded parameter."""
+    return any(param is view for state in fsdp_graph.runtime.unit.flat_params(model) for view in state.views)
+
+
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every original parameter's full gradient, reassembled from the ranks' sharded `.grad` views."""
     out = {}
@@ -295,7 +302,7 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
         for slot, view in zip(layout.slots, state.views):
             lo, hi = layout.local_range(slot)
             if view.grad is not None:
-                local[lo:hi] = view.grad
+                local[lo:hi] = view.grad.reshape(-1)  # 1-D (flat) or the (rows, *trailing) row block (rows)
         full = torch.empty(layout.padded_numel)
         if state.world == 1:
             full = local
