@@ -73,9 +73,10 @@ def _saved_gathers(fw_graph) -> list[tuple[list[int], int]]:
 def test_int_gathers_a_piece_saves_it_and_regathers_within_the_node(fake_pg):
     """World 4, k=2, rank 0: node groups {0,1} {2,3}, piece groups {0,2} {1,3}. The forward gathers the piece over
     [0, 2], then the pieces over [0, 1]; it saves only the 1/2 pieces; the backward gathers them over [0, 1] and
-    reduce-scatters over all 4 ranks. blocks.0 is not re-gathered (its input needs no gradient)."""
+    reduce-scatters over all 4 ranks. blocks.0 is not re-gathered (its input needs no gradient). The flat layout
+    (its sizes are the unit's, padded by under one element per rank); the default rows layout is the next test."""
     torch.manual_seed(0)
-    model = fsdp_graph.fully_shard(TwoBlock(), reshard_after_forward=2)
+    model = fsdp_graph.fully_shard(TwoBlock(), reshard_after_forward=2, layout="flat")
     states = flat_params(model)
     assert [(s.world, s.post_forward_world, s.reshard_after_forward) for s in states] == [(4, 2, True)] * 3
     assert {(tuple(_ranks(s.piece_group)), tuple(_ranks(s.post_forward_group))) for s in states} == {((0, 2), (0, 1))}
@@ -131,7 +132,7 @@ def test_fast_path_arguments_carry_the_post_forward_fields(fake_pg):
 
 def test_int_with_the_rows_layout_reorders_before_the_copy_out(fake_pg):
     torch.manual_seed(0)
-    model = fsdp_graph.fully_shard(TwoBlock(8), reshard_after_forward=2, layout="rows")
+    model = fsdp_graph.fully_shard(TwoBlock(8), reshard_after_forward=2)  # the default layout, rows
     reports = _compile(model, torch.randn(2, 8, requires_grad=True))
     assert reports["fw"].collectives.counts == {"all_gather": 6}
     assert reports["bw"].collectives.counts == {"all_gather": 3, "reduce_scatter": 3}
