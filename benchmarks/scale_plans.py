@@ -9,6 +9,9 @@ wrap (blocks, embedding, head) and FULL_SHARD, one sequence of 2048 tokens per r
 log_softmax (cross_entropy has no meta autograd kernel), `explain(hardware=...)`. bf16 is `MixedPrecision(bf16
 params, fp32 reduce)` over fp32 master shards; fp32 is no mixed precision. One process per plan: Dynamo's caches
 and the previous model's graphs would otherwise pile up over 24 plans.
+
+A model deeper than 6 layers is planned with `fsdp_graph.explain_by_depth` from the same model at 4, 5 and 6
+layers (every figure checked to be linear in depth, then extrapolated); `--whole` plans every layer instead.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 MODELS = ("8b", "70b", "405b")
 WORLDS = (8, 64, 512, 1024)
 DTYPES = ("bf16", "fp32")
+DEPTH_SAMPLES = (4, 5, 6)  # explain_by_depth's depths for a deeper model (--whole: plan every layer)
 LAYOUTS = ("rows", "flat")  # fully_shard(layout=...): row blocks with a copy-out, or the zero-copy flat views
 BATCH, SEQ = 1, 2048
 ADAM_STATE_PER_PARAM = 8  # AdamW's exp_avg and exp_avg_sq, fp32, per element of the rank's shard
@@ -55,6 +59,7 @@ class PlanRow:
     hardware: str
     plan_seconds: float  # build on meta + fully_shard + explain, on this machine (wall)
     plan_cpu_seconds: float  # the same, this process's CPU time (less sensitive to the shared machine's load)
+    method: str = "whole"  # "whole": explain() of the model; "4,5,6": explain_by_depth from those depths
 
     @property
     def zero3_bytes(self) -> float:
@@ -91,62 +96,66 @@ def plan(
     batch: int = BATCH,
     seq: int = SEQ,
     vocab: int | None = None,
+    samples: tuple[int, ...] | None = DEPTH_SAMPLES,
 ) -> PlanRow:
-    """Plan one configuration in this process (it starts and ends a fake process group of `world` ranks)."""
+    """Plan one configuration in this process (it starts and ends a fake process group of `world` ranks): the
+    whole model, or with `samples` (and a model deeper than them) `explain_by_depth` from plans at those depths."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import fsdp_graph
+    from fsdp_graph.planning.depth import figures_of
     from fsdp_graph.train.llama import LLAMA3_VOCAB, Llama, preset
-    from passes.cost import collective_cost, iter_collectives
 
     cfg = preset(model, vocab=vocab or LLAMA3_VOCAB, seq=seq)
     hw = hardware_for(world)
     mp = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" else None
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        start, cpu_start = time.perf_counter(), time.process_time()
+
+    def explain_at(layers: int) -> fsdp_graph.ExplainReport:
         with torch.device("meta"):
-            llama = Llama(cfg)
-        fsdp_graph.fully_shard(
-            llama, device="meta", param_init_fn=llama.init_module, mixed_precision=mp, layout=layout
-        )
+            llama = Llama(replace(cfg, layers=layers))
+        fsdp_graph.fully_shard(llama, device="meta", param_init_fn=llama.init_module, mixed_precision=mp, layout=layout)
         idx = torch.zeros(batch, seq, dtype=torch.long, device="meta")
 
         def lm_loss(logits: torch.Tensor) -> torch.Tensor:
             return -logits.float().log_softmax(-1).gather(-1, idx.unsqueeze(-1)).mean()
 
-        report = fsdp_graph.explain(llama, idx, loss_fn=lm_loss, hardware=hw)
+        return fsdp_graph.explain(llama, idx, loss_fn=lm_loss, hardware=hw)
+
+    by_depth = samples is not None and cfg.layers > max(samples)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        if by_depth:
+            figures = fsdp_graph.explain_by_depth(explain_at, cfg.layers, samples).figures
+        else:
+            figures = figures_of(explain_at(cfg.layers))
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     finally:
         dist.destroy_process_group()
-    comm = 0.0
-    for graph in report.graphs:
-        for node, kind, _ in iter_collectives(graph.graph):
-            n, payload, _ = collective_cost(node, report.hardware, world, report.group_sizes)
-            comm += payload * (n - 1) / n * (2 if kind == "all_reduce" else 1) if n > 1 else 0.0
-    shard_bytes = sum(r.shard_bytes for r in report.units)
+    shard_bytes = round(figures["shard_bytes"])
     elem = 2 if dtype == "bf16" else 4
     return PlanRow(
         model=model,
         world=world,
         dtype=dtype,
         layout=layout,
-        params=sum(r.params for r in report.units),
+        params=round(figures["params"]),
         param_bytes=shard_bytes,
         grad_bytes=shard_bytes,
         optim_bytes=shard_bytes // 4 * ADAM_STATE_PER_PARAM,
-        largest_unit_bytes=max(r.unsharded_bytes for r in report.units),
+        largest_unit_bytes=round(figures["largest_unit_bytes"]),
         activation_bytes=activation_estimate(
             cfg.dim, cfg.kv_heads * cfg.head_dim, cfg.hidden, cfg.layers, cfg.vocab, batch * seq, elem
         ),
-        peak_bytes=report.peak_memory_bytes + shard_bytes // 4 * ADAM_STATE_PER_PARAM,
-        comm_bytes=comm,
-        step_seconds=report.step_time,
+        peak_bytes=round(figures["peak_memory_bytes"]) + shard_bytes // 4 * ADAM_STATE_PER_PARAM,
+        comm_bytes=figures["sent_bytes"],
+        step_seconds=figures["step_time"],
         hardware=hw,
         plan_seconds=seconds,
         plan_cpu_seconds=cpu_seconds,
+        method=",".join(map(str, samples)) if by_depth else "whole",
     )
 
 
@@ -154,8 +163,8 @@ def format_table(rows: Iterable[PlanRow]) -> str:
     """A Markdown table, GiB per rank."""
     header = (
         "| model | ranks | dtype | layout | params/rank | grads/rank | AdamW/rank | largest unit | predicted peak | "
-        "ZeRO-3 formula | peak / formula | sent/rank/step | step (hardware) | plan time (CPU) |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "ZeRO-3 formula | peak / formula | sent/rank/step | step (hardware) | planned from | plan time (CPU) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
@@ -163,13 +172,17 @@ def format_table(rows: Iterable[PlanRow]) -> str:
             f"| {r.model} | {r.world} | {r.dtype} | {r.layout} | {r.param_bytes / GIB:.2f} | {r.grad_bytes / GIB:.2f} | "
             f"{r.optim_bytes / GIB:.2f} | {r.largest_unit_bytes / GIB:.2f} | {r.peak_bytes / GIB:.2f} | "
             f"{r.zero3_bytes / GIB:.2f} | {r.peak_bytes / r.zero3_bytes:.2f} | {r.comm_bytes / GIB:.1f} | "
-            f"{r.step_seconds:.2f} s ({r.hardware}) | {r.plan_seconds:.0f} s ({r.plan_cpu_seconds:.0f} s) |"
+            f"{r.step_seconds:.2f} s ({r.hardware}) | {_method(r)} | {r.plan_seconds:.0f} s ({r.plan_cpu_seconds:.0f} s) |"
         )
     return header + "\n".join(lines) + "\n"
 
 
-def _plan_in_subprocess(model: str, world: int, dtype: str, layout: str) -> PlanRow:
-    args = [sys.executable, __file__, "--one", model, str(world), dtype, layout]
+def _method(row: PlanRow) -> str:
+    return "every layer" if row.method == "whole" else f"{row.method} layers"
+
+
+def _plan_in_subprocess(model: str, world: int, dtype: str, layout: str, whole: bool) -> PlanRow:
+    args = [sys.executable, __file__, "--one", model, str(world), dtype, layout] + (["--whole"] if whole else [])
     out = subprocess.run(args, check=True, capture_output=True, text=True, cwd=ROOT).stdout
     return PlanRow(**json.loads(out.strip().splitlines()[-1]))
 
@@ -180,19 +193,23 @@ def main() -> None:
     parser.add_argument("--worlds", nargs="+", type=int, default=list(WORLDS))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--layouts", nargs="+", default=[LAYOUTS[0]], choices=LAYOUTS)
+    parser.add_argument(
+        "--whole", action="store_true", help=f"plan every layer, not explain_by_depth from {DEPTH_SAMPLES} layers"
+    )
     parser.add_argument("--out", default=str(ROOT / "docs" / "scale-plans.md"), help="'-' for stdout")
     parser.add_argument("--one", nargs=4, metavar=("MODEL", "WORLD", "DTYPE", "LAYOUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         model, world, dtype, layout = args.one
-        print(json.dumps(asdict(plan(model, int(world), dtype, layout))))
+        samples = None if args.whole else DEPTH_SAMPLES
+        print(json.dumps(asdict(plan(model, int(world), dtype, layout, samples=samples))))
         return
     rows = []
     for model in args.models:
         for world in args.worlds:
             for dtype in args.dtypes:
                 for layout in args.layouts:
-                    rows.append(_plan_in_subprocess(model, world, dtype, layout))
+                    rows.append(_plan_in_subprocess(model, world, dtype, layout, args.whole))
                     print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     text = format_table(rows)
     if args.out == "-":

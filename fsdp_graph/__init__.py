@@ -9,6 +9,7 @@ from fsdp_graph.api.optim import optimizer_in_backward
 from fsdp_graph.api.sync import no_sync, set_requires_gradient_sync
 from fsdp_graph.api.wrap import ModuleWrapPolicy, size_based_wrap_policy
 from fsdp_graph.compiler.backend import FSDPBackend, GraphReport, fsdp_backend, make_backend
+from fsdp_graph.planning.depth import DepthPlan, explain_by_depth
 from fsdp_graph.planning.explain import ExplainReport, explain
 from fsdp_graph.state.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_graph.state.full import full_state_dict
@@ -16,6 +17,7 @@ from fsdp_graph.state.optim import load_optim_state_dict, optim_state_dict
 
 __all__ = [
     "CPUOffload",
+    "DepthPlan",
     "ExplainReport",
     "FSDPBackend",
     "FSDPModule",
@@ -27,6 +29,7 @@ __all__ = [
     "UnshardHandle",
     "clip_grad_norm_",
     "explain",
+    "explain_by_depth",
     "fsdp_backend",
     "full_state_dict",
     "fully_shard",

@@ -29,6 +29,7 @@ from passes.cost import (
     Hardware,
     MemoryEstimate,
     Simulation,
+    collective_cost,
     estimate_memory,
     iter_collectives,
     simulate,
@@ -88,6 +89,18 @@ class ExplainReport:
     @property
     def exposed_fraction(self) -> float:
         return self.exposed_comm / self.step_time if self.step_time > 0 else 0.0
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes this rank sends per step under ring algorithms: (n-1)/n of each gather's and reduce-scatter's
+        payload over a group of n, twice that for an all-reduce."""
+        sent = 0.0
+        for graph in self.graphs:
+            for node, kind, _ in iter_collectives(graph.graph):
+                n, payload, _ = collective_cost(node, self.hardware, self.world, self.group_sizes)
+                if n > 1:
+                    sent += payload * (n - 1) / n * (2 if kind == "all_reduce" else 1)
+        return sent
 
     @property
     def peak_memory_bytes(self) -> int:

@@ -51,15 +51,15 @@ def _row(**overrides) -> PlanRow:
 def test_table_row():
     row = _row()
     assert row.zero3_bytes == 16 * 8 * GIB / 64 + 2 * GIB + 6 * GIB  # 10 GiB
-    table = format_table([row, _row(world=8, hardware="nvlink")])
+    table = format_table([row, _row(world=8, hardware="nvlink", method="4,5,6")])
     lines = table.strip().splitlines()
     assert len(lines) == 4 and lines[0].startswith("| model | ranks |")
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert cells == [
         "8b", "64", "bf16", "rows", "2.00", "2.00", "4.00", "1.00", "12.00", "10.00", "1.20", "48.0", "1.50 s (infiniband)",
-        "42 s (30 s)",
+        "every layer", "42 s (30 s)",
     ]  # fmt: skip
-    assert lines[3].split("|")[2].strip() == "8"
+    assert lines[3].split("|")[2].strip() == "8" and lines[3].split("|")[14].strip() == "4,5,6 layers"
 
 
 def test_hardware_by_world():
@@ -84,3 +84,4 @@ def test_tiny_plan_bytes_match_the_model():
     assert row.comm_bytes == pytest.approx(3 * sum(padded) * 4 * (world - 1) / world)
     assert row.peak_bytes > row.param_bytes + row.optim_bytes + max(padded) * 4
     assert row.plan_seconds > 0 and row.step_seconds > 0
+    assert row.method == "whole"  # 4 layers: not deeper than explain_by_depth's samples
