@@ -11,7 +11,8 @@ params, fp32 reduce)` over fp32 master shards; fp32 is no mixed precision. One p
 and the previous model's graphs would otherwise pile up over 24 plans.
 
 A model deeper than 6 layers is planned with `fsdp_graph.explain_by_depth` from the same model at 4, 5 and 6
-layers (every figure checked to be linear in depth, then extrapolated); `--whole` plans every layer instead.
+layers (every figure checked to be linear in depth, then extrapolated); where a figure is not linear yet at those
+depths, at 8, 10 and 12 (the table says which); `--whole` plans every layer instead.
 """
 
 from __future__ import annotations
@@ -128,8 +129,15 @@ def plan(
     try:
         start, cpu_start = time.perf_counter(), time.process_time()
         if by_depth:
-            figures = fsdp_graph.explain_by_depth(explain_at, cfg.layers, samples).figures
-        else:
+            try:
+                figures = fsdp_graph.explain_by_depth(explain_at, cfg.layers, samples).figures
+            except ValueError as bend:  # a figure is not linear yet at these depths: sample deeper
+                samples = tuple(2 * n for n in samples)
+                by_depth = cfg.layers > max(samples)
+                print(f"{model} at {world} ranks ({dtype}): {bend}; sampling {samples}", file=sys.stderr)
+                if by_depth:
+                    figures = fsdp_graph.explain_by_depth(explain_at, cfg.layers, samples).figures
+        if not by_depth:
             figures = figures_of(explain_at(cfg.layers))
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     finally:
