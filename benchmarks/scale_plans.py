@@ -246,8 +246,11 @@ sequence of {SEQ} tokens per rank ({BATCH} x {SEQ}), vocabulary 128256, untied. 
 - attention: planned as the fused memory-efficient kernel a GPU runs (`explain(fused_attention=True)`), not the
   math fallback the meta device would trace (an fp32 heads x seq x seq score matrix kept per layer).
 - step: explain's two-lane replay, eager-kernel roofline, NVLink at 8 ranks, InfiniBand beyond.
-- plan time: building on meta, `fully_shard` and `explain`, on the shared 2-core development machine: wall
-  time, and in brackets the process's CPU time (less sensitive to what else the machine runs).
+- planned from: the depths `fsdp_graph.explain_by_depth` planned (each figure checked to be linear over them,
+  then extrapolated to the model's layers; 8, 10, 12 where 4, 5, 6 were not linear yet), or every layer.
+- plan time: building on meta, `fully_shard` and `explain` at each sampled depth, on the shared 2-core
+  development machine: wall time, and in brackets the process's CPU time (less sensitive to what else the
+  machine runs).
 
 {table}"""
 
