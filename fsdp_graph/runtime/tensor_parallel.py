@@ -1,0 +1,94 @@
+"""Tensor-parallel (DTensor) parameters inside flat shards (issue 14): FSDP over `world_mesh["dp"]` of a model
+that `parallelize_module(model, world_mesh["tp"], plan)` made.
+
+A DTensor parameter enters its unit's flat shard as its LOCAL tensor-parallel piece (`to_local()`), sharded again
+over the FSDP mesh like any plain parameter (rows layout: `Shard(0)` row blocks of the local piece). In forward
+the gathered local piece is wrapped back into a DTensor with the original mesh and placements
+(`DTensor.from_local(..., run_check=False)`), so DTensor's own collectives and the plan's input/output hooks are
+traced into the same graph as our gathers; its backward turns the DTensor gradient into the local one, which our
+reduce-scatter then reduces over the FSDP mesh only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+@dataclass(frozen=True, eq=False)
+class TPSpec:
+    """What a tensor-parallel parameter was before fully_shard: its mesh (one dimension of the world mesh), its
+    placements there, and its global shape and stride."""
+
+    mesh: DeviceMesh
+    placements: tuple
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    @property
+    def shard_dim(self) -> int | None:
+        """The dim the parameter is split on over `mesh` (None: replicated)."""
+        placement = self.placements[0]
+        return placement.dim if isinstance(placement, Shard) else None
+
+    def wrap(self, local: torch.Tensor) -> DTensor:
+        """The forward's view of the gathered local piece: the DTensor the plan made (differentiable)."""
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+
+def tp_spec_of(param: DTensor, fqn: str, fsdp_mesh: DeviceMesh | None) -> TPSpec:
+    """The spec of a DTensor parameter fully_shard can shard over `fsdp_mesh`, or a ValueError naming the parameter,
+    what is wrong, and the fix."""
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    where = f"fully_shard: parameter '{fqn}' is a DTensor on mesh {mesh.mesh_dim_names} with {placements}"
+    if fsdp_mesh is None:
+        raise ValueError(
+            f"{where}, but fully_shard got no mesh. Pass the data-parallel dimension of the same world mesh, e.g. "
+            'fully_shard(model, world_mesh["dp"]) after parallelize_module(model, world_mesh["tp"], plan).'
+        )
+    root = fsdp_mesh._get_root_mesh()
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim != 1 or len(names) != 1:
+        raise ValueError(
+            f"{where}: only tensor parallelism over one named dimension of the world mesh is supported "
+            '(parallelize_module(model, world_mesh["tp"], plan)).'
+        )
+    if mesh._get_root_mesh() != root or names[0] not in (root.mesh_dim_names or ()):
+        raise ValueError(
+            f"{where}, which is not a named dimension of the world mesh {root.mesh_dim_names} that fully_shard's "
+            'mesh belongs to. Slice both from one mesh: world_mesh["tp"] for the plan, world_mesh["dp"] for '
+            "fully_shard."
+        )
+    if names[0] in (fsdp_mesh.mesh_dim_names or ()):
+        raise ValueError(
+            f"{where}, the same dimension fully_shard shards over ({fsdp_mesh.mesh_dim_names}). Tensor and "
+            'data parallelism need different dimensions: world_mesh["tp"] for the plan, world_mesh["dp"] for '
+            "fully_shard."
+        )
+    placement = placements[0]
+    if not isinstance(placement, Shard | Replicate) or type(placement) not in (Shard, Replicate):
+        raise ValueError(
+            f"{where}: only Shard(d) and Replicate() parameters are supported (a Partial parameter has no value "
+            "of its own, a strided shard is not a plan's output). Use ColwiseParallel / RowwiseParallel / "
+            "SequenceParallel styles that place parameters as Shard or Replicate."
+        )
+    if isinstance(placement, Shard):
+        dim = placement.dim % param.ndim
+        if param.shape[dim] % mesh.size() != 0:
+            raise ValueError(
+                f"{where}: its dim {dim} ({param.shape[dim]}) does not divide evenly over the {mesh.size()} "
+                "tensor-parallel ranks; uneven tensor-parallel shards are not supported. Choose sizes divisible by "
+                "the tensor-parallel degree."
+            )
+        placements = (Shard(dim),)
+    if param.device.type == "meta":
+        raise ValueError(
+            f"{where} on the meta device; meta-device initialisation of tensor-parallel parameters is not "
+            "supported. Materialise the model (to_empty + init) before parallelize_module and fully_shard."
+        )
+    return TPSpec(mesh, placements, param.shape, tuple(param.stride()))

@@ -1,0 +1,125 @@
+"""Rank-side workers for tensor parallel x FSDP (issue 14): `parallelize_module(model, world_mesh["tp"], plan)`, then
+`fully_shard(model, world_mesh["dp"])`, compiled into one graph."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import fsdp_graph
+from fsdp_graph.planning.measure import executed_collectives
+
+DIM, HEADS, FFN, BLOCKS = 16, 4, 32, 2
+
+
+class Block(nn.Module):
+    """Pre-norm attention and MLP. Head counts come from the projections' local widths (`view(..., -1, hd)`), so
+    the same code runs unsharded and with q/k/v split over tensor-parallel ranks (torchtitan divides n_heads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
+        self.up, self.down = nn.Linear(DIM, FFN), nn.Linear(FFN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (proj(h).view(b, s, -1, DIM // HEADS).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(att.transpose(1, 2).reshape(b, s, -1))
+        return x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def tp_plan() -> dict:
+    plan = {}
+    for i in range(BLOCKS):
+        plan.update({f"blocks.{i}.{n}": ColwiseParallel() for n in ("q", "k", "v", "up")})
+        plan.update({f"blocks.{i}.{n}": RowwiseParallel() for n in ("o", "down")})
+    return plan
+
+
+def _max_abs(t: torch.Tensor) -> float:
+    return t.abs().max().item() if t.numel() else 0.0
+
+
+def expected_local(ref_param: torch.Tensor, spec, dp_rank: int, dp: int) -> torch.Tensor:
+    """What a rank's optimizer view should hold: the reference parameter's tensor-parallel piece, then its dp row
+    block (torch.chunk on dim 0, as the rows layout)."""
+    value = ref_param.detach()
+    if spec is not None and isinstance(spec.placements[0], Shard):
+        value = value.chunk(spec.mesh.size(), dim=spec.placements[0].dim)[spec.mesh.get_local_rank()]
+    rows = value.chunk(dp, dim=0)
+    return rows[dp_rank] if dp_rank < len(rows) else value[:0]
+
+
+def tp_fsdp_parity(rank: int, world: int, mode: str, break_reduce: bool = False) -> dict[str, float]:
+    """(dp=2, tp=2): TP inside each dp group, FSDP across the dp groups. Each dp rank trains on its half of the global
+    batch (tp ranks of one dp group share it); 3 steps of SGD with momentum must equal single-process training on
+    the global batch. `break_reduce`: skip the dp gradient reduction (the test must then fail)."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref = copy.deepcopy(model)
+    parallelize_module(model, mesh["tp"], tp_plan())
+    fsdp_graph.fully_shard(model, mesh["dp"])
+    if break_reduce:
+        from fsdp_graph.runtime.unit import flat_params
+
+        for state in flat_params(model):
+            state.divide_factor = 1.0  # the dp sum, not the mean: the gradients are twice too large
+    run, backend = model, None
+    if mode != "eager":
+        backend = fsdp_graph.make_backend(inductor=False)
+        run = torch.compile(model, backend=backend, fullgraph=True)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    gen = torch.Generator().manual_seed(7)
+    out: dict[str, float] = {}
+    for step in range(3):
+        x, y = torch.randn(4 * dp, 6, 8, generator=gen), torch.randn(4 * dp, 6, 1, generator=gen)
+
+        def train_step(x: torch.Tensor = x, y: torch.Tensor = y) -> None:
+            nn.functional.mse_loss(run(x.chunk(dp)[dp_rank]), y.chunk(dp)[dp_rank]).backward()
+
+        if step == 1:
+            out.update({f"count_{k}": float(v) for k, v in executed_collectives(train_step).counts.items()})
+        else:
+            train_step()
+        nn.functional.mse_loss(ref(x), y).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    from fsdp_graph.runtime.unit import flat_params
+
+    specs = {}
+    for state in flat_params(model):
+        for slot, spec in zip(state.layout.slots, state.tp or [None] * len(state.layout.slots)):
+            specs[slot.fqns[0]] = spec
+    params = dict(model.named_parameters())
+    out["max_diff"] = max(
+        _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
+    )
+    out["tp_params"] = float(sum(spec is not None for spec in specs.values()))
+    out["plain_views"] = float(all(not isinstance(p, DTensor) for p in model.parameters()))
+    out["graphs"] = float(backend.dynamo_graphs if backend else 0)
+    return out
