@@ -21,3 +21,13 @@ def test_tp_parity_fails_without_the_dp_mean():
     """The parity check can fail: the dp gradients summed instead of averaged (divide factor 1) must show."""
     results = spawn(tp_fsdp_parity, 4, ("eager", True))
     assert all(r["max_diff"] > 1e-3 for r in results), results
+
+
+@pytest.mark.parametrize(("mode", "norm_type"), [("aot", 2.0), ("eager", float("inf"))])
+def test_clip_grad_norm_over_dp_and_tp_matches_torch(mode, norm_type):
+    """The norm counts a tp-sharded parameter's pieces once each (summed over tp) and a replicated one once (not tp
+    times), as torch's clip on the unsharded model; the clipped training keeps parity."""
+    results = spawn(tp_fsdp_parity, 4, (mode, False, norm_type))
+    for r in results:
+        assert r["min_norm"] > 0.05, r  # every step clipped
+        assert r["norm_diff"] < 1e-6 and r["max_diff"] < 1e-6, r

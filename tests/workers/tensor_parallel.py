@@ -15,6 +15,7 @@ import fsdp_graph
 from fsdp_graph.planning.measure import executed_collectives
 
 DIM, HEADS, FFN, BLOCKS = 16, 4, 32, 2
+CLIP = 0.05  # below every step's gradient norm: clipping scales every step
 
 
 class Block(nn.Module):
@@ -72,10 +73,13 @@ def expected_local(ref_param: torch.Tensor, spec, dp_rank: int, dp: int) -> torc
     return rows[dp_rank] if dp_rank < len(rows) else value[:0]
 
 
-def tp_fsdp_parity(rank: int, world: int, mode: str, break_reduce: bool = False) -> dict[str, float]:
+def tp_fsdp_parity(
+    rank: int, world: int, mode: str, break_reduce: bool = False, clip_norm_type: float | None = None
+) -> dict[str, float]:
     """(dp=2, tp=2): TP inside each dp group, FSDP across the dp groups. Each dp rank trains on its half of the global
     batch (tp ranks of one dp group share it); 3 steps of SGD with momentum must equal single-process training on
-    the global batch. `break_reduce`: skip the dp gradient reduction (the test must then fail)."""
+    the global batch. `break_reduce`: sum the dp gradients instead of averaging them (the test must then fail).
+    `clip_norm_type`: clip every step with `fsdp_graph.clip_grad_norm_` against torch's clip on the reference."""
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     torch.manual_seed(0)
@@ -106,6 +110,11 @@ def tp_fsdp_parity(rank: int, world: int, mode: str, break_reduce: bool = False)
         else:
             train_step()
         nn.functional.mse_loss(ref(x), y).backward()
+        if clip_norm_type is not None:
+            norm = fsdp_graph.clip_grad_norm_(model, CLIP, clip_norm_type)
+            ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), CLIP, clip_norm_type)
+            out["norm_diff"] = max(out.get("norm_diff", 0.0), abs(norm.item() - ref_norm.item()) / ref_norm.item())
+            out["min_norm"] = min(out.get("min_norm", float("inf")), ref_norm.item())
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
