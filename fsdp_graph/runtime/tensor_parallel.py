@@ -92,3 +92,44 @@ def tp_spec_of(param: DTensor, fqn: str, fsdp_mesh: DeviceMesh | None) -> TPSpec
             "supported. Materialise the model (to_empty + init) before parallelize_module and fully_shard."
         )
     return TPSpec(mesh, placements, param.shape, tuple(param.stride()))
+
+
+def state_dict_placements(spec: TPSpec, fsdp_mesh: DeviceMesh, fsdp_placements: tuple, local_rows: int) -> tuple:
+    """(mesh, placements) of a tensor-parallel parameter's state-dict DTensor, as FSDP2 + TP make it: fully_shard's
+    mesh dimensions then the tp one, sliced from the world mesh; fully_shard's placements then the tp placement.
+    FSDP shards the tp-LOCAL tensor on dim 0, so when tp also shards dim 0 (ColwiseParallel) the dp row blocks are
+    blocks of each tp piece: torch's `_StridedShard(0, split_factor=tp)` ("tp first, then dp"), exact only when the
+    dp blocks are even (`local_rows`, the tp piece's dim 0, divisible by the dp shard size): otherwise a ValueError."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    root = fsdp_mesh._get_root_mesh()
+    root_names = root.mesh_dim_names or ()
+    names = (*(fsdp_mesh.mesh_dim_names or ()), *spec.mesh.mesh_dim_names)
+    positions = [root_names.index(n) for n in names]
+    if positions != sorted(positions):
+        raise ValueError(
+            f"state_dict: the world mesh {root_names} orders the tensor-parallel dimension before fully_shard's "
+            f"{fsdp_mesh.mesh_dim_names}; tensor-parallel state dicts need the data-parallel dimensions first, as "
+            'torchtitan orders them: init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp")).'
+        )
+    mesh = root[names]
+    placements = list(fsdp_placements)
+    if spec.shard_dim == 0:
+        for index, placement in enumerate(placements):
+            if isinstance(placement, Shard):
+                size = fsdp_mesh.size(index)
+                if local_rows % size:
+                    raise ValueError(
+                        f"state_dict: a tensor-parallel parameter sharded on dim 0 has {local_rows} rows per tp rank, "
+                        f"not divisible by the {size} data-parallel ranks: its dp row blocks are uneven, which no "
+                        "DTensor placement describes exactly. Choose sizes divisible by dp x tp."
+                    )
+                placements[index] = _StridedShard(0, split_factor=spec.mesh.size())
+    return mesh, (*placements, spec.placements[0])
+
+
+def tp_local_of(full: torch.Tensor, spec: TPSpec) -> torch.Tensor:
+    """This rank's tensor-parallel piece of a full (global) parameter value."""
+    if spec.shard_dim is None:
+        return full
+    return full.chunk(spec.mesh.size(), dim=spec.shard_dim)[spec.mesh.get_local_rank()]

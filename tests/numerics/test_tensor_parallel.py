@@ -6,13 +6,16 @@ from fsdp_graph.train.launch import spawn
 from tests.workers.tensor_parallel import tp_fsdp_parity
 
 
-@pytest.mark.parametrize("mode", ["eager", "aot"])
-def test_tp_colwise_rowwise_inside_fsdp_matches_single_process(mode):
-    results = spawn(tp_fsdp_parity, 4, (mode,))
+@pytest.mark.parametrize(("mode", "layout"), [("eager", "rows"), ("aot", "rows"), ("aot", "flat")])
+def test_tp_colwise_rowwise_inside_fsdp_matches_single_process(mode, layout):
+    results = spawn(tp_fsdp_parity, 4, (mode, False, None, layout))
     for r in results:
         # 2 blocks x (q, k, v, o, up, down) x (weight, bias) are DTensors; the optimizer holds plain row blocks.
         assert r["tp_params"] == 24.0 and r["plain_views"] == 1.0, r
         assert r["max_diff"] < 1e-6, r
+        # State dicts: DTensors on (dp, tp) (_StridedShard for Colwise weights), full, and both loaded back.
+        assert r["sd_placements"] == 1.0, r
+        assert max(r[k] for k in ("sd_diff", "full_sd_diff", "load_full_diff", "load_sharded_diff")) < 1e-6, r
         if mode == "aot":
             assert r["graphs"] == 1.0, r
 

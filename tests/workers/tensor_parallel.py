@@ -8,7 +8,7 @@ import copy
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fsdp_graph
@@ -63,22 +63,32 @@ def _max_abs(t: torch.Tensor) -> float:
     return t.abs().max().item() if t.numel() else 0.0
 
 
-def expected_local(ref_param: torch.Tensor, spec, dp_rank: int, dp: int) -> torch.Tensor:
+def expected_local(ref_param: torch.Tensor, where: tuple, dp_rank: int, dp: int) -> torch.Tensor:
     """What a rank's optimizer view should hold: the reference parameter's tensor-parallel piece, then its dp row
-    block (torch.chunk on dim 0, as the rows layout)."""
+    block (torch.chunk on dim 0, as the rows layout), or with the flat layout its slice of the flat shard.
+    `where`: (tp spec or None, flat parameter state, slot)."""
+    spec, state, slot = where
     value = ref_param.detach()
     if spec is not None and isinstance(spec.placements[0], Shard):
         value = value.chunk(spec.mesh.size(), dim=spec.placements[0].dim)[spec.mesh.get_local_rank()]
+    if state.layout.kind == "flat":
+        return state.layout.local_piece(value, slot)
     rows = value.chunk(dp, dim=0)
     return rows[dp_rank] if dp_rank < len(rows) else value[:0]
 
 
 def tp_fsdp_parity(
-    rank: int, world: int, mode: str, break_reduce: bool = False, clip_norm_type: float | None = None
+    rank: int,
+    world: int,
+    mode: str,
+    break_reduce: bool = False,
+    clip_norm_type: float | None = None,
+    layout: str = "rows",
 ) -> dict[str, float]:
     """(dp=2, tp=2): TP inside each dp group, FSDP across the dp groups. Each dp rank trains on its half of the global
     batch (tp ranks of one dp group share it); 3 steps of SGD with momentum must equal single-process training on
     the global batch. `break_reduce`: sum the dp gradients instead of averaging them (the test must then fail).
+    `layout`: fully_shard's ("flat": the optimizer's views are 1-D slices, compared as such).
     `clip_norm_type`: clip every step with `fsdp_graph.clip_grad_norm_` against torch's clip on the reference."""
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
@@ -86,7 +96,7 @@ def tp_fsdp_parity(
     model = TinyTransformer()
     ref = copy.deepcopy(model)
     parallelize_module(model, mesh["tp"], tp_plan())
-    fsdp_graph.fully_shard(model, mesh["dp"])
+    fsdp_graph.fully_shard(model, mesh["dp"], layout=layout)
     if break_reduce:
         from fsdp_graph.runtime.unit import flat_params
 
@@ -120,15 +130,59 @@ def tp_fsdp_parity(
             o.zero_grad()
     from fsdp_graph.runtime.unit import flat_params
 
-    specs = {}
+    specs = {}  # name: (tp spec or None, flat parameter state, slot)
     for state in flat_params(model):
         for slot, spec in zip(state.layout.slots, state.tp or [None] * len(state.layout.slots)):
-            specs[slot.fqns[0]] = spec
+            specs[slot.fqns[0]] = (spec, state, slot)
     params = dict(model.named_parameters())
     out["max_diff"] = max(
         _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
     )
-    out["tp_params"] = float(sum(spec is not None for spec in specs.values()))
+    out.update(_state_dict_checks(model, ref, specs, dp_rank, dp))
+    out["tp_params"] = float(sum(spec is not None for spec, _, _ in specs.values()))
     out["plain_views"] = float(all(not isinstance(p, DTensor) for p in model.parameters()))
     out["graphs"] = float(backend.dynamo_graphs if backend else 0)
+    return out
+
+
+def _state_dict_checks(model: nn.Module, ref: nn.Module, specs: dict, dp_rank: int, dp: int) -> dict[str, float]:
+    """The sharded state dict (DTensors on the (dp, tp) mesh for tp parameters, on dp for the others) holds the
+    reference's values; the full state dict too; loading a full and a sharded state dict restores the views."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out: dict[str, float] = {}
+    ref_values = {n: p.detach() for n, p in ref.named_parameters()}
+    state = model.state_dict()
+    out["sd_diff"] = max(_max_abs(state[n].full_tensor() - v) for n, v in ref_values.items())
+    expected = {  # name suffix: mesh dims, placements
+        "q.weight": (("dp", "tp"), (_StridedShard(0, split_factor=2), Shard(0))),
+        "q.bias": (("dp", "tp"), (_StridedShard(0, split_factor=2), Shard(0))),
+        "o.weight": (("dp", "tp"), (Shard(0), Shard(1))),
+        "o.bias": (("dp", "tp"), (Shard(0), Replicate())),
+        "norm1.weight": (("dp",), (Shard(0),)),
+        "head.weight": (("dp",), (Shard(0),)),
+    }
+    checked = [
+        tuple(state[n].placements) == placements and state[n].device_mesh.mesh_dim_names == names
+        for suffix, (names, placements) in expected.items()
+        for n in state
+        if n.endswith(suffix)
+    ]
+    out["sd_placements"] = float(len(checked) == 2 * 5 + 1 and all(checked))
+    full = fsdp_graph.full_state_dict(model)
+    out["full_sd_diff"] = max(_max_abs(full[n] - v) for n, v in ref_values.items())
+    saved = {
+        n: DTensor.from_local(v.to_local().clone(), v.device_mesh, v.placements, shape=v.shape, stride=v.stride())
+        for n, v in state.items()
+        if isinstance(v, DTensor)
+    }
+    params = dict(model.named_parameters())
+    for source, key in ((full, "load_full_diff"), (saved, "load_sharded_diff")):
+        with torch.no_grad():
+            for p in params.values():
+                p.zero_()
+        model.load_state_dict(source, strict=False)
+        out[key] = max(
+            _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
+        )
     return out
