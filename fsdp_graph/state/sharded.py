@@ -153,16 +153,21 @@ def _put_flat_param(state_dict: dict, prefix: str, state: FlatParamState, root: 
                 state_dict[prefix + fqn] = entry
 
 
+def gathered_dtensor(value: torch.Tensor, state: FlatParamState, slot_index: int) -> DTensor:
+    """A parameter-shaped tensor gathered over the shard group (a tensor-parallel parameter's tp piece) as its
+    sharded state-dict DTensor: `to_dtensor`, or for tensor-parallel parameters `tp_dtensor` of its dp rows."""
+    if _tp_spec(state, slot_index) is not None:
+        return tp_dtensor(_dp_rows(value, state).clone(), state, slot_index)
+    return to_dtensor(value, state.root)
+
+
 def _entry(value: torch.Tensor, state: FlatParamState, slot_index: int, root: RootState):
     """The state-dict entry of one parameter gathered over the shard group (`value`: its tp piece for a
     tensor-parallel parameter, which a full state dict gathers over tp too)."""
+    if root.full_state_dict is None:
+        return gathered_dtensor(value, state, slot_index)
     spec = _tp_spec(state, slot_index)
-    if spec is not None:
-        if root.full_state_dict is not None:
-            value = spec.wrap(value).full_tensor()
-        else:
-            return tp_dtensor(_dp_rows(value, state).clone(), state, slot_index)
-    return root.full_state_dict(value) if root.full_state_dict else to_dtensor(value, root)
+    return root.full_state_dict(value if spec is None else spec.wrap(value).full_tensor())
 
 
 def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:

@@ -13,9 +13,11 @@ def test_tp_colwise_rowwise_inside_fsdp_matches_single_process(mode, layout):
         # 2 blocks x (q, k, v, o, up, down) x (weight, bias) are DTensors; the optimizer holds plain row blocks.
         assert r["tp_params"] == 24.0 and r["plain_views"] == 1.0, r
         assert r["max_diff"] < 1e-6, r
-        # State dicts: DTensors on (dp, tp) (_StridedShard for Colwise weights), full, and both loaded back.
+        # State dicts: DTensors on (dp, tp) (_StridedShard for Colwise weights), full, and both loaded back; the
+        # optimizer's (momentum buffers) saved and loaded.
         assert r["sd_placements"] == 1.0, r
-        assert max(r[k] for k in ("sd_diff", "full_sd_diff", "load_full_diff", "load_sharded_diff")) < 1e-6, r
+        state_dicts = ("sd_diff", "full_sd_diff", "load_full_diff", "load_sharded_diff", "osd_diff", "load_osd_diff")
+        assert max(r[k] for k in state_dicts) < 1e-6, r
         if mode == "aot":
             assert r["graphs"] == 1.0, r
 

@@ -139,6 +139,7 @@ def tp_fsdp_parity(
         _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
     )
     out.update(_state_dict_checks(model, ref, specs, dp_rank, dp))
+    out.update(_optim_state_dict_checks(model, ref, opt, ref_opt, specs, dp_rank, dp))
     out["tp_params"] = float(sum(spec is not None for spec, _, _ in specs.values()))
     out["plain_views"] = float(all(not isinstance(p, DTensor) for p in model.parameters()))
     out["graphs"] = float(backend.dynamo_graphs if backend else 0)
@@ -185,4 +186,29 @@ def _state_dict_checks(model: nn.Module, ref: nn.Module, specs: dict, dp_rank: i
         out[key] = max(
             _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
         )
+    return out
+
+
+def _optim_state_dict_checks(model, ref, opt, ref_opt, specs: dict, dp_rank: int, dp: int) -> dict[str, float]:
+    """The optimizer state dict's momentum buffers are DTensors of the reference's, and load back."""
+    ref_buffers = {n: ref_opt.state[p]["momentum_buffer"] for n, p in ref.named_parameters()}
+    saved = fsdp_graph.optim_state_dict(model, opt)
+    out = {
+        "osd_diff": max(
+            _max_abs(saved["state"][n]["momentum_buffer"].full_tensor() - v) for n, v in ref_buffers.items()
+        )
+    }
+    for entry in saved["state"].values():
+        value = entry["momentum_buffer"]
+        entry["momentum_buffer"] = DTensor.from_local(
+            value.to_local().clone(), value.device_mesh, value.placements, shape=value.shape, stride=value.stride()
+        )
+    params = dict(model.named_parameters())
+    for p in params.values():
+        opt.state[p]["momentum_buffer"].zero_()
+    fsdp_graph.load_optim_state_dict(model, opt, saved)
+    out["load_osd_diff"] = max(
+        _max_abs(opt.state[params[n]]["momentum_buffer"] - expected_local(v, specs[n], dp_rank, dp))
+        for n, v in ref_buffers.items()
+    )
     return out
