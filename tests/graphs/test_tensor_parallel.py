@@ -93,3 +93,12 @@ def test_error_uneven_tp_shards(fake_pg):
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
     with pytest.raises(ValueError, match=r"'0.weight' .*dim 0 \(5\) does not divide evenly over the 2"):
         fsdp_graph.fully_shard(model, mesh["dp"])
+
+
+def test_error_meta_device_tp_parameter(fake_pg):
+    mesh = _mesh()
+    with torch.device("meta"):
+        model = Block()
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel()})
+    with pytest.raises(ValueError, match=r"'up.weight' .*on the meta device"):
+        fsdp_graph.fully_shard(model, mesh["dp"])
