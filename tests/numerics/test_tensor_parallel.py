@@ -36,3 +36,14 @@ def test_clip_grad_norm_over_dp_and_tp_matches_torch(mode, norm_type):
     for r in results:
         assert r["min_norm"] > 0.05, r  # every step clipped
         assert r["norm_diff"] < 1e-6 and r["max_diff"] < 1e-6, r
+
+
+def test_tp_with_bf16_mixed_precision():
+    """MixedPrecision(param_dtype=bf16, reduce_dtype=fp32): the shards are cast before the dp gather, the tp pieces
+    enter DTensor as bf16, and the tp all-reduces run in bf16. The reference computes with bf16 copies of its fp32
+    parameters; summation orders differ (tp partial sums), hence the bf16 tolerance of the other parity tests
+    (measured 1.1e-3 on parameters, 5.9e-3 on momentum buffers)."""
+    results = spawn(tp_fsdp_parity, 4, ("aot", False, None, "rows", True))
+    for r in results:
+        assert r["graphs"] == 1.0 and r["sd_placements"] == 1.0, r
+        assert r["max_diff"] < 2e-3 and r["osd_diff"] < 1e-2, r

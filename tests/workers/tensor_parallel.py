@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import fsdp_graph
 from fsdp_graph.planning.measure import executed_collectives
+from tests.workers.training import BF16, _bf16_reference_loss
 
 DIM, HEADS, FFN, BLOCKS = 16, 4, 32, 2
 CLIP = 0.05  # below every step's gradient norm: clipping scales every step
@@ -84,10 +85,12 @@ def tp_fsdp_parity(
     break_reduce: bool = False,
     clip_norm_type: float | None = None,
     layout: str = "rows",
+    mp: bool = False,
 ) -> dict[str, float]:
     """(dp=2, tp=2): TP inside each dp group, FSDP across the dp groups. Each dp rank trains on its half of the global
     batch (tp ranks of one dp group share it); 3 steps of SGD with momentum must equal single-process training on
     the global batch. `break_reduce`: sum the dp gradients instead of averaging them (the test must then fail).
+    `mp`: MixedPrecision(param_dtype=bf16, reduce_dtype=fp32); the reference computes with bf16 copies.
     `layout`: fully_shard's ("flat": the optimizer's views are 1-D slices, compared as such).
     `clip_norm_type`: clip every step with `fsdp_graph.clip_grad_norm_` against torch's clip on the reference."""
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
@@ -96,7 +99,7 @@ def tp_fsdp_parity(
     model = TinyTransformer()
     ref = copy.deepcopy(model)
     parallelize_module(model, mesh["tp"], tp_plan())
-    fsdp_graph.fully_shard(model, mesh["dp"], layout=layout)
+    fsdp_graph.fully_shard(model, mesh["dp"], layout=layout, mixed_precision=BF16 if mp else None)
     if break_reduce:
         from fsdp_graph.runtime.unit import flat_params
 
@@ -113,13 +116,18 @@ def tp_fsdp_parity(
         x, y = torch.randn(4 * dp, 6, 8, generator=gen), torch.randn(4 * dp, 6, 1, generator=gen)
 
         def train_step(x: torch.Tensor = x, y: torch.Tensor = y) -> None:
-            nn.functional.mse_loss(run(x.chunk(dp)[dp_rank]), y.chunk(dp)[dp_rank]).backward()
+            nn.functional.mse_loss(run(x.chunk(dp)[dp_rank]).float(), y.chunk(dp)[dp_rank]).backward()
 
         if step == 1:
             out.update({f"count_{k}": float(v) for k, v in executed_collectives(train_step).counts.items()})
         else:
             train_step()
-        nn.functional.mse_loss(ref(x), y).backward()
+        if mp:
+            _bf16_reference_loss(
+                ref, lambda call, batch: nn.functional.mse_loss(call(batch[0]).float(), batch[1]), (x, y)
+            )
+        else:
+            nn.functional.mse_loss(ref(x), y).backward()
         if clip_norm_type is not None:
             norm = fsdp_graph.clip_grad_norm_(model, CLIP, clip_norm_type)
             ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), CLIP, clip_norm_type)
