@@ -47,3 +47,13 @@ def test_tp_with_bf16_mixed_precision():
     for r in results:
         assert r["graphs"] == 1.0 and r["sd_placements"] == 1.0, r
         assert r["max_diff"] < 2e-3 and r["osd_diff"] < 1e-2, r
+
+
+def test_hsdp_x_tp_on_8_ranks():
+    """HYBRID_SHARD over (replicate=2, shard=2) with the plan on tp=2, compiled: parity on the 4-way data-parallel
+    batch, one graph, the clipped norm equal to torch's, state dicts on the 3-D mesh (Replicate first)."""
+    results = spawn(tp_fsdp_parity, 8, ("aot", False, 2.0, "rows", False, True))
+    for r in results:
+        assert r["graphs"] == 1.0 and r["sd_placements"] == 1.0 and r["min_norm"] > 0.05, r
+        state_dicts = ("sd_diff", "full_sd_diff", "load_full_diff", "load_sharded_diff", "osd_diff", "load_osd_diff")
+        assert max(r[k] for k in ("max_diff", "norm_diff", *state_dicts)) < 1e-6, r

@@ -86,20 +86,36 @@ def tp_fsdp_parity(
     clip_norm_type: float | None = None,
     layout: str = "rows",
     mp: bool = False,
+    hybrid: bool = False,
 ) -> dict[str, float]:
     """(dp=2, tp=2): TP inside each dp group, FSDP across the dp groups. Each dp rank trains on its half of the global
     batch (tp ranks of one dp group share it); 3 steps of SGD with momentum must equal single-process training on
     the global batch. `break_reduce`: sum the dp gradients instead of averaging them (the test must then fail).
     `mp`: MixedPrecision(param_dtype=bf16, reduce_dtype=fp32); the reference computes with bf16 copies.
     `layout`: fully_shard's ("flat": the optimizer's views are 1-D slices, compared as such).
-    `clip_norm_type`: clip every step with `fsdp_graph.clip_grad_norm_` against torch's clip on the reference."""
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
-    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    `clip_norm_type`: clip every step with `fsdp_graph.clip_grad_norm_` against torch's clip on the reference.
+    `hybrid`: HSDP x TP on 8 ranks, (replicate=2, shard=2, tp=2), HYBRID_SHARD over ("replicate", "shard"); the
+    batch is split over the 4 data-parallel ranks."""
+    if hybrid:
+        mesh = init_device_mesh("cpu", (2, 2, world // 4), mesh_dim_names=("replicate", "shard", "tp"))
+        dp_names, fsdp_mesh, strategy = ("replicate", "shard"), mesh["replicate", "shard"], "HYBRID_SHARD"
+        data_rank, data_parts = 2 * mesh["replicate"].get_local_rank() + mesh["shard"].get_local_rank(), 4
+    else:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        dp_names, fsdp_mesh, strategy = ("dp",), mesh["dp"], "FULL_SHARD"
+        data_rank, data_parts = mesh["dp"].get_local_rank(), 2
+    dp_rank, dp = mesh[dp_names[-1]].get_local_rank(), mesh[dp_names[-1]].size()  # the shard dimension
     torch.manual_seed(0)
     model = TinyTransformer()
     ref = copy.deepcopy(model)
     parallelize_module(model, mesh["tp"], tp_plan())
-    fsdp_graph.fully_shard(model, mesh["dp"], layout=layout, mixed_precision=BF16 if mp else None)
+    fsdp_graph.fully_shard(
+        model,
+        fsdp_mesh,
+        strategy=fsdp_graph.ShardingStrategy[strategy],
+        layout=layout,
+        mixed_precision=BF16 if mp else None,
+    )
     if break_reduce:
         from fsdp_graph.runtime.unit import flat_params
 
@@ -113,10 +129,11 @@ def tp_fsdp_parity(
     gen = torch.Generator().manual_seed(7)
     out: dict[str, float] = {}
     for step in range(3):
-        x, y = torch.randn(4 * dp, 6, 8, generator=gen), torch.randn(4 * dp, 6, 1, generator=gen)
+        x, y = torch.randn(8, 6, 8, generator=gen), torch.randn(8, 6, 1, generator=gen)
 
         def train_step(x: torch.Tensor = x, y: torch.Tensor = y) -> None:
-            nn.functional.mse_loss(run(x.chunk(dp)[dp_rank]).float(), y.chunk(dp)[dp_rank]).backward()
+            local_x, local_y = x.chunk(data_parts)[data_rank], y.chunk(data_parts)[data_rank]
+            nn.functional.mse_loss(run(local_x).float(), local_y).backward()
 
         if step == 1:
             out.update({f"count_{k}": float(v) for k, v in executed_collectives(train_step).counts.items()})
@@ -146,7 +163,7 @@ def tp_fsdp_parity(
     out["max_diff"] = max(
         _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
     )
-    out.update(_state_dict_checks(model, ref, specs, dp_rank, dp))
+    out.update(_state_dict_checks(model, ref, specs, dp_rank, dp, dp_names))
     out.update(_optim_state_dict_checks(model, ref, opt, ref_opt, specs, dp_rank, dp))
     out["tp_params"] = float(sum(spec is not None for spec, _, _ in specs.values()))
     out["plain_views"] = float(all(not isinstance(p, DTensor) for p in model.parameters()))
@@ -154,25 +171,30 @@ def tp_fsdp_parity(
     return out
 
 
-def _state_dict_checks(model: nn.Module, ref: nn.Module, specs: dict, dp_rank: int, dp: int) -> dict[str, float]:
-    """The sharded state dict (DTensors on the (dp, tp) mesh for tp parameters, on dp for the others) holds the
-    reference's values; the full state dict too; loading a full and a sharded state dict restores the views."""
+def _state_dict_checks(
+    model: nn.Module, ref: nn.Module, specs: dict, dp_rank: int, dp: int, dp_names: tuple[str, ...]
+) -> dict[str, float]:
+    """The sharded state dict (DTensors on the (dp, tp) mesh for tp parameters, on dp for the others; HSDP: on
+    (replicate, shard, tp) and (replicate, shard)) holds the reference's values; the full state dict too; loading a
+    full and a sharded state dict restores the views."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
     out: dict[str, float] = {}
     ref_values = {n: p.detach() for n, p in ref.named_parameters()}
     state = model.state_dict()
     out["sd_diff"] = max(_max_abs(state[n].full_tensor() - v) for n, v in ref_values.items())
-    expected = {  # name suffix: mesh dims, placements
-        "q.weight": (("dp", "tp"), (_StridedShard(0, split_factor=2), Shard(0))),
-        "q.bias": (("dp", "tp"), (_StridedShard(0, split_factor=2), Shard(0))),
-        "o.weight": (("dp", "tp"), (Shard(0), Shard(1))),
-        "o.bias": (("dp", "tp"), (Shard(0), Replicate())),
-        "norm1.weight": (("dp",), (Shard(0),)),
-        "head.weight": (("dp",), (Shard(0),)),
+    expected = {  # name suffix: tp dim or none, placements after HYBRID's Replicate
+        "q.weight": (("tp",), (_StridedShard(0, split_factor=2), Shard(0))),
+        "q.bias": (("tp",), (_StridedShard(0, split_factor=2), Shard(0))),
+        "o.weight": (("tp",), (Shard(0), Shard(1))),
+        "o.bias": (("tp",), (Shard(0), Replicate())),
+        "norm1.weight": ((), (Shard(0),)),
+        "head.weight": ((), (Shard(0),)),
     }
+    replicas = (Replicate(),) * (len(dp_names) - 1)
     checked = [
-        tuple(state[n].placements) == placements and state[n].device_mesh.mesh_dim_names == names
+        tuple(state[n].placements) == (*replicas, *placements)
+        and state[n].device_mesh.mesh_dim_names == (*dp_names, *names)
         for suffix, (names, placements) in expected.items()
         for n in state
         if n.endswith(suffix)
