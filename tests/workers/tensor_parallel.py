@@ -123,7 +123,7 @@ def tp_fsdp_parity(
             state.divide_factor = 1.0  # the dp sum, not the mean: the gradients are twice too large
     run, backend = model, None
     if mode != "eager":
-        backend = fsdp_graph.make_backend(inductor=False)
+        backend = fsdp_graph.make_backend(inductor=mode == "inductor")
         run = torch.compile(model, backend=backend, fullgraph=True)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
     gen = torch.Generator().manual_seed(7)
