@@ -3,7 +3,7 @@
 import pytest
 
 from fsdp_graph.train.launch import spawn
-from tests.workers.tensor_parallel import tp_fsdp_parity
+from tests.workers.tensor_parallel import tp_fsdp2_interop, tp_fsdp_parity
 
 
 @pytest.mark.parametrize(
@@ -59,3 +59,11 @@ def test_hsdp_x_tp_on_8_ranks():
         assert r["graphs"] == 1.0 and r["sd_placements"] == 1.0 and r["min_norm"] > 0.05, r
         state_dicts = ("sd_diff", "full_sd_diff", "load_full_diff", "load_sharded_diff", "osd_diff", "load_osd_diff")
         assert max(r[k] for k in ("max_diff", "norm_diff", *state_dicts)) < 1e-6, r
+
+
+@pytest.mark.parametrize("direction", ["fsdp2_to_ours", "ours_to_fsdp2"])
+def test_dcp_checkpoints_interoperate_with_torch_fsdp2_and_tp(tmp_path, direction):
+    """Our (dp, tp) state dict has FSDP2 + TP's placements (_StridedShard for Colwise), so plain DCP moves a
+    checkpoint either way, exactly."""
+    for r in spawn(tp_fsdp2_interop, 4, (direction, str(tmp_path / "ckpt"))):
+        assert r["before_diff"] > 0.1 and r["max_diff"] == 0.0 and r["same_placements"] == 1.0, r

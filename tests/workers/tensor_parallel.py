@@ -242,3 +242,57 @@ def _optim_state_dict_checks(model, ref, opt, ref_opt, specs: dict, dp_rank: int
         for n, v in ref_buffers.items()
     )
     return out
+
+
+def tp_fsdp2_interop(rank: int, world: int, direction: str, path: str) -> dict[str, float]:
+    """DCP checkpoints between torch's FSDP2 + TP and ours on (dp=2, tp=2): one side (seed 0, trained one step)
+    writes with plain `dcp.save`, the other (seed 7) reads with `dcp.load`; max |difference| of the full
+    parameters before and after, and whether the two state dicts' placements agree."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    models = {}
+    for side, seed in (("theirs", 0), ("ours", 7)) if direction == "fsdp2_to_ours" else (("ours", 0), ("theirs", 7)):
+        torch.manual_seed(seed)
+        model = TinyTransformer()
+        parallelize_module(model, mesh["tp"], tp_plan())
+        if side == "theirs":
+            for block in model.blocks:
+                fsdp2_fully_shard(block, mesh=mesh["dp"])
+            fsdp2_fully_shard(model, mesh=mesh["dp"])
+        else:
+            fsdp_graph.fully_shard(model, mesh["dp"])
+        models[side] = model
+    writer, reader = (
+        (models["theirs"], models["ours"])
+        if direction == "fsdp2_to_ours"
+        else (
+            models["ours"],
+            models["theirs"],
+        )
+    )
+    gen = torch.Generator().manual_seed(3 + mesh["dp"].get_local_rank())
+    opt = torch.optim.SGD(writer.parameters(), lr=0.1)
+    nn.functional.mse_loss(writer(torch.randn(4, 6, 8, generator=gen)), torch.randn(4, 6, 1, generator=gen)).backward()
+    opt.step()
+    dcp.save({"model": writer.state_dict()}, checkpoint_id=path)
+    before = max(
+        (reader.state_dict()[k].full_tensor() - v.full_tensor()).abs().max().item()
+        for k, v in writer.state_dict().items()
+    )
+    state = {"model": reader.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    reader.load_state_dict(state["model"])
+    written, read = writer.state_dict(), reader.state_dict()
+    return {
+        "before_diff": before,
+        "max_diff": max((read[k].full_tensor() - written[k].full_tensor()).abs().max().item() for k in written),
+        "same_placements": float(
+            all(
+                tuple(read[k].placements) == tuple(written[k].placements)
+                and read[k].device_mesh.mesh_dim_names == written[k].device_mesh.mesh_dim_names
+                for k in written
+            )
+        ),
+    }
