@@ -319,9 +319,10 @@ def _make_property(name: str) -> property:
         if flat is None:
             return self._parameters[name]
         state: FlatParamState = spec.unit._fsdp_states[spec.index]
-        param = _tracked(state, spec.slot, flat, state.layout.param_of(flat, state.layout.slots[spec.slot]))
         tp = state.tp[spec.slot] if state.tp else None
-        return param if tp is None else tp.wrap(param)
+        if tp is None:  # (no local name for the result: Dynamo would name the graph's node after it)
+            return _tracked(state, spec.slot, flat, state.layout.param_of(flat, state.layout.slots[spec.slot]))
+        return tp.wrap(_tracked(state, spec.slot, flat, state.layout.param_of(flat, state.layout.slots[spec.slot])))
 
     return property(get, doc=f"`{name}`: unsharded in forward, this rank's shard of it outside (fsdp_graph).")
 
