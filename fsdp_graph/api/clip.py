@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_graph.runtime.devices import collective_device
 from fsdp_graph.runtime.unit import flat_params
@@ -46,6 +47,10 @@ def clip_grad_norm_(
     (HYBRID_SHARD, NO_SHARD) hold identical reduced gradients. Parameters fully_shard did not shard (ignored
     ones) count once, with this rank's gradient.
 
+    Tensor parallelism (DTensor parameters, issue 14): a tensor-parallel-sharded parameter's part is first summed
+    (maxed) over its tensor-parallel group, since each tp rank holds a different piece of it; replicated ones
+    (Replicate placements, plain parameters) are identical on the tp ranks and count once.
+
     Pipeline parallelism: pass the stage modules this rank holds (each sharded on its own) and `pp_group` (e.g.
     `world_mesh["pp"].get_group()`): the stages' parts are combined over it, so every stage clips by the norm of
     the whole model.
@@ -59,22 +64,41 @@ def clip_grad_norm_(
     # Keyed by the flat shards' device too: it is the same on every rank (a rank's own gradients may be absent),
     # so every rank picks the same collective device for the group.
     by_group: dict[tuple[str, int, torch.device], list[torch.Tensor]] = defaultdict(list)
+    # Per shard-group key, tensor-parallel-sharded gradients by their tp mesh (every rank lists the same meshes, from
+    # the layout, whether or not it holds gradients): their parts are reduced over tp before the dp reduction.
+    tp_sharded: dict[tuple, dict[DeviceMesh, list[torch.Tensor]]] = defaultdict(dict)
     sharded = set()
     for state in states:
         sharded.update(id(v) for v in state.views)
         key = (state.group_name, state.world, state.flat_shard.device)
-        by_group[key].extend(v.grad for v in state.views if v.grad is not None)
+        specs = state.tp or (None,) * len(state.views)
+        for view, spec in zip(state.views, specs):
+            if spec is not None and spec.shard_dim is not None:
+                grads = tp_sharded[key].setdefault(spec.mesh, [])
+            else:
+                grads = by_group[key]
+            if view.grad is not None:
+                grads.append(view.grad)
+    for key in tp_sharded:
+        by_group.setdefault(key, [])
     others = [p.grad for m in models for p in m.parameters() if id(p) not in sharded and p.grad is not None]
     home = states[0].flat_shard.device  # where the total is returned: with the sharded gradients
 
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     parts = []
-    for (group_name, world, device), grads in by_group.items():
-        if world == 1:
-            parts.append(_local_norm_part(grads, norm_type, home))
-            continue
-        group = dist.distributed_c10d._resolve_process_group(group_name)
-        part = _local_norm_part(grads, norm_type, collective_device(group, device))
-        dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    for key, grads in by_group.items():
+        group_name, world, device = key
+        group = dist.distributed_c10d._resolve_process_group(group_name) if world > 1 else None
+        where = home if group is None else collective_device(group, device)
+        part = _local_norm_part(grads, norm_type, where)
+        for tp_mesh, tp_grads in tp_sharded.get(key, {}).items():
+            tp_group = tp_mesh.get_group()
+            tp_part = _local_norm_part(tp_grads, norm_type, collective_device(tp_group, device))
+            dist.all_reduce(tp_part, op=op, group=tp_group)
+            tp_part = tp_part.to(where)
+            part = torch.maximum(part, tp_part) if inf else part + tp_part
+        if group is not None:
+            dist.all_reduce(part, op=op, group=group)
         parts.append(part.to(home))
     parts.append(_local_norm_part(others, norm_type, home))
     combined = torch.stack(parts).max() if inf else torch.stack(parts).sum()
@@ -87,7 +111,8 @@ def clip_grad_norm_(
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is non-finite ({total.item()}).")
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-    for g in [g for gs in by_group.values() for g in gs] + others:
+    tp_grads = [g for meshes in tp_sharded.values() for gs in meshes.values() for g in gs]
+    for g in [g for gs in by_group.values() for g in gs] + tp_grads + others:
         by_device[g.device].append(g)
     for device, grads in by_device.items():
         torch._foreach_mul_(grads, coefficient.to(device))

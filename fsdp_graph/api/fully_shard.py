@@ -18,6 +18,7 @@ from fsdp_graph.runtime import offload
 from fsdp_graph.runtime.flat_param import LAYOUTS
 from fsdp_graph.runtime.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
 from fsdp_graph.runtime.misuse import make_view
+from fsdp_graph.runtime.tensor_parallel import TPSpec, tp_spec_of
 from fsdp_graph.runtime.unit import (
     FlatParamState,
     RootState,
@@ -90,7 +91,7 @@ def fully_shard(
     ignored = _ignored_param_ids(model, ignored_modules, ignored_params)
     units = _select_units(model, wrap, module_fqns, ignored_modules)
     unit_fqns = [module_fqns[id(u)] for u in units]
-    params, uses = _collect_parameters(model, ignored)
+    params, uses, tp = _collect_parameters(model, ignored, mesh)
     assignment = _assign_to_units(params, uses, unit_fqns)
     reshard = _resolve_reshard(reshard_after_forward, strategy, units, unit_fqns, groups.shard_world)
     post_forward = {
@@ -111,6 +112,7 @@ def fully_shard(
     for unit, unit_fqn in zip(units, unit_fqns):
         members = [pid for pid in params if assignment[pid] == unit_fqn]
         values = _unit_values(members, params, uses, param_init_fn, device)
+        values.update({pid: params[pid].to_local() for pid in members if pid in tp})
         trainable = [pid for pid in members if params[pid].requires_grad]
         frozen = [pid for pid in members if not params[pid].requires_grad]
         for suffix, group in (("", trainable), ("[frozen]", frozen)):
@@ -122,6 +124,7 @@ def fully_shard(
                 [params[pid] for pid in group],
                 [values[pid] for pid in group],
                 [uses[pid] for pid in group],
+                [tp.get(pid) for pid in group],
                 groups,
                 reshard[unit_fqn],
                 post_forward.get(reshard[unit_fqn]) if not isinstance(reshard[unit_fqn], bool) else None,
@@ -224,10 +227,12 @@ def _select_units(model: nn.Module, wrap, module_fqns: dict[int, str], ignored_m
     return units + [model]
 
 
-def _collect_parameters(model: nn.Module, ignored: set[int]):
-    """Distinct parameters in registration order, and every (module FQN, module, name) using each."""
+def _collect_parameters(model: nn.Module, ignored: set[int], mesh: DeviceMesh | None):
+    """Distinct parameters in registration order, every (module FQN, module, name) using each, and the
+    tensor-parallel spec of each DTensor parameter (checked against fully_shard's `mesh`)."""
     params: dict[int, nn.Parameter] = {}
     uses: dict[int, list[tuple[str, nn.Module, str]]] = defaultdict(list)
+    tp: dict[int, TPSpec] = {}
     for module_fqn, module in model.named_modules(remove_duplicate=False):
         for name, p in module._parameters.items():
             if p is None or id(p) in ignored:
@@ -238,17 +243,12 @@ def _collect_parameters(model: nn.Module, ignored: set[int]):
                     f"fully_shard: parameter '{fqn}' has dtype {p.dtype}; only floating-point parameters can be "
                     "sharded. Register it as a buffer (module.register_buffer) or pass it in ignored_params."
                 )
-            if isinstance(p, DTensor):
-                raise NotImplementedError(
-                    f"fully_shard: parameter '{fqn}' is a DTensor on mesh {p.device_mesh.mesh_dim_names or ''} "
-                    f"with {p.placements} (tensor parallel?); DTensor parameters are not supported yet (issue 14). "
-                    "Shard a model of plain tensors, over a named dimension of the world mesh if other "
-                    "dimensions hold other parallelism."
-                )
+            if isinstance(p, DTensor) and id(p) not in tp:
+                tp[id(p)] = tp_spec_of(p, fqn, mesh)
             params.setdefault(id(p), p)
             if (module_fqn, name) not in {(f, n) for f, _, n in uses[id(p)]}:
                 uses[id(p)].append((module_fqn, module, name))
-    return params, uses
+    return params, uses, tp
 
 
 def _parts(fqn: str) -> list[str]:
@@ -366,6 +366,7 @@ def _shard_flat_param(
     params,
     values,
     param_uses,
+    tp: list[TPSpec | None],
     groups: Groups,
     reshard: bool | int,
     post_forward: tuple[str, str] | None,
@@ -376,7 +377,7 @@ def _shard_flat_param(
 ) -> FlatParamState:
     _check_flat_params(name, values, param_uses)
     layout = LAYOUTS[layout_kind].build(
-        [(tuple(f"{m}.{n}".lstrip(".") for m, _, n in u), p.shape) for p, u in zip(params, param_uses)],
+        [(tuple(f"{m}.{n}".lstrip(".") for m, _, n in u), v.shape) for v, u in zip(values, param_uses)],
         groups.shard_world,
         groups.shard_rank,
     )
@@ -401,6 +402,7 @@ def _shard_flat_param(
         replicate_world=groups.replicate_world,
         grad_dtype=mp.param_dtype if mp.keep_low_precision_grads else None,
         compute_device=compute_device,
+        tp=tuple(tp) if any(spec is not None for spec in tp) else (),
     )
     if post_forward is not None:
         state.post_forward_world, (state.piece_group, state.post_forward_group) = reshard, post_forward

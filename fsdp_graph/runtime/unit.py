@@ -24,6 +24,7 @@ from fsdp_graph.ir.ops import UNSHARD_SIGNATURE, gather_pieces, piece_of, reuse_
 from fsdp_graph.runtime import eager_reshard, offload
 from fsdp_graph.runtime.flat_param import Layout
 from fsdp_graph.runtime.grads import install_grad_hook
+from fsdp_graph.runtime.tensor_parallel import TPSpec
 
 
 @dataclass(eq=False)
@@ -86,6 +87,7 @@ class FlatParamState:
     post_forward_world: int = 1  # reshard_after_forward=k: the forward keeps a 1/k piece (1: its shard, or all)
     post_forward_group: str = ""  # the k ranks (a node) the backward gathers the pieces over
     piece_group: str = ""  # the world / k ranks the forward gathers this rank's piece over
+    tp: tuple[TPSpec | None, ...] = ()  # per slot: the tensor-parallel DTensor it was (its local piece is sharded)
 
     def __post_init__(self) -> None:
         self.__dict__["static_unshard_args"] = _static_unshard_args(self)
@@ -317,7 +319,10 @@ def _make_property(name: str) -> property:
         if flat is None:
             return self._parameters[name]
         state: FlatParamState = spec.unit._fsdp_states[spec.index]
-        return _tracked(state, spec.slot, flat, state.layout.param_of(flat, state.layout.slots[spec.slot]))
+        tp = state.tp[spec.slot] if state.tp else None
+        if tp is None:  # (no local name for the result: Dynamo would name the graph's node after it)
+            return _tracked(state, spec.slot, flat, state.layout.param_of(flat, state.layout.slots[spec.slot]))
+        return tp.wrap(_tracked(state, spec.slot, flat, state.layout.param_of(flat, state.layout.slots[spec.slot])))
 
     return property(get, doc=f"`{name}`: unsharded in forward, this rank's shard of it outside (fsdp_graph).")
 

@@ -7,7 +7,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_graph.runtime.unit import FlatParamState, flat_params
-from fsdp_graph.state.sharded import gather_flat, local_dtensor, local_range_of, to_dtensor
+from fsdp_graph.state.sharded import gather_flat, gathered_dtensor, local_dtensor, local_range_of
 
 
 def _fqns(model: nn.Module) -> dict[int, str]:
@@ -35,7 +35,6 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     standard DCP recipe (`sd = optim_state_dict(...)`, `dcp.load(sd, ...)`, `load_optim_state_dict(...)`) has
     tensors for DCP to load into instead of silently loading nothing."""
     init_optimizer_state(optimizer)
-    root = model.__dict__["_fsdp_root"]
     fqns, slots = _fqns(model), _slots(model)
     state_out: dict[str, dict] = {}
     for param, param_state in optimizer.state.items():
@@ -60,9 +59,9 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
                 if key in optimizer.state.get(view, {}):
                     state.layout.local_view(local, slot).copy_(optimizer.state[view][key])
             full = gather_flat(state, local)
-            for view, value in zip(state.views, state.layout.unflatten(full)):
+            for index, (view, value) in enumerate(zip(state.views, state.layout.unflatten(full))):
                 if key in optimizer.state.get(view, {}):
-                    state_out[fqns[id(view)]][key] = to_dtensor(value, root)
+                    state_out[fqns[id(view)]][key] = gathered_dtensor(value, state, index)
     groups = []
     for group in optimizer.param_groups:
         groups.append(

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_graph.runtime.devices import collective_device
+from fsdp_graph.runtime.tensor_parallel import TPSpec, state_dict_placements, tp_local_of
 from fsdp_graph.runtime.unit import FlatParamState, RootState, drop_held, flat_params
 
 
@@ -59,8 +60,33 @@ def to_dtensor(full: torch.Tensor, root: RootState) -> DTensor:
     return DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
+def _tp_spec(state: FlatParamState, slot_index: int) -> TPSpec | None:
+    return state.tp[slot_index] if state.tp else None
+
+
+def _tp_placements(state: FlatParamState, spec: TPSpec, slot_index: int) -> tuple:
+    rows = state.layout.slots[slot_index].shape[0]
+    return state_dict_placements(spec, state_dict_mesh(state.root), state.root.placements, rows)
+
+
+def tp_dtensor(local_rows: torch.Tensor, state: FlatParamState, slot_index: int) -> DTensor:
+    """A tensor-parallel parameter's dp row block of its tp piece as the global parameter's DTensor on the (dp, tp)
+    mesh, no copy (`tensor_parallel.state_dict_placements`)."""
+    spec = state.tp[slot_index]
+    mesh, placements = _tp_placements(state, spec, slot_index)
+    return DTensor.from_local(local_rows, mesh, placements, run_check=False, shape=spec.shape, stride=spec.stride)
+
+
+def _dp_rows(value: torch.Tensor, state: FlatParamState) -> torch.Tensor:
+    """This rank's `Shard(0)` row block (torch.chunk) of `value` over the shard group, whatever the layout."""
+    rows = -(-value.shape[0] // state.world)
+    return value[state.layout.rank * rows : (state.layout.rank + 1) * rows]
+
+
 def local_dtensor(local: torch.Tensor, state: FlatParamState, slot_index: int) -> DTensor:
     """A rows-layout parameter's piece (`local`, shaped like its view) as the full parameter's DTensor, no copy."""
+    if _tp_spec(state, slot_index) is not None:
+        return tp_dtensor(local, state, slot_index)
     slot, root = state.layout.slots[slot_index], state.root
     stride = torch.empty(slot.shape, device="meta").stride()
     return DTensor.from_local(
@@ -68,9 +94,12 @@ def local_dtensor(local: torch.Tensor, state: FlatParamState, slot_index: int) -
     )
 
 
-def _is_own_local(value: DTensor, state: FlatParamState) -> bool:
+def _is_own_local(value: DTensor, state: FlatParamState, slot_index: int) -> bool:
     """Whether `value` is sharded exactly as the rows layout shards it here (then its local tensor is ours)."""
-    root = state.root
+    root, spec = state.root, _tp_spec(state, slot_index)
+    if spec is not None:
+        mesh, placements = _tp_placements(state, spec, slot_index)
+        return state.layout.kind == "rows" and tuple(value.placements) == placements and value.device_mesh == mesh
     return (
         state.layout.kind == "rows"
         and tuple(value.placements) == tuple(root.placements)
@@ -81,16 +110,19 @@ def _is_own_local(value: DTensor, state: FlatParamState) -> bool:
 def local_range_of(value: torch.Tensor, state: FlatParamState, slot_index: int) -> torch.Tensor:
     """This rank's piece of a parameter-shaped tensor (full tensor or DTensor, identical on every rank), shaped like
     the parameter's view (1-D with the flat layout, the row block with rows)."""
-    slot = state.layout.slots[slot_index]
-    if tuple(value.shape) != tuple(slot.shape):
+    slot, spec = state.layout.slots[slot_index], _tp_spec(state, slot_index)
+    shape = slot.shape if spec is None else spec.shape
+    if tuple(value.shape) != tuple(shape):
         raise ValueError(
             f"load_state_dict: '{slot.fqns[0]}' has shape {tuple(value.shape)} in the state dict but "
-            f"{tuple(slot.shape)} in the model."
+            f"{tuple(shape)} in the model."
         )
     if isinstance(value, DTensor):
-        if _is_own_local(value, state):
+        if _is_own_local(value, state, slot_index):
             return value.to_local().detach().to(state.flat_shard.dtype)
         value = value.full_tensor()
+    if spec is not None:
+        value = tp_local_of(value, spec)
     return state.layout.local_piece(value, slot).to(state.flat_shard.dtype)
 
 
@@ -110,7 +142,7 @@ def _put_flat_param(state_dict: dict, prefix: str, state: FlatParamState, root: 
     else:
         full = gather_flat(state, state.flat_shard.detach())
         values = state.layout.unflatten(full)
-        entries = [root.full_state_dict(v) if root.full_state_dict else to_dtensor(v, root) for v in values]
+        entries = [_entry(v, state, i, root) for i, v in enumerate(values)]
     for slot, entry in zip(state.layout.slots, entries):
         for fqn in slot.fqns:
             if prefix + fqn not in state_dict:
@@ -119,6 +151,23 @@ def _put_flat_param(state_dict: dict, prefix: str, state: FlatParamState, root: 
                 del state_dict[prefix + fqn]
             else:
                 state_dict[prefix + fqn] = entry
+
+
+def gathered_dtensor(value: torch.Tensor, state: FlatParamState, slot_index: int) -> DTensor:
+    """A parameter-shaped tensor gathered over the shard group (a tensor-parallel parameter's tp piece) as its
+    sharded state-dict DTensor: `to_dtensor`, or for tensor-parallel parameters `tp_dtensor` of its dp rows."""
+    if _tp_spec(state, slot_index) is not None:
+        return tp_dtensor(_dp_rows(value, state).clone(), state, slot_index)
+    return to_dtensor(value, state.root)
+
+
+def _entry(value: torch.Tensor, state: FlatParamState, slot_index: int, root: RootState):
+    """The state-dict entry of one parameter gathered over the shard group (`value`: its tp piece for a
+    tensor-parallel parameter, which a full state dict gathers over tp too)."""
+    if root.full_state_dict is None:
+        return gathered_dtensor(value, state, slot_index)
+    spec = _tp_spec(state, slot_index)
+    return root.full_state_dict(value if spec is None else spec.wrap(value).full_tensor())
 
 
 def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:

@@ -34,7 +34,7 @@ from fsdp_graph.planning.measure import executed_collectives
 from fsdp_graph.runtime.devices import collective_device
 from fsdp_graph.train.corpus import batch_at, load_tokens
 from fsdp_graph.train.launch import RankFailedError, spawn
-from fsdp_graph.train.llama import PRESETS, Llama, llama_loss, preset
+from fsdp_graph.train.llama import PRESETS, Llama, check_tp, llama_loss, preset, tp_plan
 from fsdp_graph.train.pipeline import SCHEDULES, build_pipeline
 from fsdp_graph.train.pipeline import check_args as check_pipeline_args
 from fsdp_graph.train.report import (
@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="microbatches per step with --pp (default: --pp); divides --batch",
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallel degree: a (world/tp, tp) mesh, the blocks split by torchtitan's plan over tp and "
+        "sharded over dp (default: 1, none)",
+    )
     p.add_argument("--world", type=int, default=2, help="ranks to start when not under torchrun (default: 2)")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds (default: 300)")
     p.add_argument("--seed", type=int, default=0, help="seed of the init and of the data order")
@@ -137,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--pp must be at least 1, got {args.pp}")
     if args.microbatches is None:
         args.microbatches = args.pp
+    if why := _check_tp_args(args):
+        parser.error(why)
     if args.pp > 1 and not _under_torchrun() and (why := check_pipeline_args(args, args.world)):
         parser.error(why)
     if args.seq is None:
@@ -146,6 +155,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.plot is None:
         args.plot = os.path.join(args.checkpoint_dir or ".", "loss.png")
     return args
+
+
+def _check_tp_args(args: argparse.Namespace) -> str | None:
+    """Why the --tp options cannot run (None: they can); the world size is checked when known (not under torchrun)."""
+    if args.tp < 1:
+        return f"--tp must be at least 1, got {args.tp}"
+    if args.tp == 1:
+        return None
+    if args.pp > 1:
+        return "--tp with --pp is not supported yet"
+    if fsdp_graph.ShardingStrategy[args.strategy] is not fsdp_graph.ShardingStrategy.FULL_SHARD:
+        return f"--tp runs with FULL_SHARD only (got {args.strategy})"
+    if args.cpu_offload:
+        return "--tp with --cpu-offload is not supported yet"
+    if not _under_torchrun() and args.world % args.tp:
+        return f"--tp {args.tp} does not divide the {args.world} ranks"
+    return check_tp(PRESETS[args.preset], args.tp)
 
 
 def _under_torchrun() -> bool:
@@ -307,19 +333,59 @@ def _backend(args: argparse.Namespace):
 
 
 def _build(args: argparse.Namespace, world: int, device: torch.device):
-    """The sharded model (built on meta, materialised one unit at a time), its optimizer and the model to call."""
+    """The sharded model (built on meta, materialised one unit at a time), its optimizer, the model to call, and
+    this rank's (data-parallel size, data-parallel rank).
+
+    With --tp: a (world / tp, tp) mesh ("dp", "tp"); the model is materialised whole (in fully_shard's order, so it
+    starts from the values the job without --tp starts from), split by `tp_plan` over tp, then sharded over dp
+    (fully_shard does not materialise meta-device DTensors yet)."""
     cfg = preset(args.preset, seq=max(args.seq, PRESETS[args.preset].seq))
     torch.manual_seed(args.seed)
     with torch.device("meta"):
         model = Llama(cfg)
     kwargs = _shard_kwargs(args)
-    fsdp_graph.fully_shard(
-        model, _mesh(kwargs["strategy"], world, device), param_init_fn=model.init_module, device=device, **kwargs
-    )
+    if args.tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        if world % args.tp:
+            raise ValueError(f"--tp {args.tp} does not divide the {world} ranks")
+        mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        _materialise_in_unit_order(model, device)
+        parallelize_module(model, mesh["tp"], tp_plan(cfg))
+        fsdp_graph.fully_shard(model, mesh["dp"], device=device, **kwargs)
+        dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    else:
+        fsdp_graph.fully_shard(
+            model, _mesh(kwargs["strategy"], world, device), param_init_fn=model.init_module, device=device, **kwargs
+        )
+        dp, dp_rank = world, dist.get_rank()
     opt = _optimizer(args, model)
     backend = _backend(args)
     step_model = torch.compile(model, backend=backend, fullgraph=True) if backend else model
-    return cfg, model, opt, step_model
+    return cfg, model, opt, step_model, (dp, dp_rank)
+
+
+def _materialise_in_unit_order(model: torch.nn.Module, device: torch.device) -> None:
+    """Initialise a meta-device Llama whole, module by module in the order fully_shard's meta path does (its default
+    units in order, each unit's parameters in registration order), so the random values are the same."""
+    from fsdp_graph.api import fully_shard as sharding
+    from fsdp_graph.runtime.init import materialize_buffers, materialize_module
+
+    module_fqns = {id(m): name for name, m in model.named_modules()}
+    unit_fqns = [module_fqns[id(u)] for u in sharding._select_units(model, None, module_fqns, ())]
+    params, uses = sharding._collect_parameters(model, set(), None)[:2]
+    assignment = sharding._assign_to_units(params, uses, unit_fqns)
+    new: dict[int, torch.Tensor] = {}
+    for unit_fqn in unit_fqns:
+        for pid in params:
+            fqn, module, _ = uses[pid][0]
+            if assignment[pid] == unit_fqn and pid not in new:
+                new.update(materialize_module(module, fqn, device, model.init_module))
+    for pid, param_uses in uses.items():  # a tied weight: every module that uses it gets the materialised one
+        for _, module, name in param_uses:
+            module._parameters[name] = new[pid]
+    materialize_buffers(model, device, model.init_module)
 
 
 def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
@@ -335,9 +401,9 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
             args, world, device, _shard_kwargs(args), lambda m: _optimizer(args, m), _backend(args)
         )
         model = pipeline.model
+        dp, dp_rank = pipeline.dp, pipeline.dp_rank  # data-parallel pipelines
     else:
-        cfg, model, opt, step_model = _build(args, world, device)
-    dp, dp_rank = (pipeline.dp, pipeline.dp_rank) if pipeline else (world, rank)  # data-parallel pipelines
+        cfg, model, opt, step_model, (dp, dp_rank) = _build(args, world, device)
     tokens = load_tokens()
     start, history = 0, []
     if found := _resume_point(args):
@@ -362,7 +428,8 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
         return loss.detach()
 
     stats = RunStats(history=history)
-    ar_group = 2 if fsdp_graph.ShardingStrategy[args.strategy].is_hybrid else world
+    ar_group = 2 if fsdp_graph.ShardingStrategy[args.strategy].is_hybrid else args.tp if args.tp > 1 else world
+    losses_summed = dp * args.tp  # the all-reduce below adds one loss per pipeline, per tp rank
     # The last step counts the collectives under the profiler: not the first (compiling) one, and late, because
     # the profiler's bookkeeping takes memory (up to 1 GB on the small preset) that the peak must not include.
     profile_at = args.steps - 1 if args.steps - start >= 3 else None
@@ -390,7 +457,7 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
             with ticker:
                 loss = step_fn(batch)
         dist.all_reduce(loss)
-        value = loss.item() / dp  # one loss per pipeline (all ranks without --pp)
+        value = loss.item() / losses_summed  # one loss per pipeline (all ranks without --pp), tp ranks' alike
         stats.step_s.append(time.perf_counter() - began)
         stats.history.append((step + 1, value))
         bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{tokens_per_step / stats.step_s[-1]:,.0f}", refresh=False)

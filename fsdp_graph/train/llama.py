@@ -136,9 +136,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        # Head counts from the projections' widths (-1): with tensor parallelism each rank holds heads / tp of them.
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.kv_heads != self.heads:
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
@@ -211,6 +212,27 @@ class Llama(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin)
         return self.output(self.norm(x))
+
+
+def tp_plan(cfg: LlamaConfig) -> dict:
+    """torchtitan's tensor-parallel plan for the blocks (attention and SwiGLU: Colwise in, Rowwise out); the
+    embedding, final norm and head stay replicated over tp (plain parameters)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(cfg.layers):
+        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            plan[f"blocks.{i}.{name}"] = ColwiseParallel()
+        for name in ("attention.wo", "feed_forward.w2"):
+            plan[f"blocks.{i}.{name}"] = RowwiseParallel()
+    return plan
+
+
+def check_tp(cfg: LlamaConfig, tp: int) -> str | None:
+    """Why `cfg` cannot be split over `tp` ranks by `tp_plan` (None: it can)."""
+    if cfg.kv_heads % tp or cfg.hidden % tp:
+        return f"--tp {tp} must divide the preset's kv_heads ({cfg.kv_heads}) and SwiGLU width ({cfg.hidden})"
+    return None
 
 
 def llama_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

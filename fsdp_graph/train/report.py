@@ -124,6 +124,9 @@ def describe(args: argparse.Namespace, world: int, device: torch.device) -> str:
     pipeline = ""
     if pp > 1:
         pipeline = f" as pp={pp} x dp={world // pp} ({args.pp_schedule}, {args.microbatches} microbatches)"
+    tp = getattr(args, "tp", 1)
+    if tp > 1:
+        pipeline = f" as dp={world // tp} x tp={tp}"
     ranks = f"{world} ranks ({backend_for(None, device)}, {device.type}){pipeline}"
     return f"{ranks}, {args.strategy}, {precision}{offload}, {mode}"
 
@@ -133,7 +136,7 @@ def summarise(args, cfg, world, device, start, stats: RunStats, executed, memory
     if not stats.step_s:
         print(f"nothing to do: the checkpoint is at step {start}, --steps is {args.steps}", flush=True)
         return {"steps_run": 0, "start_step": start}
-    dp = world // getattr(args, "pp", 1)  # pipelines: each stage of one sees the same tokens
+    dp = world // getattr(args, "pp", 1) // getattr(args, "tp", 1)  # the stages or tp ranks of one see the same tokens
     tokens_per_step = args.batch * args.seq * dp
     median = stats.median_step_s
     compile_s = stats.step_s[0] - median if args.compile else None

@@ -66,13 +66,3 @@ def test_error_flattened_dimension(fake_pg):
     flat = mesh["dp", "tp"]._flatten("dp_tp")
     with pytest.raises(ValueError, match="not one of its named dimensions"):
         fsdp_graph.fully_shard(TwoBlock(), flat)
-
-
-def test_error_tensor_parallel_parameters_name_the_parameter(fake_pg):
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = TwoBlock()
-    parallelize_module(model, mesh["tp"], {"blocks.0": ColwiseParallel()})
-    with pytest.raises(NotImplementedError, match="parameter 'blocks.0.weight' is a DTensor"):
-        fsdp_graph.fully_shard(model, mesh["dp"])

@@ -1,0 +1,148 @@
+"""Tensor parallel x FSDP (issue 14) on a fake (dp=2, tp=2) world: DTensor's collectives and ours in one graph."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from expecttest import assert_expected_inline
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fsdp_graph
+from tests.workers.tensor_parallel import Block
+
+
+def _group_sizes(backend, roles: dict | None = None) -> str:
+    """The fingerprint with group names replaced by their role (by rank list): dp (ranks [0, 2]) or tp ([0, 1])."""
+    roles = roles or {(0, 2): "dp", (0, 1): "tp"}
+    names = {}
+    for report in backend.reports:
+        for group in report.groups:
+            ranks = dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group))
+            names[group] = roles[tuple(ranks)]
+    text = "\n".join(f"{r.stage}: {line}" for r in backend.reports for line in r.fingerprint)
+    for group, role in names.items():
+        text = text.replace(f"group={group},", f"group={role},")
+    return text
+
+
+def test_tp_and_fsdp_collectives_in_one_graph(fake_pg):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mesh, model = _mesh(), Block()
+    plan = {**{n: ColwiseParallel() for n in ("q", "k", "v", "up")}, "o": RowwiseParallel(), "down": RowwiseParallel()}
+    parallelize_module(model, mesh["tp"], plan)
+    fsdp_graph.fully_shard(model, mesh["dp"])
+    backend = fsdp_graph.make_backend(inductor=False)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled(torch.randn(2, 3, 16, requires_grad=True)).sum().backward()
+    assert backend.dynamo_graphs == 1
+    # One unit (the block): our gather over dp, the two Rowwise all-reduces over tp in forward; in backward the
+    # re-gather, the four Colwise input-gradient all-reduces over tp (q, k, v, up) and our reduce-scatter over dp.
+    # 580 = half of the block's 1160 tensor-parallel-local elements.
+    assert_expected_inline(
+        _group_sizes(backend),
+        """\
+fw: all_gather_into_tensor(group=dp, group_size=2, 580 x float32 -> 1160 x float32)
+fw: all_reduce(group=tp, reduce_op=sum, 96 x float32 -> 96 x float32)
+fw: all_reduce(group=tp, reduce_op=sum, 96 x float32 -> 96 x float32)
+bw: all_gather_into_tensor(group=dp, group_size=2, 580 x float32 -> 1160 x float32)
+bw: all_reduce(group=tp, reduce_op=sum, 96 x float32 -> 96 x float32)
+bw: all_reduce(group=tp, reduce_op=sum, 96 x float32 -> 96 x float32)
+bw: all_reduce(group=tp, reduce_op=sum, 96 x float32 -> 96 x float32)
+bw: all_reduce(group=tp, reduce_op=sum, 96 x float32 -> 96 x float32)
+bw: reduce_scatter_tensor(group=dp, reduce_op=sum, group_size=2, 1160 x float32 -> 580 x float32)""",
+    )
+
+
+def _mesh():
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def test_error_tp_on_the_fsdp_dimension(fake_pg):
+    mesh, model = _mesh(), Block()
+    parallelize_module(model, mesh["dp"], {"up": ColwiseParallel()})
+    with pytest.raises(ValueError, match=r"parameter 'up.weight' is a DTensor.*the same dimension fully_shard shards"):
+        fsdp_graph.fully_shard(model, mesh["dp"])
+
+
+def test_error_tp_on_an_unrelated_mesh(fake_pg):
+    mesh, model = _mesh(), Block()
+    other = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    parallelize_module(model, other, {"up": ColwiseParallel()})
+    with pytest.raises(ValueError, match=r"'up.weight' .*not a named dimension of the world mesh \('dp', 'tp'\)"):
+        fsdp_graph.fully_shard(model, mesh["dp"])
+
+
+def test_error_tp_without_a_mesh(fake_pg):
+    mesh, model = _mesh(), Block()
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel()})
+    with pytest.raises(ValueError, match=r"'up.weight' .*fully_shard got no mesh.*world_mesh\[.dp.\]"):
+        fsdp_graph.fully_shard(model)
+
+
+def test_error_partial_parameter(fake_pg):
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh, model = _mesh(), Block()
+    model.up.weight = torch.nn.Parameter(DTensor.from_local(torch.randn(32, 16), mesh["tp"], [Partial()]))
+    with pytest.raises(ValueError, match=r"'up.weight' .*only Shard\(d\) and Replicate\(\) parameters"):
+        fsdp_graph.fully_shard(model, mesh["dp"])
+
+
+def test_error_uneven_tp_shards(fake_pg):
+    mesh, model = _mesh(), torch.nn.Sequential(torch.nn.Linear(4, 5))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+    with pytest.raises(ValueError, match=r"'0.weight' .*dim 0 \(5\) does not divide evenly over the 2"):
+        fsdp_graph.fully_shard(model, mesh["dp"])
+
+
+def test_error_meta_device_tp_parameter(fake_pg):
+    mesh = _mesh()
+    with torch.device("meta"):
+        model = Block()
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel()})
+    with pytest.raises(ValueError, match=r"'up.weight' .*on the meta device"):
+        fsdp_graph.fully_shard(model, mesh["dp"])
+
+
+@pytest.fixture
+def fake_world_8():
+    """A fake world of 8 ranks (this process is rank 5: (1, 0, 1) on (replicate=2, shard=2, tp=2))."""
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hybrid_shard_with_tp_on_a_3d_mesh(fake_world_8):
+    """HSDP x TP: HYBRID_SHARD over ("replicate", "shard"), the plan on "tp". The backward adds the replicate
+    all-reduce after our reduce-scatter; state dicts are DTensors on the 3-D mesh (plain parameters on the 2-D one)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mesh, model = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp")), Block()
+    plan = {**{n: ColwiseParallel() for n in ("q", "k", "v", "up")}, "o": RowwiseParallel(), "down": RowwiseParallel()}
+    parallelize_module(model, mesh["tp"], plan)
+    fsdp_graph.fully_shard(model, mesh["replicate", "shard"], strategy=fsdp_graph.ShardingStrategy.HYBRID_SHARD)
+    backend = fsdp_graph.make_backend(inductor=False)
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 3, 16, requires_grad=True)).sum().backward()
+    assert backend.dynamo_graphs == 1
+    text = _group_sizes(backend, {(5, 7): "shard", (4, 5): "tp", (1, 5): "replicate"})
+    assert text.splitlines()[-2:] == [
+        "bw: reduce_scatter_tensor(group=shard, reduce_op=sum, group_size=2, 1160 x float32 -> 580 x float32)",
+        "bw: all_reduce(group=replicate, reduce_op=sum, 580 x float32 -> 580 x float32)",
+    ], text
+    assert text.count("group=tp,") == 6, text
+    state = model.state_dict()
+    expected = {
+        "q.weight": (("replicate", "shard", "tp"), (Replicate(), _StridedShard(0, split_factor=2), Shard(0))),
+        "o.weight": (("replicate", "shard", "tp"), (Replicate(), Shard(0), Shard(1))),
+        "o.bias": (("replicate", "shard", "tp"), (Replicate(), Shard(0), Replicate())),
+        "norm1.weight": (("replicate", "shard"), (Replicate(), Shard(0))),
+    }
+    for name, (dims, placements) in expected.items():
+        assert (state[name].device_mesh.mesh_dim_names, tuple(state[name].placements)) == (dims, placements), name
+    assert state["q.weight"].to_local().shape == (4, 16)  # 16 rows / tp 2 / shard 2

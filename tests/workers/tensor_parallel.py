@@ -1,0 +1,298 @@
+"""Rank-side workers for tensor parallel x FSDP (issue 14): `parallelize_module(model, world_mesh["tp"], plan)`, then
+`fully_shard(model, world_mesh["dp"])`, compiled into one graph."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import fsdp_graph
+from fsdp_graph.planning.measure import executed_collectives
+from tests.workers.training import BF16, _bf16_reference_loss
+
+DIM, HEADS, FFN, BLOCKS = 16, 4, 32, 2
+CLIP = 0.05  # below every step's gradient norm: clipping scales every step
+
+
+class Block(nn.Module):
+    """Pre-norm attention and MLP. Head counts come from the projections' local widths (`view(..., -1, hd)`), so
+    the same code runs unsharded and with q/k/v split over tensor-parallel ranks (torchtitan divides n_heads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
+        self.up, self.down = nn.Linear(DIM, FFN), nn.Linear(FFN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (proj(h).view(b, s, -1, DIM // HEADS).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(att.transpose(1, 2).reshape(b, s, -1))
+        return x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def tp_plan() -> dict:
+    plan = {}
+    for i in range(BLOCKS):
+        plan.update({f"blocks.{i}.{n}": ColwiseParallel() for n in ("q", "k", "v", "up")})
+        plan.update({f"blocks.{i}.{n}": RowwiseParallel() for n in ("o", "down")})
+    return plan
+
+
+def _max_abs(t: torch.Tensor) -> float:
+    return t.abs().max().item() if t.numel() else 0.0
+
+
+def expected_local(ref_param: torch.Tensor, where: tuple, dp_rank: int, dp: int) -> torch.Tensor:
+    """What a rank's optimizer view should hold: the reference parameter's tensor-parallel piece, then its dp row
+    block (torch.chunk on dim 0, as the rows layout), or with the flat layout its slice of the flat shard.
+    `where`: (tp spec or None, flat parameter state, slot)."""
+    spec, state, slot = where
+    value = ref_param.detach()
+    if spec is not None and isinstance(spec.placements[0], Shard):
+        value = value.chunk(spec.mesh.size(), dim=spec.placements[0].dim)[spec.mesh.get_local_rank()]
+    if state.layout.kind == "flat":
+        return state.layout.local_piece(value, slot)
+    rows = value.chunk(dp, dim=0)
+    return rows[dp_rank] if dp_rank < len(rows) else value[:0]
+
+
+def tp_fsdp_parity(
+    rank: int,
+    world: int,
+    mode: str,
+    break_reduce: bool = False,
+    clip_norm_type: float | None = None,
+    layout: str = "rows",
+    mp: bool = False,
+    hybrid: bool = False,
+) -> dict[str, float]:
+    """(dp=2, tp=2): TP inside each dp group, FSDP across the dp groups. Each dp rank trains on its half of the global
+    batch (tp ranks of one dp group share it); 3 steps of SGD with momentum must equal single-process training on
+    the global batch. `break_reduce`: sum the dp gradients instead of averaging them (the test must then fail).
+    `mp`: MixedPrecision(param_dtype=bf16, reduce_dtype=fp32); the reference computes with bf16 copies.
+    `layout`: fully_shard's ("flat": the optimizer's views are 1-D slices, compared as such).
+    `clip_norm_type`: clip every step with `fsdp_graph.clip_grad_norm_` against torch's clip on the reference.
+    `hybrid`: HSDP x TP on 8 ranks, (replicate=2, shard=2, tp=2), HYBRID_SHARD over ("replicate", "shard"); the
+    batch is split over the 4 data-parallel ranks."""
+    if hybrid:
+        mesh = init_device_mesh("cpu", (2, 2, world // 4), mesh_dim_names=("replicate", "shard", "tp"))
+        dp_names, fsdp_mesh, strategy = ("replicate", "shard"), mesh["replicate", "shard"], "HYBRID_SHARD"
+        data_rank, data_parts = 2 * mesh["replicate"].get_local_rank() + mesh["shard"].get_local_rank(), 4
+    else:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        dp_names, fsdp_mesh, strategy = ("dp",), mesh["dp"], "FULL_SHARD"
+        data_rank, data_parts = mesh["dp"].get_local_rank(), 2
+    dp_rank, dp = mesh[dp_names[-1]].get_local_rank(), mesh[dp_names[-1]].size()  # the shard dimension
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref = copy.deepcopy(model)
+    parallelize_module(model, mesh["tp"], tp_plan())
+    fsdp_graph.fully_shard(
+        model,
+        fsdp_mesh,
+        strategy=fsdp_graph.ShardingStrategy[strategy],
+        layout=layout,
+        mixed_precision=BF16 if mp else None,
+    )
+    if break_reduce:
+        from fsdp_graph.runtime.unit import flat_params
+
+        for state in flat_params(model):
+            state.divide_factor = 1.0  # the dp sum, not the mean: the gradients are twice too large
+    run, backend = model, None
+    if mode != "eager":
+        backend = fsdp_graph.make_backend(inductor=mode == "inductor")
+        run = torch.compile(model, backend=backend, fullgraph=True)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    gen = torch.Generator().manual_seed(7)
+    out: dict[str, float] = {}
+    for step in range(3):
+        x, y = torch.randn(8, 6, 8, generator=gen), torch.randn(8, 6, 1, generator=gen)
+
+        def train_step(x: torch.Tensor = x, y: torch.Tensor = y) -> None:
+            local_x, local_y = x.chunk(data_parts)[data_rank], y.chunk(data_parts)[data_rank]
+            nn.functional.mse_loss(run(local_x).float(), local_y).backward()
+
+        if step == 1:
+            out.update({f"count_{k}": float(v) for k, v in executed_collectives(train_step).counts.items()})
+        else:
+            train_step()
+        if mp:
+            _bf16_reference_loss(
+                ref, lambda call, batch: nn.functional.mse_loss(call(batch[0]).float(), batch[1]), (x, y)
+            )
+        else:
+            nn.functional.mse_loss(ref(x), y).backward()
+        if clip_norm_type is not None:
+            norm = fsdp_graph.clip_grad_norm_(model, CLIP, clip_norm_type)
+            ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), CLIP, clip_norm_type)
+            out["norm_diff"] = max(out.get("norm_diff", 0.0), abs(norm.item() - ref_norm.item()) / ref_norm.item())
+            out["min_norm"] = min(out.get("min_norm", float("inf")), ref_norm.item())
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    from fsdp_graph.runtime.unit import flat_params
+
+    specs = {}  # name: (tp spec or None, flat parameter state, slot)
+    for state in flat_params(model):
+        for slot, spec in zip(state.layout.slots, state.tp or [None] * len(state.layout.slots)):
+            specs[slot.fqns[0]] = (spec, state, slot)
+    params = dict(model.named_parameters())
+    out["max_diff"] = max(
+        _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
+    )
+    out.update(_state_dict_checks(model, ref, specs, dp_rank, dp, dp_names))
+    out.update(_optim_state_dict_checks(model, ref, opt, ref_opt, specs, dp_rank, dp))
+    out["tp_params"] = float(sum(spec is not None for spec, _, _ in specs.values()))
+    out["plain_views"] = float(all(not isinstance(p, DTensor) for p in model.parameters()))
+    out["graphs"] = float(backend.dynamo_graphs if backend else 0)
+    return out
+
+
+def _state_dict_checks(
+    model: nn.Module, ref: nn.Module, specs: dict, dp_rank: int, dp: int, dp_names: tuple[str, ...]
+) -> dict[str, float]:
+    """The sharded state dict (DTensors on the (dp, tp) mesh for tp parameters, on dp for the others; HSDP: on
+    (replicate, shard, tp) and (replicate, shard)) holds the reference's values; the full state dict too; loading a
+    full and a sharded state dict restores the views."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out: dict[str, float] = {}
+    ref_values = {n: p.detach() for n, p in ref.named_parameters()}
+    state = model.state_dict()
+    out["sd_diff"] = max(_max_abs(state[n].full_tensor() - v) for n, v in ref_values.items())
+    expected = {  # name suffix: tp dim or none, placements after HYBRID's Replicate
+        "q.weight": (("tp",), (_StridedShard(0, split_factor=2), Shard(0))),
+        "q.bias": (("tp",), (_StridedShard(0, split_factor=2), Shard(0))),
+        "o.weight": (("tp",), (Shard(0), Shard(1))),
+        "o.bias": (("tp",), (Shard(0), Replicate())),
+        "norm1.weight": ((), (Shard(0),)),
+        "head.weight": ((), (Shard(0),)),
+    }
+    replicas = (Replicate(),) * (len(dp_names) - 1)
+    checked = [
+        tuple(state[n].placements) == (*replicas, *placements)
+        and state[n].device_mesh.mesh_dim_names == (*dp_names, *names)
+        for suffix, (names, placements) in expected.items()
+        for n in state
+        if n.endswith(suffix)
+    ]
+    out["sd_placements"] = float(len(checked) == 2 * 5 + 1 and all(checked))
+    full = fsdp_graph.full_state_dict(model)
+    out["full_sd_diff"] = max(_max_abs(full[n] - v) for n, v in ref_values.items())
+    saved = {
+        n: DTensor.from_local(v.to_local().clone(), v.device_mesh, v.placements, shape=v.shape, stride=v.stride())
+        for n, v in state.items()
+        if isinstance(v, DTensor)
+    }
+    params = dict(model.named_parameters())
+    for source, key in ((full, "load_full_diff"), (saved, "load_sharded_diff")):
+        with torch.no_grad():
+            for p in params.values():
+                p.zero_()
+        model.load_state_dict(source, strict=False)
+        out[key] = max(
+            _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
+        )
+    return out
+
+
+def _optim_state_dict_checks(model, ref, opt, ref_opt, specs: dict, dp_rank: int, dp: int) -> dict[str, float]:
+    """The optimizer state dict's momentum buffers are DTensors of the reference's, and load back."""
+    ref_buffers = {n: ref_opt.state[p]["momentum_buffer"] for n, p in ref.named_parameters()}
+    saved = fsdp_graph.optim_state_dict(model, opt)
+    out = {
+        "osd_diff": max(
+            _max_abs(saved["state"][n]["momentum_buffer"].full_tensor() - v) for n, v in ref_buffers.items()
+        )
+    }
+    for entry in saved["state"].values():
+        value = entry["momentum_buffer"]
+        entry["momentum_buffer"] = DTensor.from_local(
+            value.to_local().clone(), value.device_mesh, value.placements, shape=value.shape, stride=value.stride()
+        )
+    params = dict(model.named_parameters())
+    for p in params.values():
+        opt.state[p]["momentum_buffer"].zero_()
+    fsdp_graph.load_optim_state_dict(model, opt, saved)
+    out["load_osd_diff"] = max(
+        _max_abs(opt.state[params[n]]["momentum_buffer"] - expected_local(v, specs[n], dp_rank, dp))
+        for n, v in ref_buffers.items()
+    )
+    return out
+
+
+def tp_fsdp2_interop(rank: int, world: int, direction: str, path: str) -> dict[str, float]:
+    """DCP checkpoints between torch's FSDP2 + TP and ours on (dp=2, tp=2): one side (seed 0, trained one step)
+    writes with plain `dcp.save`, the other (seed 7) reads with `dcp.load`; max |difference| of the full
+    parameters before and after, and whether the two state dicts' placements agree."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    models = {}
+    for side, seed in (("theirs", 0), ("ours", 7)) if direction == "fsdp2_to_ours" else (("ours", 0), ("theirs", 7)):
+        torch.manual_seed(seed)
+        model = TinyTransformer()
+        parallelize_module(model, mesh["tp"], tp_plan())
+        if side == "theirs":
+            for block in model.blocks:
+                fsdp2_fully_shard(block, mesh=mesh["dp"])
+            fsdp2_fully_shard(model, mesh=mesh["dp"])
+        else:
+            fsdp_graph.fully_shard(model, mesh["dp"])
+        models[side] = model
+    writer, reader = (
+        (models["theirs"], models["ours"])
+        if direction == "fsdp2_to_ours"
+        else (
+            models["ours"],
+            models["theirs"],
+        )
+    )
+    gen = torch.Generator().manual_seed(3 + mesh["dp"].get_local_rank())
+    opt = torch.optim.SGD(writer.parameters(), lr=0.1)
+    nn.functional.mse_loss(writer(torch.randn(4, 6, 8, generator=gen)), torch.randn(4, 6, 1, generator=gen)).backward()
+    opt.step()
+    dcp.save({"model": writer.state_dict()}, checkpoint_id=path)
+    before = max(
+        (reader.state_dict()[k].full_tensor() - v.full_tensor()).abs().max().item()
+        for k, v in writer.state_dict().items()
+    )
+    state = {"model": reader.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    reader.load_state_dict(state["model"])
+    written, read = writer.state_dict(), reader.state_dict()
+    return {
+        "before_diff": before,
+        "max_diff": max((read[k].full_tensor() - written[k].full_tensor()).abs().max().item() for k in written),
+        "same_placements": float(
+            all(
+                tuple(read[k].placements) == tuple(written[k].placements)
+                and read[k].device_mesh.mesh_dim_names == written[k].device_mesh.mesh_dim_names
+                for k in written
+            )
+        ),
+    }
