@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -296,3 +297,110 @@ def tp_fsdp2_interop(rank: int, world: int, direction: str, path: str) -> dict[s
             )
         ),
     }
+
+
+# --- Hugging Face Llama with a hand-written TP plan (issue 14) ------------------------------------------------------
+
+LLAMA_VOCAB, LLAMA_LAYERS = 256, 2
+
+
+def llama_tp_plan(prepare_inputs: bool = False) -> dict:
+    """q/k/v/gate/up Colwise, o/down Rowwise (no sequence parallelism). HF's attention views its projections as
+    `(*input_shape, -1, head_dim)`, so with Colwise q/k/v it sees the rank's local heads (2 query, 1 key/value head
+    at tp=2; `num_key_value_groups` = 4 // 2 stays right) without touching the config.
+
+    `prepare_inputs`: also make the attention's and the MLP's input a Replicate DTensor once
+    (`PrepareModuleInput(..., use_local_output=False)`), so q/k/v (gate/up) share one DTensor input whose Partial
+    gradients autograd adds before ONE all-reduce. Without it every ColwiseParallel wraps the plain input itself
+    (`DTensor.from_local`), and each of those wraps all-reduces its own input gradient in backward."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    plan: dict = {}
+    for i in range(LLAMA_LAYERS):
+        layer = f"model.layers.{i}"
+        plan.update({f"{layer}.self_attn.{n}_proj": ColwiseParallel() for n in ("q", "k", "v")})
+        plan.update({f"{layer}.mlp.{n}_proj": ColwiseParallel() for n in ("gate", "up")})
+        plan[f"{layer}.self_attn.o_proj"] = RowwiseParallel()
+        plan[f"{layer}.mlp.down_proj"] = RowwiseParallel()
+        if prepare_inputs:
+            # The decoder layer calls self_attn(hidden_states=...) by keyword and mlp(hidden_states) positionally.
+            plan[f"{layer}.self_attn"] = PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Replicate()},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                use_local_output=False,
+            )
+            plan[f"{layer}.mlp"] = PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+            )
+    return plan
+
+
+def _llama_bytes(mesh, batch: dict, prepare_inputs: bool) -> dict:
+    """One eager training step of a fresh tp + fsdp Llama under `wire_bytes_per_group`: the bytes this rank sent
+    per kind on the dp and on the tp group, and the facts the expected numbers are derived from (the units'
+    parameter names, the batch's activation shape)."""
+    from fsdp_graph.planning.measure import wire_bytes_per_group
+    from fsdp_graph.runtime.unit import flat_params
+    from tests.workers.hf_models import build_hf
+
+    torch.manual_seed(0)
+    model = build_hf("llama", LLAMA_VOCAB)
+    parallelize_module(model, mesh["tp"], llama_tp_plan(prepare_inputs))
+    fsdp_graph.fully_shard(model, mesh["dp"])
+    sent = wire_bytes_per_group(lambda: model(**batch).loss.backward())
+    # By ranks, not by name: on gloo our collectives run on a copy of the dp group (runtime/gloo.py).
+    roles = {tuple(dist.get_process_group_ranks(mesh[r].get_group())): r for r in ("dp", "tp")}
+    out: dict = {}
+    for group, kinds in sent.items():
+        role = roles[tuple(dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group)))]
+        out.update({f"{role}_{kind}": out.get(f"{role}_{kind}", 0.0) + float(v) for kind, v in kinds.items()})
+    out["units"] = [state.name for state in flat_params(model)]
+    return out
+
+
+def hf_llama_tp(rank: int, world: int, steps: int = 3) -> dict:
+    """(dp=2, tp=2) on a tiny HF Llama: the plan above (by hand), then fully_shard over dp, compiled fullgraph with
+    eager kernels; `steps` SGD-with-momentum steps, each dp rank on its half of the global batch (the tp ranks of
+    a dp group on the same half), against single-process training on the whole batch. Then the bytes of one eager
+    step per group, with and without the plan's PrepareModuleInput."""
+    from tests.workers.hf_models import build_hf, make_batch
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    torch.manual_seed(0)
+    model = build_hf("llama", LLAMA_VOCAB)
+    ref = copy.deepcopy(model)
+    initial = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    parallelize_module(model, mesh["tp"], llama_tp_plan())
+    fsdp_graph.fully_shard(model, mesh["dp"])
+    backend = fsdp_graph.make_backend(inductor=False)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (model, ref))
+    gen = torch.Generator().manual_seed(1234)
+    for _ in range(steps):
+        full = make_batch(gen, 4 * dp)  # every 4 rows hold as many labels: the dp ranks' mean losses average right
+        local = {k: v.chunk(dp)[dp_rank] for k, v in full.items()}
+        compiled(**local).loss.backward()
+        ref(**full).loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    from fsdp_graph.runtime.unit import flat_params
+
+    specs = {}
+    for state in flat_params(model):
+        for slot, spec in zip(state.layout.slots, state.tp or [None] * len(state.layout.slots)):
+            specs[slot.fqns[0]] = (spec, state, slot)
+    params = dict(model.named_parameters())
+    out: dict = {
+        "max_diff": max(
+            _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
+        ),
+        "param_change": max(_max_abs(p.detach() - initial[n]) for n, p in ref.named_parameters()),
+        "tp_params": float(sum(spec is not None for spec, _, _ in specs.values())),
+        "graphs": float(backend.dynamo_graphs),
+    }
+    batch = {k: v.chunk(dp)[dp_rank] for k, v in make_batch(torch.Generator().manual_seed(5), 4 * dp).items()}
+    out["batch_shape"] = tuple(batch["input_ids"].shape)
+    out["bytes"] = {prepare: _llama_bytes(mesh, batch, prepare) for prepare in (False, True)}
+    return out
