@@ -1,11 +1,15 @@
 """Tensor parallel x FSDP (issue 14) on 4 gloo ranks as (dp=2, tp=2): parity with single-process training."""
 
-import math
-
 import pytest
 
 from fsdp_graph.train.launch import spawn
-from tests.workers.tensor_parallel import hf_llama_tp, tp_fsdp2_interop, tp_fsdp_parity
+from tests.workers.tensor_parallel import (
+    LLAMA_UNITS,
+    hf_llama_tp,
+    llama_minimum_bytes,
+    tp_fsdp2_interop,
+    tp_fsdp_parity,
+)
 
 
 @pytest.mark.parametrize(
@@ -71,64 +75,28 @@ def test_dcp_checkpoints_interoperate_with_torch_fsdp2_and_tp(tmp_path, directio
         assert r["before_diff"] > 0.1 and r["max_diff"] == 0.0 and r["same_placements"] == 1.0, r
 
 
-# The tiny Llama of tests/workers/hf_models.py: hidden 64, 2 layers, 4 heads of 16, 2 key/value heads,
-# intermediate 128, vocab 256 (untied), on (dp=2, tp=2).
-H, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN_LLAMA, VOCAB, DP, TP, FP32 = 64, 2, 4, 2, 16, 128, 256, 2, 2, 4
-
-
-def _llama_units() -> dict[str, list[tuple[int, ...]]]:
-    """Each unit's tensor-parallel-LOCAL parameter shapes: Colwise (q, k, v, gate, up) split dim 0, Rowwise (o, down)
-    dim 1, over tp; embedding, norms and head whole."""
-    layer = [
-        (HEADS * HEAD_DIM // TP, H),  # q
-        (KV_HEADS * HEAD_DIM // TP, H),  # k
-        (KV_HEADS * HEAD_DIM // TP, H),  # v
-        (H, HEADS * HEAD_DIM // TP),  # o
-        (FFN_LLAMA // TP, H),  # gate
-        (FFN_LLAMA // TP, H),  # up
-        (H, FFN_LLAMA // TP),  # down
-        (H,),  # input_layernorm
-        (H,),  # post_attention_layernorm
-    ]
-    units = {"model.embed_tokens": [(VOCAB, H)], **{f"model.layers.{i}": layer for i in range(LAYERS)}}
-    return {**units, "lm_head": [(VOCAB, H)], "": [(H,)]}
-
-
-def _padded(shapes: list[tuple[int, ...]]) -> int:
-    """A unit's flat parameter with the rows layout: each parameter padded to ceil(d0 / dp) rows per dp rank."""
-    return sum(-(-s[0] // DP) * DP * math.prod(s[1:]) for s in shapes)
-
-
 def test_hf_llama_tp_x_fsdp_parity_and_bytes_per_mesh_dimension():
     """transformers' LlamaForCausalLM (tiny config, random init) with q/k/v/gate/up Colwise and o/down Rowwise by
     hand, fully_shard over dp, compiled fullgraph with eager kernels: 3 SGD-with-momentum steps equal single-process
     training on the global batch, in one Dynamo graph. Then one eager step per plan under `wire_bytes_per_group`:
-    each mesh dimension's bytes equal its minimum, derived here from the shapes."""
+    each mesh dimension's bytes equal `llama_minimum_bytes`, derived from the shapes: the minimum on dp, and on tp
+    with PrepareModuleInput on self_attn and mlp (one input-gradient all-reduce per q/k/v and per gate/up); the
+    plain plan all-reduces each Colwise layer's input gradient (5 per block in backward instead of 2)."""
     pytest.importorskip("transformers")
     results = spawn(hf_llama_tp, 4)
-    padded = {name: _padded(shapes) for name, shapes in _llama_units().items()}
-    ring = (DP - 1) / DP  # gathers and reduce-scatters send (n-1)/n of the payload; all-reduce 2(n-1)/n
-    total = sum(padded.values())
-    # FULL_SHARD: every unit gathered in forward and again in backward, except the embedding, whose backward reads
-    # no weight (the gradient is an index-add of the output gradient); one reduce-scatter per unit (all-to-all on
-    # gloo, the same bytes).
-    dp_gather = ring * FP32 * (2 * total - padded["model.embed_tokens"])
-    dp_reduce = ring * FP32 * total
     for r in results:
         assert r["tp_params"] == 14.0 and r["graphs"] == 1.0, r  # 2 layers x 7 projections; fullgraph, no recompile
         assert r["max_diff"] < 1e-6 and r["param_change"] > 0.05, r
         assert r["batch_shape"] == (4, 16), r
-        activation = 4 * 16 * H * FP32  # one block output (or input gradient): the dp rank's (batch, seq, hidden)
-        all_reduce = 2 * (TP - 1) / TP * activation
-        forward = LAYERS * 2 * all_reduce  # o_proj and down_proj: Partial -> Replicate
-        for prepared, bw_per_layer in ((False, 5), (True, 2)):
+        for prepared in (False, True):
             sent = r["bytes"][prepared]
-            assert sent["units"] == list(padded), sent
-            assert sent["dp_all_gather"] == pytest.approx(dp_gather), sent
-            assert sent["dp_all_to_all"] == pytest.approx(dp_reduce), sent
-            # Backward, with PrepareModuleInput(use_local_output=False) on self_attn and mlp: ONE input-gradient
-            # all-reduce per group that reads the same input (q/k/v, gate/up): the minimum. Without it each
-            # ColwiseParallel wraps the plain input with its own DTensor.from_local, whose backward all-reduces that
-            # projection's input gradient: q, k, v, gate, up each send one.
-            assert sent["tp_all_reduce"] == pytest.approx(forward + LAYERS * bw_per_layer * all_reduce), sent
+            assert sent["units"] == LLAMA_UNITS, sent
+            expected = llama_minimum_bytes(prepared, batch=4, seq=16)
+            # The dp reduce-scatter runs as an all-to-all on gloo (the same bytes).
+            measured = {
+                "dp_gather": sent["dp_all_gather"],
+                "dp_reduce": sent["dp_all_to_all"],
+                "tp": sent["tp_all_reduce"],
+            }
+            assert measured == pytest.approx(expected), (prepared, sent, expected)
             assert set(sent) == {"units", "dp_all_gather", "dp_all_to_all", "tp_all_reduce"}, sent

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.distributed as dist
@@ -301,7 +302,50 @@ def tp_fsdp2_interop(rank: int, world: int, direction: str, path: str) -> dict[s
 
 # --- Hugging Face Llama with a hand-written TP plan (issue 14) ------------------------------------------------------
 
-LLAMA_VOCAB, LLAMA_LAYERS = 256, 2
+# The tiny Llama of tests/workers/hf_models.py: hidden 64, 2 layers, 4 heads of 16, 2 key/value heads,
+# intermediate 128, vocab 256 (untied), fp32, on (dp=2, tp=2).
+LLAMA_VOCAB, LLAMA_LAYERS, LLAMA_HIDDEN, LLAMA_HEADS, LLAMA_KV_HEADS, LLAMA_FFN = 256, 2, 64, 4, 2, 128
+LLAMA_UNITS = ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head", ""]  # the default wrap policy
+
+
+def _llama_local_shapes(tp: int) -> dict[str, list[tuple[int, ...]]]:
+    """Each unit's tensor-parallel-LOCAL parameter shapes: Colwise (q, k, v, gate, up) split on dim 0, Rowwise (o,
+    down) on dim 1, over tp; embedding, norms and head whole."""
+    h, head_dim, ffn = LLAMA_HIDDEN, LLAMA_HIDDEN // LLAMA_HEADS, LLAMA_FFN
+    q_out, kv_out = LLAMA_HEADS * head_dim, LLAMA_KV_HEADS * head_dim
+    layer = [(q_out // tp, h), (kv_out // tp, h), (kv_out // tp, h), (h, q_out // tp)]  # q, k, v, o
+    layer += [(ffn // tp, h), (ffn // tp, h), (h, ffn // tp), (h,), (h,)]  # gate, up, down, the two norms
+    units = {"model.embed_tokens": [(LLAMA_VOCAB, h)], **{f"model.layers.{i}": layer for i in range(LLAMA_LAYERS)}}
+    return {**units, "lm_head": [(LLAMA_VOCAB, h)], "": [(h,)]}
+
+
+def llama_minimum_bytes(
+    prepared: bool, batch: int, seq: int, dp: int = 2, tp: int = 2, element: int = 4
+) -> dict[str, float]:
+    """Bytes one rank sends per training step on each mesh dimension, derived from the shapes (ring algorithms:
+    gathers and reduce-scatters send (n-1)/n of the payload, all-reduce 2(n-1)/n).
+
+    dp (FULL_SHARD): each unit's flat parameter (the tp-local pieces, rows layout: every parameter padded to
+    ceil(d0 / dp) rows per rank) gathered in forward and again in backward, except the embedding, whose backward
+    reads no weight (its gradient is an index-add of the output gradient): one gather; one reduce-scatter each.
+
+    tp (no sequence parallelism): forward, one all-reduce of the block output (batch, seq, hidden) per Rowwise layer
+    (o_proj, down_proj: Partial -> Replicate); backward, one all-reduce of the input gradient per group of Colwise
+    layers that read the same input DTensor (q/k/v, gate/up) when `prepared` (PrepareModuleInput made it once),
+    else one per Colwise layer (q, k, v, gate, up: each ColwiseParallel wrapped the plain input itself)."""
+    padded = {
+        name: sum(-(-s[0] // dp) * dp * math.prod(s[1:]) for s in shapes)
+        for name, shapes in _llama_local_shapes(tp).items()
+    }
+    total = sum(padded.values())
+    ring = (dp - 1) / dp
+    all_reduce = 2 * (tp - 1) / tp * batch * seq * LLAMA_HIDDEN * element
+    per_layer = 2 + (2 if prepared else 5)
+    return {
+        "dp_gather": ring * element * (2 * total - padded["model.embed_tokens"]),
+        "dp_reduce": ring * element * total,
+        "tp": LLAMA_LAYERS * per_layer * all_reduce,
+    }
 
 
 def llama_tp_plan(prepare_inputs: bool = False) -> dict:
