@@ -35,6 +35,7 @@ from passes.cost import (
     simulate,
     unit_name,
 )
+from passes.fx_nodes import bind_args
 
 _MIB = 2**20
 
@@ -73,6 +74,8 @@ class ExplainReport:
     other_collectives: Counter = field(default_factory=Counter)  # (kind, unit label) not matching a unit row
     graphs: list[GraphReport] = field(default_factory=list, repr=False)  # the lowered forward (and backward)
     group_sizes: dict[str, int] = field(default_factory=dict)  # process group name -> size
+    # process group name -> the world mesh dimension whose group it is ("dp", "tp"), where fully_shard got a mesh
+    group_roles: dict[str, str] = field(default_factory=dict)
 
     @property
     def step_time(self) -> float:
@@ -94,13 +97,23 @@ class ExplainReport:
     def sent_bytes(self) -> float:
         """Bytes this rank sends per step under ring algorithms: (n-1)/n of each gather's and reduce-scatter's
         payload over a group of n, twice that for an all-reduce."""
-        sent = 0.0
+        return sum(self.sent_bytes_by_group.values())
+
+    @property
+    def sent_bytes_by_group(self) -> dict[str, float]:
+        """`sent_bytes` per process group, by the group's role (`group_roles`: the world mesh dimension, e.g. "dp",
+        "tp") where known, else its name. Each collective is sized by its own group (a tensor-parallel all-reduce
+        by the tp dimension's size)."""
+        sent: Counter = Counter()
         for graph in self.graphs:
             for node, kind, _ in iter_collectives(graph.graph):
                 n, payload, _ = collective_cost(node, self.hardware, self.world, self.group_sizes)
                 if n > 1:
-                    sent += payload * (n - 1) / n * (2 if kind == "all_reduce" else 1)
-        return sent
+                    group = bind_args(node).get("group_name")
+                    sent[self.group_roles.get(group, group)] += (
+                        payload * (n - 1) / n * (2 if kind == "all_reduce" else 1)
+                    )
+        return dict(sent)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -150,7 +163,17 @@ class ExplainReport:
             lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
         lines.append("(collectives per training step, forward + backward)")
         for (kind, unit), n in sorted(self.other_collectives.items()):
-            lines.append(f"also {n} x {kind} labelled {unit!r}")
+            # A unit's row counts our collectives; others (tensor parallel's, DTensor's) carry no unit label.
+            lines.append(f"also {n} x {kind} " + ("outside the units" if unit == "None" else f"labelled {unit!r}"))
+        by_group = self.sent_bytes_by_group
+        if by_group:
+            sizes = {self.group_roles.get(g, g): n for g, n in self.group_sizes.items()}
+            lines.append(
+                "sent per step, by group: "
+                + ", ".join(
+                    f"{g} ({sizes.get(g, self.world)} ranks) {b / _MIB:.3f} MiB" for g, b in sorted(by_group.items())
+                )
+            )
         peak = self.memory.peak
         stage = {"fw": "forward", "bw": "backward"}[peak.stage]
         lines += [
@@ -322,11 +345,54 @@ def explain(
     group_sizes.update({s.replicate_group: s.replicate_world for s in states if s.replicate_group})
     group_sizes.update({s.post_forward_group: s.post_forward_world for s in states if s.post_forward_group})
     group_sizes.update({s.piece_group: s.world // s.post_forward_world for s in states if s.piece_group})
+    group_sizes.update(_other_group_sizes(graphs, group_sizes))
     fw_sim, bw_sim = _simulate(graphs, hardware, world, group_sizes)
     memory = estimate_memory(graphs[0].graph, graphs[1].graph if backward else None, release_inputs=inductor)
     rows, other = _unit_rows(states, graphs)
     executor = "inductor" if inductor else "eager kernels"
-    return ExplainReport(world, hardware, executor, rows, memory, fw_sim, bw_sim, other, graphs, group_sizes)
+    return ExplainReport(
+        world,
+        hardware,
+        executor,
+        rows,
+        memory,
+        fw_sim,
+        bw_sim,
+        other,
+        graphs,
+        group_sizes,
+        _group_roles(states, list(group_sizes)),
+    )
+
+
+def _other_group_sizes(graphs: Sequence[GraphReport], known: Mapping[str, int]) -> dict[str, int]:
+    """The sizes of the groups the graphs' other collectives run on (tensor parallel's all-reduces on the tp
+    dimension, from DTensor), from the process groups themselves: without them they would be sized as the world."""
+    sizes = {}
+    for report in graphs:
+        for node, _, _ in iter_collectives(report.graph):
+            name = bind_args(node).get("group_name")
+            if isinstance(name, str) and name not in known and name not in sizes:
+                sizes[name] = dist.distributed_c10d._resolve_process_group(name).size()
+    return sizes
+
+
+def _group_roles(states: Sequence[FlatParamState], groups: Sequence[str]) -> dict[str, str]:
+    """Group name -> the world mesh dimension it is this rank's group of ("dp", "tp", ...), matched by ranks (ours
+    on gloo are copies of the mesh's groups, with other names); groups matching no single dimension are left out."""
+    mesh = next((s.root.mesh for s in states if s.root.mesh is not None), None)
+    if mesh is None or not mesh.mesh_dim_names:
+        return {}
+    root = mesh._get_root_mesh()
+    by_ranks: dict[tuple[int, ...], str] = {}
+    for name in root.mesh_dim_names or ():
+        by_ranks.setdefault(tuple(dist.get_process_group_ranks(root[name].get_group())), name)
+    roles = {}
+    for group in groups:
+        ranks = tuple(dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group)))
+        if ranks in by_ranks:
+            roles[group] = by_ranks[ranks]
+    return roles
 
 
 def _ignores_gradient(bw: fx.GraphModule) -> bool:

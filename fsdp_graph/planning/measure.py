@@ -164,7 +164,8 @@ def wire_bytes_per_group(fn: Callable[[], object]) -> dict[str, Counter]:
             if func.namespace == "fsdp":
                 with self:
                     return bodies[func._opname](*args, **kwargs)
-            if func.namespace == "_c10d_functional" and func._opname != "wait_tensor":
+            # wait_tensor and _wrap_tensor_autograd (DTensor's async all-reduce wraps its result) send nothing.
+            if func.namespace == "_c10d_functional" and func._opname not in ("wait_tensor", "_wrap_tensor_autograd"):
                 kind = _KINDS.get(f"_c10d_functional::{func._opname}")
                 if kind is None:
                     raise NotImplementedError(f"wire_bytes_per_group: {func} is not counted; add it to _KINDS")

@@ -146,3 +146,28 @@ def test_hybrid_shard_with_tp_on_a_3d_mesh(fake_world_8):
     for name, (dims, placements) in expected.items():
         assert (state[name].device_mesh.mesh_dim_names, tuple(state[name].placements)) == (dims, placements), name
     assert state["q.weight"].to_local().shape == (4, 16)  # 16 rows / tp 2 / shard 2
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_explain_sizes_tp_collectives_by_the_tp_group(fake_pg, prepared):
+    """explain() on a (dp=2, tp=2) world: DTensor's all-reduces are sized by the tp dimension's group (2 ranks, not
+    the world's 4), and the plan's bytes per mesh dimension equal the ones the 4-rank run measures
+    (tests/numerics/test_tensor_parallel.py), both derived by `llama_minimum_bytes` from the shapes."""
+    pytest.importorskip("transformers")
+    from tests.workers.hf_models import build_hf, make_batch
+    from tests.workers.tensor_parallel import LLAMA_UNITS, LLAMA_VOCAB, llama_minimum_bytes, llama_tp_plan
+
+    torch.manual_seed(0)
+    mesh, model = _mesh(), build_hf("llama", LLAMA_VOCAB)
+    parallelize_module(model, mesh["tp"], llama_tp_plan(prepared))
+    fsdp_graph.fully_shard(model, mesh["dp"])
+    report = fsdp_graph.explain(model, example_kwargs=make_batch(torch.Generator().manual_seed(5), 4))
+    expected = llama_minimum_bytes(prepared, batch=4, seq=16)
+    by_group = report.sent_bytes_by_group
+    assert by_group == pytest.approx({"dp": expected["dp_gather"] + expected["dp_reduce"], "tp": expected["tp"]})
+    assert report.sent_bytes == pytest.approx(sum(expected.values()))
+    assert [r.unit for r in report.units] == LLAMA_UNITS
+    assert [(r.gathers, r.reduce_scatters) for r in report.units] == [(1, 1)] + [(2, 1)] * 4  # the embedding: 1
+    assert report.other_collectives == {("all_reduces", "None"): 2 * (2 + (2 if prepared else 5))}
+    text = report.to_text()
+    assert "sent per step, by group: dp (2 ranks) 0.369 MiB, tp (2 ranks)" in text, text

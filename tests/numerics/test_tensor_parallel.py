@@ -3,7 +3,13 @@
 import pytest
 
 from fsdp_graph.train.launch import spawn
-from tests.workers.tensor_parallel import tp_fsdp2_interop, tp_fsdp_parity
+from tests.workers.tensor_parallel import (
+    LLAMA_UNITS,
+    hf_llama_tp,
+    llama_minimum_bytes,
+    tp_fsdp2_interop,
+    tp_fsdp_parity,
+)
 
 
 @pytest.mark.parametrize(
@@ -67,3 +73,30 @@ def test_dcp_checkpoints_interoperate_with_torch_fsdp2_and_tp(tmp_path, directio
     checkpoint either way, exactly."""
     for r in spawn(tp_fsdp2_interop, 4, (direction, str(tmp_path / "ckpt"))):
         assert r["before_diff"] > 0.1 and r["max_diff"] == 0.0 and r["same_placements"] == 1.0, r
+
+
+def test_hf_llama_tp_x_fsdp_parity_and_bytes_per_mesh_dimension():
+    """transformers' LlamaForCausalLM (tiny config, random init) with q/k/v/gate/up Colwise and o/down Rowwise by
+    hand, fully_shard over dp, compiled fullgraph with eager kernels: 3 SGD-with-momentum steps equal single-process
+    training on the global batch, in one Dynamo graph. Then one eager step per plan under `wire_bytes_per_group`:
+    each mesh dimension's bytes equal `llama_minimum_bytes`, derived from the shapes: the minimum on dp, and on tp
+    with PrepareModuleInput on self_attn and mlp (one input-gradient all-reduce per q/k/v and per gate/up); the
+    plain plan all-reduces each Colwise layer's input gradient (5 per block in backward instead of 2)."""
+    pytest.importorskip("transformers")
+    results = spawn(hf_llama_tp, 4)
+    for r in results:
+        assert r["tp_params"] == 14.0 and r["graphs"] == 1.0, r  # 2 layers x 7 projections; fullgraph, no recompile
+        assert r["max_diff"] < 1e-6 and r["param_change"] > 0.05, r
+        assert r["batch_shape"] == (4, 16), r
+        for prepared in (False, True):
+            sent = r["bytes"][prepared]
+            assert sent["units"] == LLAMA_UNITS, sent
+            expected = llama_minimum_bytes(prepared, batch=4, seq=16)
+            # The dp reduce-scatter runs as an all-to-all on gloo (the same bytes).
+            measured = {
+                "dp_gather": sent["dp_all_gather"],
+                "dp_reduce": sent["dp_all_to_all"],
+                "tp": sent["tp_all_reduce"],
+            }
+            assert measured == pytest.approx(expected), (prepared, sent, expected)
+            assert set(sent) == {"units", "dp_all_gather", "dp_all_to_all", "tp_all_reduce"}, sent

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -296,3 +298,153 @@ def tp_fsdp2_interop(rank: int, world: int, direction: str, path: str) -> dict[s
             )
         ),
     }
+
+
+# --- Hugging Face Llama with a hand-written TP plan (issue 14) ------------------------------------------------------
+
+# The tiny Llama of tests/workers/hf_models.py: hidden 64, 2 layers, 4 heads of 16, 2 key/value heads,
+# intermediate 128, vocab 256 (untied), fp32, on (dp=2, tp=2).
+LLAMA_VOCAB, LLAMA_LAYERS, LLAMA_HIDDEN, LLAMA_HEADS, LLAMA_KV_HEADS, LLAMA_FFN = 256, 2, 64, 4, 2, 128
+LLAMA_UNITS = ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head", ""]  # the default wrap policy
+
+
+def _llama_local_shapes(tp: int) -> dict[str, list[tuple[int, ...]]]:
+    """Each unit's tensor-parallel-LOCAL parameter shapes: Colwise (q, k, v, gate, up) split on dim 0, Rowwise (o,
+    down) on dim 1, over tp; embedding, norms and head whole."""
+    h, head_dim, ffn = LLAMA_HIDDEN, LLAMA_HIDDEN // LLAMA_HEADS, LLAMA_FFN
+    q_out, kv_out = LLAMA_HEADS * head_dim, LLAMA_KV_HEADS * head_dim
+    layer = [(q_out // tp, h), (kv_out // tp, h), (kv_out // tp, h), (h, q_out // tp)]  # q, k, v, o
+    layer += [(ffn // tp, h), (ffn // tp, h), (h, ffn // tp), (h,), (h,)]  # gate, up, down, the two norms
+    units = {"model.embed_tokens": [(LLAMA_VOCAB, h)], **{f"model.layers.{i}": layer for i in range(LLAMA_LAYERS)}}
+    return {**units, "lm_head": [(LLAMA_VOCAB, h)], "": [(h,)]}
+
+
+def llama_minimum_bytes(
+    prepared: bool, batch: int, seq: int, dp: int = 2, tp: int = 2, element: int = 4
+) -> dict[str, float]:
+    """Bytes one rank sends per training step on each mesh dimension, derived from the shapes (ring algorithms:
+    gathers and reduce-scatters send (n-1)/n of the payload, all-reduce 2(n-1)/n).
+
+    dp (FULL_SHARD): each unit's flat parameter (the tp-local pieces, rows layout: every parameter padded to
+    ceil(d0 / dp) rows per rank) gathered in forward and again in backward, except the embedding, whose backward
+    reads no weight (its gradient is an index-add of the output gradient): one gather; one reduce-scatter each.
+
+    tp (no sequence parallelism): forward, one all-reduce of the block output (batch, seq, hidden) per Rowwise layer
+    (o_proj, down_proj: Partial -> Replicate); backward, one all-reduce of the input gradient per group of Colwise
+    layers that read the same input DTensor (q/k/v, gate/up) when `prepared` (PrepareModuleInput made it once),
+    else one per Colwise layer (q, k, v, gate, up: each ColwiseParallel wrapped the plain input itself)."""
+    padded = {
+        name: sum(-(-s[0] // dp) * dp * math.prod(s[1:]) for s in shapes)
+        for name, shapes in _llama_local_shapes(tp).items()
+    }
+    total = sum(padded.values())
+    ring = (dp - 1) / dp
+    all_reduce = 2 * (tp - 1) / tp * batch * seq * LLAMA_HIDDEN * element
+    per_layer = 2 + (2 if prepared else 5)
+    return {
+        "dp_gather": ring * element * (2 * total - padded["model.embed_tokens"]),
+        "dp_reduce": ring * element * total,
+        "tp": LLAMA_LAYERS * per_layer * all_reduce,
+    }
+
+
+def llama_tp_plan(prepare_inputs: bool = False) -> dict:
+    """q/k/v/gate/up Colwise, o/down Rowwise (no sequence parallelism). HF's attention views its projections as
+    `(*input_shape, -1, head_dim)`, so with Colwise q/k/v it sees the rank's local heads (2 query, 1 key/value head
+    at tp=2; `num_key_value_groups` = 4 // 2 stays right) without touching the config.
+
+    `prepare_inputs`: also make the attention's and the MLP's input a Replicate DTensor once
+    (`PrepareModuleInput(..., use_local_output=False)`), so q/k/v (gate/up) share one DTensor input whose Partial
+    gradients autograd adds before ONE all-reduce. Without it every ColwiseParallel wraps the plain input itself
+    (`DTensor.from_local`), and each of those wraps all-reduces its own input gradient in backward."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    plan: dict = {}
+    for i in range(LLAMA_LAYERS):
+        layer = f"model.layers.{i}"
+        plan.update({f"{layer}.self_attn.{n}_proj": ColwiseParallel() for n in ("q", "k", "v")})
+        plan.update({f"{layer}.mlp.{n}_proj": ColwiseParallel() for n in ("gate", "up")})
+        plan[f"{layer}.self_attn.o_proj"] = RowwiseParallel()
+        plan[f"{layer}.mlp.down_proj"] = RowwiseParallel()
+        if prepare_inputs:
+            # The decoder layer calls self_attn(hidden_states=...) by keyword and mlp(hidden_states) positionally.
+            plan[f"{layer}.self_attn"] = PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Replicate()},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                use_local_output=False,
+            )
+            plan[f"{layer}.mlp"] = PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+            )
+    return plan
+
+
+def _llama_bytes(mesh, batch: dict, prepare_inputs: bool) -> dict:
+    """One eager training step of a fresh tp + fsdp Llama under `wire_bytes_per_group`: the bytes this rank sent
+    per kind on the dp and on the tp group, and the facts the expected numbers are derived from (the units'
+    parameter names, the batch's activation shape)."""
+    from fsdp_graph.planning.measure import wire_bytes_per_group
+    from fsdp_graph.runtime.unit import flat_params
+    from tests.workers.hf_models import build_hf
+
+    torch.manual_seed(0)
+    model = build_hf("llama", LLAMA_VOCAB)
+    parallelize_module(model, mesh["tp"], llama_tp_plan(prepare_inputs))
+    fsdp_graph.fully_shard(model, mesh["dp"])
+    sent = wire_bytes_per_group(lambda: model(**batch).loss.backward())
+    # By ranks, not by name: on gloo our collectives run on a copy of the dp group (runtime/gloo.py).
+    roles = {tuple(dist.get_process_group_ranks(mesh[r].get_group())): r for r in ("dp", "tp")}
+    out: dict = {}
+    for group, kinds in sent.items():
+        role = roles[tuple(dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group)))]
+        out.update({f"{role}_{kind}": out.get(f"{role}_{kind}", 0.0) + float(v) for kind, v in kinds.items()})
+    out["units"] = [state.name for state in flat_params(model)]
+    return out
+
+
+def hf_llama_tp(rank: int, world: int, steps: int = 3) -> dict:
+    """(dp=2, tp=2) on a tiny HF Llama: the plan above (by hand), then fully_shard over dp, compiled fullgraph with
+    eager kernels; `steps` SGD-with-momentum steps, each dp rank on its half of the global batch (the tp ranks of
+    a dp group on the same half), against single-process training on the whole batch. Then the bytes of one eager
+    step per group, with and without the plan's PrepareModuleInput."""
+    from tests.workers.hf_models import build_hf, make_batch
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    torch.manual_seed(0)
+    model = build_hf("llama", LLAMA_VOCAB)
+    ref = copy.deepcopy(model)
+    initial = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    parallelize_module(model, mesh["tp"], llama_tp_plan())
+    fsdp_graph.fully_shard(model, mesh["dp"])
+    backend = fsdp_graph.make_backend(inductor=False)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (model, ref))
+    gen = torch.Generator().manual_seed(1234)
+    for _ in range(steps):
+        full = make_batch(gen, 4 * dp)  # every 4 rows hold as many labels: the dp ranks' mean losses average right
+        local = {k: v.chunk(dp)[dp_rank] for k, v in full.items()}
+        compiled(**local).loss.backward()
+        ref(**full).loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    from fsdp_graph.runtime.unit import flat_params
+
+    specs = {}
+    for state in flat_params(model):
+        for slot, spec in zip(state.layout.slots, state.tp or [None] * len(state.layout.slots)):
+            specs[slot.fqns[0]] = (spec, state, slot)
+    params = dict(model.named_parameters())
+    out: dict = {
+        "max_diff": max(
+            _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
+        ),
+        "param_change": max(_max_abs(p.detach() - initial[n]) for n, p in ref.named_parameters()),
+        "tp_params": float(sum(spec is not None for spec, _, _ in specs.values())),
+        "graphs": float(backend.dynamo_graphs),
+    }
+    batch = {k: v.chunk(dp)[dp_rank] for k, v in make_batch(torch.Generator().manual_seed(5), 4 * dp).items()}
+    out["batch_shape"] = tuple(batch["input_ids"].shape)
+    out["bytes"] = {prepare: _llama_bytes(mesh, batch, prepare) for prepare in (False, True)}
+    return out
