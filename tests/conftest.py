@@ -23,3 +23,14 @@ def fake_pg():
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def fake_world_8():
+    """A fake world of 8 ranks, this process rank 5: (1, 0, 1) on a (2, 2, 2) mesh such as
+    (replicate, shard, tp)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

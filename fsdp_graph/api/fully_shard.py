@@ -94,6 +94,8 @@ def fully_shard(
     params, uses, tp = _collect_parameters(model, ignored, mesh)
     assignment = _assign_to_units(params, uses, unit_fqns)
     reshard = _resolve_reshard(reshard_after_forward, strategy, units, unit_fqns, groups.shard_world)
+    if tp:
+        _check_tp_options(uses, tp, reshard, cpu_offload, sync_module_states)
     post_forward = {
         k: post_forward_groups(mesh, strategy, groups, k)
         for k in sorted({k for k in reshard.values() if not isinstance(k, bool)})
@@ -153,6 +155,25 @@ def fully_shard(
     model.__dict__["_fsdp_root"] = root_state
     install_state_dict_hooks(model)
     return model
+
+
+def _check_tp_options(uses, tp, reshard, cpu_offload, sync_module_states) -> None:
+    """Options not built or not tested with tensor-parallel parameters are refused, naming one such parameter."""
+    pid = next(iter(tp))
+    module_fqn, _, name = uses[pid][0]
+    where = f"'{f'{module_fqn}.{name}'.lstrip('.')}', a DTensor on {tp[pid].mesh.mesh_dim_names}"
+    refused = [
+        ("sync_module_states=True", sync_module_states, "each tp rank holds another piece, which a broadcast from "
+         "rank 0 would overwrite; seed every rank alike before parallelize_module instead"),
+        ("cpu_offload", cpu_offload is not None and cpu_offload.offload_params, "not tested yet; train without it"),
+        ("reshard_after_forward=int", any(not isinstance(k, bool) for k in reshard.values()),
+         "not tested yet; use True or False"),
+    ]  # fmt: skip
+    for option, given, why in refused:
+        if given:
+            raise NotImplementedError(
+                f"fully_shard: {option} with tensor-parallel parameters (e.g. {where}) is not supported: {why}."
+            )
 
 
 def _offload_compute_device(cpu_offload: CPUOffload | None, device) -> torch.device | None:

@@ -5,7 +5,6 @@ import torch
 import torch.distributed as dist
 from expecttest import assert_expected_inline
 from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_graph
 from fsdp_graph.ir import ALL_GATHER, UNSHARD_SIGNATURE, WAIT
@@ -13,16 +12,6 @@ from fsdp_graph.runtime.unit import _STATIC_FIELDS, _unshard_values, flat_params
 from passes.fx_nodes import collective_group
 from tests.graphs.capture import TwoBlock
 from tests.workers.models import GPT, GPTConfig
-
-
-@pytest.fixture
-def fake_world_8():
-    """A fake world of 8 ranks, this process rank 5."""
-    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _ranks(name: str) -> list[int]:

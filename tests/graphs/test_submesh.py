@@ -4,21 +4,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_graph
 from fsdp_graph.runtime.unit import flat_params
 from tests.graphs.capture import TwoBlock
-
-
-@pytest.fixture
-def fake_world_8():
-    """A fake world of 8 ranks (this process is rank 5): enough for (replicate=2, shard=2, tp=2)."""
-    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _fingerprint(model, mesh, strategy: str = "FULL_SHARD") -> list[str]:

@@ -8,7 +8,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_graph
 from tests.workers.tensor_parallel import Block
@@ -108,14 +107,26 @@ def test_error_meta_device_tp_parameter(fake_pg):
         fsdp_graph.fully_shard(model, mesh["dp"])
 
 
-@pytest.fixture
-def fake_world_8():
-    """A fake world of 8 ranks (this process is rank 5: (1, 0, 1) on (replicate=2, shard=2, tp=2))."""
-    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"sync_module_states": True}, "sync_module_states=True .*a broadcast from rank 0 would overwrite"),
+        ({"cpu_offload": fsdp_graph.CPUOffload(offload_params=True)}, "cpu_offload .*not tested yet"),
+    ],
+)
+def test_error_options_not_supported_with_tp(fake_pg, options, message):
+    mesh, model = _mesh(), Block()
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel()})
+    with pytest.raises(NotImplementedError, match=rf"{message}"):
+        fsdp_graph.fully_shard(model, mesh["dp"], **options)
+    assert not hasattr(model, "_fsdp_root")  # refused before anything was sharded
+
+
+def test_error_reshard_after_forward_int_with_tp(fake_world_8):
+    mesh, model = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp")), Block()
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel()})
+    with pytest.raises(NotImplementedError, match=r"reshard_after_forward=int with tensor-parallel .*'up.weight'"):
+        fsdp_graph.fully_shard(model, mesh["dp"], reshard_after_forward=2)
 
 
 def test_hybrid_shard_with_tp_on_a_3d_mesh(fake_world_8):
