@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.checkpoint import checkpoint
 
 import fsdp_graph
 from fsdp_graph.planning.measure import executed_collectives
@@ -46,11 +47,12 @@ class TinyTransformer(nn.Module):
         self.inp = nn.Linear(8, DIM)
         self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
         self.head = nn.Linear(DIM, 1)
+        self.checkpointed = False  # run each block under torch.utils.checkpoint (non-reentrant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
         return self.head(x)
 
 
@@ -89,6 +91,7 @@ def tp_fsdp_parity(
     layout: str = "rows",
     mp: bool = False,
     hybrid: bool = False,
+    composed: bool = False,
 ) -> dict[str, float]:
     """(dp=2, tp=2): TP inside each dp group, FSDP across the dp groups. Each dp rank trains on its half of the global
     batch (tp ranks of one dp group share it); 3 steps of SGD with momentum must equal single-process training on
@@ -97,7 +100,8 @@ def tp_fsdp_parity(
     `layout`: fully_shard's ("flat": the optimizer's views are 1-D slices, compared as such).
     `clip_norm_type`: clip every step with `fsdp_graph.clip_grad_norm_` against torch's clip on the reference.
     `hybrid`: HSDP x TP on 8 ranks, (replicate=2, shard=2, tp=2), HYBRID_SHARD over ("replicate", "shard"); the
-    batch is split over the 4 data-parallel ranks."""
+    batch is split over the 4 data-parallel ranks. `composed`: each block under activation checkpointing, the
+    backend bucketing units' collectives, and each step two microbatches, the first under `no_sync`."""
     if hybrid:
         mesh = init_device_mesh("cpu", (2, 2, world // 4), mesh_dim_names=("replicate", "shard", "tp"))
         dp_names, fsdp_mesh, strategy = ("replicate", "shard"), mesh["replicate", "shard"], "HYBRID_SHARD"
@@ -123,9 +127,10 @@ def tp_fsdp_parity(
 
         for state in flat_params(model):
             state.divide_factor = 1.0  # the dp sum, not the mean: the gradients are twice too large
+    model.checkpointed = composed
     run, backend = model, None
     if mode != "eager":
-        backend = fsdp_graph.make_backend(inductor=mode == "inductor")
+        backend = fsdp_graph.make_backend(inductor=mode == "inductor", bucket_bytes=1 << 20 if composed else 0)
         run = torch.compile(model, backend=backend, fullgraph=True)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
     gen = torch.Generator().manual_seed(7)
@@ -135,7 +140,13 @@ def tp_fsdp_parity(
 
         def train_step(x: torch.Tensor = x, y: torch.Tensor = y) -> None:
             local_x, local_y = x.chunk(data_parts)[data_rank], y.chunk(data_parts)[data_rank]
-            nn.functional.mse_loss(run(local_x).float(), local_y).backward()
+            if not composed:
+                nn.functional.mse_loss(run(local_x).float(), local_y).backward()
+                return
+            (first_x, second_x), (first_y, second_y) = local_x.chunk(2), local_y.chunk(2)
+            with fsdp_graph.no_sync(model):  # accumulate locally, reduce with the second microbatch
+                (0.5 * nn.functional.mse_loss(run(first_x).float(), first_y)).backward()
+            (0.5 * nn.functional.mse_loss(run(second_x).float(), second_y)).backward()
 
         if step == 1:
             out.update({f"count_{k}": float(v) for k, v in executed_collectives(train_step).counts.items()})
