@@ -123,10 +123,12 @@ def test_error_options_not_supported_with_tp(fake_pg, options, message):
 
 
 def test_error_reshard_after_forward_int_with_tp(fake_world_8):
-    mesh, model = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp")), Block()
-    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel()})
+    # Other dimension names than the 3-D mesh of the next test: torch's DeviceMesh bookkeeping maps an equal
+    # sub-mesh (same name, same ranks) to the root mesh first registered, even after the process group changed.
+    mesh, model = init_device_mesh("cpu", (4, 2), mesh_dim_names=("data", "model")), Block()
+    parallelize_module(model, mesh["model"], {"up": ColwiseParallel()})
     with pytest.raises(NotImplementedError, match=r"reshard_after_forward=int with tensor-parallel .*'up.weight'"):
-        fsdp_graph.fully_shard(model, mesh["dp"], reshard_after_forward=2)
+        fsdp_graph.fully_shard(model, mesh["data"], reshard_after_forward=2)
 
 
 def test_hybrid_shard_with_tp_on_a_3d_mesh(fake_world_8):
