@@ -104,7 +104,7 @@ def clip_grad_norm_(
     combined = torch.stack(parts).max() if inf else torch.stack(parts).sum()
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         combined = combined.to(collective_device(pp_group, home))
-        dist.all_reduce(combined, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=pp_group)
+        dist.all_reduce(combined, op=op, group=pp_group)
         combined = combined.to(home)
     total = combined if inf else combined ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
