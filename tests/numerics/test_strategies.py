@@ -24,6 +24,9 @@ def _check(cases: list[Case], world: int = 2, tol: float = FP32_TOL, loss_tol: f
             loss_gap = max(abs(a - b) for a, b in zip(r.losses, r.ref_losses))
             assert r.max_param_diff < tol and loss_gap < loss_tol, (r.case, r.max_param_diff, loss_gap)
             assert r.param_change > 1e-3, (r.case, r.param_change)
+            # The default layout (rows) hands the optimizer each parameter with its own ndim (every model here
+            # has matrices); the flat layout 1-D slices.
+            assert (r.max_param_ndim >= 2) == (r.case.layout != "flat"), (r.case, r.max_param_ndim)
             if r.case.mode != "eager":
                 graphs = 2 if (r.case.dynamic or r.case.model == "skip") else 1
                 assert r.dynamo_graphs <= graphs, (r.case, r.dynamo_graphs)
