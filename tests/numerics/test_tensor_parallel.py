@@ -113,3 +113,18 @@ def test_tp_with_no_sync_activation_checkpointing_and_bucketing():
         assert r["max_diff"] < 1e-6 and r["sd_placements"] == 1.0 and r["graphs"] == 2.0, r
         assert r["count_all_to_all"] == 1.0 and r["count_all_gather"] <= 4.0, r
         assert r["count_all_reduce"] > 2 * 12, r
+
+
+def test_sequence_parallel_inside_fsdp_matches_single_process():
+    """torchtitan's sequence-parallel plan (`tp_plan(sequence_parallel=True)`: Rowwise `inp` onto Shard(1), norms
+    under SequenceParallel, Colwise from Shard(1), Rowwise back onto Shard(1), the sequence gathered for the head),
+    compiled: parity with single-process training on the global batch, one graph. The norms' weights and biases are
+    Replicate DTensors whose Partial gradients DTensor all-reduces over tp before our dp reduce-scatter."""
+    results = spawn(tp_fsdp_parity, 4, ("aot", False, None, "rows", False, False, False, True))
+    for r in results:
+        # inp (Rowwise), 2 blocks x (q, k, v, o, up, down, norm1, norm2) x (weight, bias).
+        assert r["tp_params"] == 34.0 and r["plain_views"] == 1.0 and r["graphs"] == 1.0, r
+        assert r["max_diff"] < 1e-6 and r["norm_max_diff"] < 1e-6, r
+        assert r["sd_placements"] == 1.0, r
+        state_dicts = ("sd_diff", "full_sd_diff", "load_full_diff", "load_sharded_diff", "osd_diff", "load_osd_diff")
+        assert max(r[k] for k in state_dicts) < 1e-6, r
