@@ -131,6 +131,23 @@ def test_error_reshard_after_forward_int_with_tp(fake_world_8):
         fsdp_graph.fully_shard(model, mesh["data"], reshard_after_forward=2)
 
 
+def test_tp_mesh_from_an_equal_world_made_earlier(fake_world_8):
+    """DTensor caches specs by value: after a plan on one world's "m", a plan on the equal "m" (same name, same
+    ranks) of a world made later leaves the parameters on the FIRST world's mesh. fully_shard must judge the tp
+    mesh by its name and ranks, not by which world object it hangs from, and keep the later world's dimension.
+    Names of their own: the cache outlives this test's process group."""
+    first = init_device_mesh("cpu", (4, 2), mesh_dim_names=("d", "m"))
+    parallelize_module(Block(), first["m"], {"up": ColwiseParallel()})
+    world, model = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("r", "s", "m")), Block()
+    parallelize_module(model, world["m"], {"up": ColwiseParallel()})
+    assert model.up.weight.device_mesh._get_root_mesh().mesh_dim_names == ("d", "m")  # the case under test
+    fsdp_graph.fully_shard(model, world["r", "s"], strategy=fsdp_graph.ShardingStrategy.HYBRID_SHARD)
+    from fsdp_graph.runtime.unit import flat_params
+
+    spec = next(spec for state in flat_params(model) for spec in state.tp if spec is not None)
+    assert spec.mesh._get_root_mesh() is world and spec.mesh.mesh.tolist() == [4, 5]
+
+
 def test_hybrid_shard_with_tp_on_a_3d_mesh(fake_world_8):
     """HSDP x TP: HYBRID_SHARD over ("replicate", "shard"), the plan on "tp". The backward adds the replicate
     all-reduce after our reduce-scatter; state dicts are DTensors on the 3-D mesh (plain parameters on the 2-D one)."""
