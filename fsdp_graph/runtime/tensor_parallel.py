@@ -86,11 +86,6 @@ def tp_spec_of(param: DTensor, fqn: str, fsdp_mesh: DeviceMesh | None) -> TPSpec
                 "the tensor-parallel degree."
             )
         placements = (Shard(dim),)
-    if param.device.type == "meta":
-        raise ValueError(
-            f"{where} on the meta device; meta-device initialisation of tensor-parallel parameters is not "
-            "supported. Materialise the model (to_empty + init) before parallelize_module and fully_shard."
-        )
     # The world's own dimension, not the parameter's mesh object: that may hang from another, equal-valued world.
     return TPSpec(root[names[0]], placements, param.shape, tuple(param.stride()))
 

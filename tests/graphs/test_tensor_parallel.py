@@ -98,13 +98,35 @@ def test_error_uneven_tp_shards(fake_pg):
         fsdp_graph.fully_shard(model, mesh["dp"])
 
 
-def test_error_meta_device_tp_parameter(fake_pg):
-    mesh = _mesh()
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_meta_device_tp_parameters_materialise_as_if_materialised_first(fake_world_8, sequence_parallel):
+    """fully_shard initialises a meta-device DTensor parameter whole (reset_parameters on the global shape: the
+    random numbers the model built for real draws, the same on every rank) and keeps this rank's tp piece, then its
+    dp rows. On a (dp=4, tp=2) world this rank (5) is at dp 2, tp 1; Shard(0), Shard(1) and (norms under
+    SequenceParallel) Replicate pieces."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    reference = Block()
     with torch.device("meta"):
         model = Block()
-    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel()})
-    with pytest.raises(ValueError, match=r"'up.weight' .*on the meta device"):
-        fsdp_graph.fully_shard(model, mesh["dp"])
+    plan = {**{n: ColwiseParallel() for n in ("q", "k", "v", "up")}, "o": RowwiseParallel(), "down": RowwiseParallel()}
+    if sequence_parallel:
+        plan.update({"norm1": SequenceParallel(), "norm2": SequenceParallel()})
+    parallelize_module(model, mesh["tp"], plan)
+    torch.manual_seed(0)
+    fsdp_graph.fully_shard(model, mesh["dp"])
+    tp_dims = {"q": 0, "k": 0, "v": 0, "up": 0, "o": 1, "down": 1}
+    views = dict(model.named_parameters())
+    for name, full in reference.named_parameters():
+        module, kind = name.split(".")
+        piece = full.detach()
+        if module in tp_dims and not (module in ("o", "down") and kind == "bias"):  # Rowwise biases: Replicate
+            piece = piece.chunk(2, dim=tp_dims[module])[1]
+        view = views[name].to_local() if isinstance(views[name], DTensor) else views[name]
+        assert view.device.type == "cpu" and torch.equal(view.detach(), piece.chunk(4)[2]), name
 
 
 @pytest.mark.parametrize(
