@@ -4,12 +4,15 @@ leaks, recompiles).
     python benchmarks/soak.py                         # 1000 steps, eager kernels, prefetch on
     python benchmarks/soak.py --mode inductor --steps 1000 --runs 20
     python benchmarks/soak.py --reduce-scatter native --no-prefetch
+    python benchmarks/soak.py --tp 2 --steps 200      # 4 ranks: (dp=2, tp=2), each block's MLP tensor-parallel
 
 The model is a small GPT with a tied embedding/head and widths no world size divides (3 blocks, dim 36, 3 heads,
 vocab 97, 11 tokens, 4 sequences per rank), FULL_SHARD, `torch.compile(fullgraph=True)`, SGD with momentum. Every
 `--eval-every` steps one eval-mode forward runs without gradients (a second graph). Each run prints steps/s, the
 resident-memory growth from step 10 to the end, the graphs Dynamo compiled after the warm-up, and the first and
-last loss. A run whose rank dies (a signal, an exception, a hang) is reported with the launcher's message and counts
+last loss. `--tp N` runs on 2 x N ranks as (dp=2, tp=N): each block's MLP split by `parallelize_module` (fc
+Colwise, out Rowwise; the fused qkv projection and 3 heads leave attention whole), fully_shard over dp; the tp ranks
+of a dp group share its batch. A run whose rank dies (a signal, an exception, a hang) is reported with the launcher's message and counts
 as failed; the exit status is the number of failed runs.
 """
 
@@ -42,7 +45,19 @@ def soak_rank(rank: int, world: int, options: dict) -> dict:
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=97, dim=options["dim"], heads=3, layers=options["layers"], seq=11, tied=True)
     model = GPT(cfg)
-    fsdp_graph.fully_shard(model)
+    dp, dp_rank = world, rank
+    if options["tp"] > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (world // options["tp"], options["tp"]), mesh_dim_names=("dp", "tp"))
+        plan = {f"blocks.{i}.fc": ColwiseParallel() for i in range(cfg.layers)}
+        plan.update({f"blocks.{i}.out": RowwiseParallel() for i in range(cfg.layers)})
+        parallelize_module(model, mesh["tp"], plan)
+        fsdp_graph.fully_shard(model, mesh["dp"])
+        dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    else:
+        fsdp_graph.fully_shard(model)
     backend = fsdp_graph.make_backend(
         inductor=options["mode"] == "inductor",
         prefetch=options["prefetch"],
@@ -55,7 +70,7 @@ def soak_rank(rank: int, world: int, options: dict) -> dict:
     tokens = torch.randint(0, cfg.vocab, (64, cfg.seq + 1), generator=generator)
     losses, graphs_after_warmup, rss_start, start = [], 0, 0.0, 0.0
     for step in range(options["steps"]):
-        rows = torch.arange(4) + (step * 4 * world + rank * 4) % 60
+        rows = torch.arange(4) + (step * 4 * dp + dp_rank * 4) % 60
         x, y = tokens[rows, :-1], tokens[rows, 1:]
         if step == _WARMUP:
             graphs_after_warmup, rss_start, start = backend.dynamo_graphs, _rss_mib(), time.perf_counter()
@@ -81,9 +96,10 @@ def soak_rank(rank: int, world: int, options: dict) -> dict:
 
 
 def run_once(options: dict, timeout_s: float) -> dict:
-    """One soak run on 2 ranks: rank 0's figures (and the worst memory growth / recompiles of both), or the error."""
+    """One soak run on 2 (x tp) ranks: rank 0's figures (and the worst memory growth / recompiles of all), or the
+    error."""
     try:
-        results = spawn(soak_rank, 2, (options,), timeout_s=timeout_s)
+        results = spawn(soak_rank, 2 * options["tp"], (options,), timeout_s=timeout_s)
     except RankFailedError as error:
         text = error.failures[0][2].strip().splitlines()
         return {
@@ -107,11 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-inflight-bytes", type=int, default=None, help="schedule budget (None: the default)")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--dim", type=int, default=36)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: 2 x N ranks as (dp=2, tp=N)")
     parser.add_argument("--eval-every", type=int, default=100, help="an eval-mode forward every N steps (0: none)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--json", help="write every run's figures to this file")
     args = parser.parse_args(argv)
-    options = {k: getattr(args, k) for k in ("steps", "mode", "prefetch", "reduce_scatter", "layers", "dim")}
+    options = {k: getattr(args, k) for k in ("steps", "mode", "prefetch", "reduce_scatter", "layers", "dim", "tp")}
     options.update(max_inflight_bytes=args.max_inflight_bytes, eval_every=args.eval_every)
     print(f"soak: {options}, {args.runs} run(s)", flush=True)
     runs = []

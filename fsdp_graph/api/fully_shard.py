@@ -113,8 +113,8 @@ def fully_shard(
     track_kept_gathers(root_state)
     for unit, unit_fqn in zip(units, unit_fqns):
         members = [pid for pid in params if assignment[pid] == unit_fqn]
-        values = _unit_values(members, params, uses, param_init_fn, device)
-        values.update({pid: params[pid].to_local() for pid in members if pid in tp})
+        values = _unit_values(members, params, uses, param_init_fn, device, tp)
+        values.update({pid: params[pid].to_local() for pid in members if pid in tp and values[pid] is params[pid]})
         trainable = [pid for pid in members if params[pid].requires_grad]
         frozen = [pid for pid in members if not params[pid].requires_grad]
         for suffix, group in (("", trainable), ("[frozen]", frozen)):
@@ -365,16 +365,17 @@ def _check_flat_params(name: str, params: list[nn.Parameter], uses) -> None:
             )
 
 
-def _unit_values(members, params, uses, param_init_fn, device) -> dict[int, torch.Tensor]:
+def _unit_values(members, params, uses, param_init_fn, device, tp) -> dict[int, torch.Tensor]:
     """Each member's value: itself, or for meta-device parameters, freshly initialised on `device` one owning
-    module at a time (this unit's parameters are the most any rank holds unsharded at once)."""
+    module at a time (this unit's parameters are the most any rank holds unsharded at once; a tensor-parallel
+    parameter's value is its tp piece)."""
     values = {pid: params[pid] for pid in members}
     device = torch.device(device or "cpu")
     for pid in members:
         if values[pid].device.type != "meta":
             continue
         module_fqn, module, _ = uses[pid][0]
-        materialized = materialize_module(module, module_fqn or "<root>", device, param_init_fn)
+        materialized = materialize_module(module, module_fqn or "<root>", device, param_init_fn, tp)
         for old_id, value in materialized.items():
             if old_id in values:
                 values[old_id] = value

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_graph.runtime.devices import collective_device
+from fsdp_graph.runtime.tensor_parallel import TPSpec, tp_local_of
 
 
 def _is_meta(t: torch.Tensor | None) -> bool:
@@ -16,11 +17,16 @@ def _is_meta(t: torch.Tensor | None) -> bool:
 
 
 def materialize_module(
-    module: nn.Module, fqn: str, device: torch.device, param_init_fn: Callable[[nn.Module], None] | None
+    module: nn.Module,
+    fqn: str,
+    device: torch.device,
+    param_init_fn: Callable[[nn.Module], None] | None,
+    tp: dict[int, TPSpec] | None = None,
 ) -> dict[int, torch.Tensor]:
     """Allocate `module`'s own meta parameters and buffers on `device` and initialise them with
     `param_init_fn(module)` or `module.reset_parameters()` (as FSDP1: the function initialises the module's own
-    parameters AND buffers). Returns {id(old meta param): new tensor}."""
+    parameters AND buffers). Returns {id(old meta param): new tensor}; for a tensor-parallel parameter (its spec
+    in `tp`, by id) the new tensor is this rank's tp piece of the value initialised whole."""
     own = {name: p for name, p in module._parameters.items() if p is not None}
     if any(not _is_meta(p) for p in own.values()):
         names = [n for n, p in own.items() if not _is_meta(p)]
@@ -34,10 +40,22 @@ def materialize_module(
             f"fully_shard: module '{fqn}' ({type(module).__name__}) has meta-device parameters "
             f"{sorted(own)} but no reset_parameters(); pass param_init_fn=... to fully_shard."
         )
+    specs = {name: tp[id(p)] for name, p in own.items() if tp and id(p) in tp}
+    # Initialised as plain tensors of the global shape, as the model without tensor parallelism would be: every
+    # rank draws the same numbers in the same order (DTensor's own init would draw per piece), then keeps its piece.
+    for name, spec in specs.items():
+        old = own[name]
+        module._parameters[name] = nn.Parameter(
+            torch.empty(spec.shape, dtype=old.dtype, device="meta"), requires_grad=old.requires_grad
+        )
     module.to_empty(device=device, recurse=False)
     with torch.no_grad():
         param_init_fn(module) if param_init_fn is not None else module.reset_parameters()
-    return {id(old): module._parameters[name] for name, old in own.items()}
+    values = {name: module._parameters[name] for name in own}
+    for name, spec in specs.items():
+        values[name] = tp_local_of(values[name].detach(), spec).contiguous()
+        module._parameters[name] = own[name]  # fully_shard replaces the DTensor by its view
+    return {id(old): values[name] for name, old in own.items()}
 
 
 def materialize_buffers(

@@ -58,7 +58,7 @@ def tp_spec_of(param: DTensor, fqn: str, fsdp_mesh: DeviceMesh | None) -> TPSpec
             f"{where}: only tensor parallelism over one named dimension of the world mesh is supported "
             '(parallelize_module(model, world_mesh["tp"], plan)).'
         )
-    if mesh._get_root_mesh() != root or names[0] not in (root.mesh_dim_names or ()):
+    if not _is_dimension_of(mesh, root):
         raise ValueError(
             f"{where}, which is not a named dimension of the world mesh {root.mesh_dim_names} that fully_shard's "
             'mesh belongs to. Slice both from one mesh: world_mesh["tp"] for the plan, world_mesh["dp"] for '
@@ -86,12 +86,18 @@ def tp_spec_of(param: DTensor, fqn: str, fsdp_mesh: DeviceMesh | None) -> TPSpec
                 "the tensor-parallel degree."
             )
         placements = (Shard(dim),)
-    if param.device.type == "meta":
-        raise ValueError(
-            f"{where} on the meta device; meta-device initialisation of tensor-parallel parameters is not "
-            "supported. Materialise the model (to_empty + init) before parallelize_module and fully_shard."
-        )
-    return TPSpec(mesh, placements, param.shape, tuple(param.stride()))
+    # The world's own dimension, not the parameter's mesh object: that may hang from another, equal-valued world.
+    return TPSpec(root[names[0]], placements, param.shape, tuple(param.stride()))
+
+
+def _is_dimension_of(mesh: DeviceMesh, root: DeviceMesh) -> bool:
+    """Whether the 1-D `mesh` is the dimension of `root` with its name: same name, device type and ranks. Not by
+    the root it was sliced from: DTensor caches specs by value, so a plan on one world's "tp" can leave its
+    parameters on the equal "tp" mesh of a world made earlier in the process."""
+    name = mesh.mesh_dim_names[0]
+    if name not in (root.mesh_dim_names or ()) or mesh.device_type != root.device_type:
+        return False
+    return torch.equal(root[name].mesh, mesh.mesh)
 
 
 def state_dict_placements(spec: TPSpec, fsdp_mesh: DeviceMesh, fsdp_placements: tuple, local_rows: int) -> tuple:

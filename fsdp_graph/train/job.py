@@ -336,9 +336,9 @@ def _build(args: argparse.Namespace, world: int, device: torch.device):
     """The sharded model (built on meta, materialised one unit at a time), its optimizer, the model to call, and
     this rank's (data-parallel size, data-parallel rank).
 
-    With --tp: a (world / tp, tp) mesh ("dp", "tp"); the model is materialised whole (in fully_shard's order, so it
-    starts from the values the job without --tp starts from), split by `tp_plan` over tp, then sharded over dp
-    (fully_shard does not materialise meta-device DTensors yet)."""
+    With --tp: a (world / tp, tp) mesh ("dp", "tp"); the meta-device model is split by `tp_plan` over tp, then
+    fully_shard over dp materialises it a unit at a time, each tp parameter initialised whole and cut to this
+    rank's piece (so it starts from the values the job without --tp starts from)."""
     cfg = preset(args.preset, seq=max(args.seq, PRESETS[args.preset].seq))
     torch.manual_seed(args.seed)
     with torch.device("meta"):
@@ -351,9 +351,8 @@ def _build(args: argparse.Namespace, world: int, device: torch.device):
         if world % args.tp:
             raise ValueError(f"--tp {args.tp} does not divide the {world} ranks")
         mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
-        _materialise_in_unit_order(model, device)
         parallelize_module(model, mesh["tp"], tp_plan(cfg))
-        fsdp_graph.fully_shard(model, mesh["dp"], device=device, **kwargs)
+        fsdp_graph.fully_shard(model, mesh["dp"], param_init_fn=model.init_module, device=device, **kwargs)
         dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     else:
         fsdp_graph.fully_shard(
@@ -364,28 +363,6 @@ def _build(args: argparse.Namespace, world: int, device: torch.device):
     backend = _backend(args)
     step_model = torch.compile(model, backend=backend, fullgraph=True) if backend else model
     return cfg, model, opt, step_model, (dp, dp_rank)
-
-
-def _materialise_in_unit_order(model: torch.nn.Module, device: torch.device) -> None:
-    """Initialise a meta-device Llama whole, module by module in the order fully_shard's meta path does (its default
-    units in order, each unit's parameters in registration order), so the random values are the same."""
-    from fsdp_graph.api import fully_shard as sharding
-    from fsdp_graph.runtime.init import materialize_buffers, materialize_module
-
-    module_fqns = {id(m): name for name, m in model.named_modules()}
-    unit_fqns = [module_fqns[id(u)] for u in sharding._select_units(model, None, module_fqns, ())]
-    params, uses = sharding._collect_parameters(model, set(), None)[:2]
-    assignment = sharding._assign_to_units(params, uses, unit_fqns)
-    new: dict[int, torch.Tensor] = {}
-    for unit_fqn in unit_fqns:
-        for pid in params:
-            fqn, module, _ = uses[pid][0]
-            if assignment[pid] == unit_fqn and pid not in new:
-                new.update(materialize_module(module, fqn, device, model.init_module))
-    for pid, param_uses in uses.items():  # a tied weight: every module that uses it gets the materialised one
-        for _, module, name in param_uses:
-            module._parameters[name] = new[pid]
-    materialize_buffers(model, device, model.init_module)
 
 
 def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:

@@ -98,13 +98,35 @@ def test_error_uneven_tp_shards(fake_pg):
         fsdp_graph.fully_shard(model, mesh["dp"])
 
 
-def test_error_meta_device_tp_parameter(fake_pg):
-    mesh = _mesh()
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_meta_device_tp_parameters_materialise_as_if_materialised_first(fake_world_8, sequence_parallel):
+    """fully_shard initialises a meta-device DTensor parameter whole (reset_parameters on the global shape: the
+    random numbers the model built for real draws, the same on every rank) and keeps this rank's tp piece, then its
+    dp rows. On a (dp=4, tp=2) world this rank (5) is at dp 2, tp 1; Shard(0), Shard(1) and (norms under
+    SequenceParallel) Replicate pieces."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    reference = Block()
     with torch.device("meta"):
         model = Block()
-    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel()})
-    with pytest.raises(ValueError, match=r"'up.weight' .*on the meta device"):
-        fsdp_graph.fully_shard(model, mesh["dp"])
+    plan = {**{n: ColwiseParallel() for n in ("q", "k", "v", "up")}, "o": RowwiseParallel(), "down": RowwiseParallel()}
+    if sequence_parallel:
+        plan.update({"norm1": SequenceParallel(), "norm2": SequenceParallel()})
+    parallelize_module(model, mesh["tp"], plan)
+    torch.manual_seed(0)
+    fsdp_graph.fully_shard(model, mesh["dp"])
+    tp_dims = {"q": 0, "k": 0, "v": 0, "up": 0, "o": 1, "down": 1}
+    views = dict(model.named_parameters())
+    for name, full in reference.named_parameters():
+        module, kind = name.split(".")
+        piece = full.detach()
+        if module in tp_dims and not (module in ("o", "down") and kind == "bias"):  # Rowwise biases: Replicate
+            piece = piece.chunk(2, dim=tp_dims[module])[1]
+        view = views[name].to_local() if isinstance(views[name], DTensor) else views[name]
+        assert view.device.type == "cpu" and torch.equal(view.detach(), piece.chunk(4)[2]), name
 
 
 @pytest.mark.parametrize(
@@ -129,6 +151,23 @@ def test_error_reshard_after_forward_int_with_tp(fake_world_8):
     parallelize_module(model, mesh["model"], {"up": ColwiseParallel()})
     with pytest.raises(NotImplementedError, match=r"reshard_after_forward=int with tensor-parallel .*'up.weight'"):
         fsdp_graph.fully_shard(model, mesh["data"], reshard_after_forward=2)
+
+
+def test_tp_mesh_from_an_equal_world_made_earlier(fake_world_8):
+    """DTensor caches specs by value: after a plan on one world's "m", a plan on the equal "m" (same name, same
+    ranks) of a world made later leaves the parameters on the FIRST world's mesh. fully_shard must judge the tp
+    mesh by its name and ranks, not by which world object it hangs from, and keep the later world's dimension.
+    Names of their own: the cache outlives this test's process group."""
+    first = init_device_mesh("cpu", (4, 2), mesh_dim_names=("d", "m"))
+    parallelize_module(Block(), first["m"], {"up": ColwiseParallel()})
+    world, model = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("r", "s", "m")), Block()
+    parallelize_module(model, world["m"], {"up": ColwiseParallel()})
+    assert model.up.weight.device_mesh._get_root_mesh().mesh_dim_names == ("d", "m")  # the case under test
+    fsdp_graph.fully_shard(model, world["r", "s"], strategy=fsdp_graph.ShardingStrategy.HYBRID_SHARD)
+    from fsdp_graph.runtime.unit import flat_params
+
+    spec = next(spec for state in flat_params(model) for spec in state.tp if spec is not None)
+    assert spec.mesh._get_root_mesh() is world and spec.mesh.mesh.tolist() == [4, 5]
 
 
 def test_hybrid_shard_with_tp_on_a_3d_mesh(fake_world_8):

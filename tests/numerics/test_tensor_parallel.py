@@ -10,6 +10,11 @@ from tests.workers.tensor_parallel import (
     tp_fsdp2_interop,
     tp_fsdp_parity,
 )
+from tests.workers.tensor_parallel_dcp import tp_dcp_phase
+
+
+def _diff(a, b) -> float:
+    return (a - b).abs().max().item()
 
 
 @pytest.mark.parametrize(
@@ -113,3 +118,32 @@ def test_tp_with_no_sync_activation_checkpointing_and_bucketing():
         assert r["max_diff"] < 1e-6 and r["sd_placements"] == 1.0 and r["graphs"] == 2.0, r
         assert r["count_all_to_all"] == 1.0 and r["count_all_gather"] <= 4.0, r
         assert r["count_all_reduce"] > 2 * 12, r
+
+
+def test_sequence_parallel_inside_fsdp_matches_single_process():
+    """torchtitan's sequence-parallel plan (`tp_plan(sequence_parallel=True)`: Rowwise `inp` onto Shard(1), norms
+    under SequenceParallel, Colwise from Shard(1), Rowwise back onto Shard(1), the sequence gathered for the head),
+    compiled: parity with single-process training on the global batch, one graph. The norms' weights and biases are
+    Replicate DTensors whose Partial gradients DTensor all-reduces over tp before our dp reduce-scatter."""
+    results = spawn(tp_fsdp_parity, 4, ("aot", False, None, "rows", False, False, False, True))
+    for r in results:
+        # inp (Rowwise), 2 blocks x (q, k, v, o, up, down, norm1, norm2) x (weight, bias).
+        assert r["tp_params"] == 34.0 and r["plain_views"] == 1.0 and r["graphs"] == 1.0, r
+        assert r["max_diff"] < 1e-6 and r["norm_max_diff"] < 1e-6, r
+        assert r["sd_placements"] == 1.0, r
+        state_dicts = ("sd_diff", "full_sd_diff", "load_full_diff", "load_sharded_diff", "osd_diff", "load_osd_diff")
+        assert max(r[k] for k in state_dicts) < 1e-6, r
+
+
+def test_dcp_checkpoint_loads_across_dp_sizes_and_without_tp(tmp_path):
+    """Saved with DCP on (dp=2, tp=2) after 2 steps, loaded on (dp=1, tp=2) and by plain FSDP on 2 ranks (DCP
+    reshards the (dp, tp) DTensors, _StridedShard included): parameters and momentum buffers exactly the saved
+    ones, and a third step on the same global batch gives the parameters the original run's third step gave."""
+    path = str(tmp_path / "ckpt")
+    saved = spawn(tp_dcp_phase, 4, ("save", path, 2))[0]
+    for tp in (2, 1):
+        for loaded in spawn(tp_dcp_phase, 2, ("load", path, tp)):
+            for key in ("params", "optim"):
+                assert set(loaded[key]) == set(saved[key]), tp
+                assert max(_diff(loaded[key][k], saved[key][k]) for k in saved[key]) == 0.0, (tp, key)
+            assert max(_diff(loaded["after_step"][k], v) for k, v in saved["after_step"].items()) < 1e-6, tp

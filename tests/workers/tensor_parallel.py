@@ -11,7 +11,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import checkpoint
 
 import fsdp_graph
@@ -33,11 +39,12 @@ class Block(nn.Module):
         self.up, self.down = nn.Linear(DIM, FFN), nn.Linear(FFN, DIM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
+        # Shapes from the projections' outputs, not from x: under sequence parallelism x holds this rank's part of
+        # the sequence, the projections' outputs all of it.
         h = self.norm1(x)
-        q, k, v = (proj(h).view(b, s, -1, DIM // HEADS).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        q, k, v = (proj(h).unflatten(-1, (-1, DIM // HEADS)).transpose(1, 2) for proj in (self.q, self.k, self.v))
         att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(att.transpose(1, 2).reshape(b, s, -1))
+        x = x + self.o(att.transpose(1, 2).flatten(2))
         return x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
 
 
@@ -56,11 +63,26 @@ class TinyTransformer(nn.Module):
         return self.head(x)
 
 
-def tp_plan() -> dict:
-    plan = {}
+def tp_plan(sequence_parallel: bool = False) -> dict:
+    """q/k/v/up Colwise, o/down Rowwise. `sequence_parallel` (torchtitan's): between the blocks' projections the
+    activations are split over tp on the sequence (Shard(1)): `inp` (as torchtitan's embedding) reduce-scatters
+    its output onto the sequence, the norms run on their part of it (`SequenceParallel`: Replicate weights, Partial
+    gradients), the Colwise layers all-gather it (input layouts Shard(1)), the Rowwise layers reduce-scatter back
+    onto it (output layouts Shard(1)), and `PrepareModuleInput` gathers the whole sequence for the head (plain,
+    replicated) so the loss sees the whole output."""
+    plan: dict = {}
+    colwise = {"input_layouts": Shard(1)} if sequence_parallel else {}
+    rowwise = {"output_layouts": Shard(1)} if sequence_parallel else {}
     for i in range(BLOCKS):
-        plan.update({f"blocks.{i}.{n}": ColwiseParallel() for n in ("q", "k", "v", "up")})
-        plan.update({f"blocks.{i}.{n}": RowwiseParallel() for n in ("o", "down")})
+        plan.update({f"blocks.{i}.{n}": ColwiseParallel(**colwise) for n in ("q", "k", "v", "up")})
+        plan.update({f"blocks.{i}.{n}": RowwiseParallel(**rowwise) for n in ("o", "down")})
+        if sequence_parallel:
+            plan.update({f"blocks.{i}.{n}": SequenceParallel() for n in ("norm1", "norm2")})
+    if sequence_parallel:
+        plan["inp"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        plan["head"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
     return plan
 
 
@@ -92,6 +114,7 @@ def tp_fsdp_parity(
     mp: bool = False,
     hybrid: bool = False,
     composed: bool = False,
+    sequence_parallel: bool = False,
 ) -> dict[str, float]:
     """(dp=2, tp=2): TP inside each dp group, FSDP across the dp groups. Each dp rank trains on its half of the global
     batch (tp ranks of one dp group share it); 3 steps of SGD with momentum must equal single-process training on
@@ -101,7 +124,8 @@ def tp_fsdp_parity(
     `clip_norm_type`: clip every step with `fsdp_graph.clip_grad_norm_` against torch's clip on the reference.
     `hybrid`: HSDP x TP on 8 ranks, (replicate=2, shard=2, tp=2), HYBRID_SHARD over ("replicate", "shard"); the
     batch is split over the 4 data-parallel ranks. `composed`: each block under activation checkpointing, the
-    backend bucketing units' collectives, and each step two microbatches, the first under `no_sync`."""
+    backend bucketing units' collectives, and each step two microbatches, the first under `no_sync`.
+    `sequence_parallel`: `tp_plan(sequence_parallel=True)`."""
     if hybrid:
         mesh = init_device_mesh("cpu", (2, 2, world // 4), mesh_dim_names=("replicate", "shard", "tp"))
         dp_names, fsdp_mesh, strategy = ("replicate", "shard"), mesh["replicate", "shard"], "HYBRID_SHARD"
@@ -114,7 +138,7 @@ def tp_fsdp_parity(
     torch.manual_seed(0)
     model = TinyTransformer()
     ref = copy.deepcopy(model)
-    parallelize_module(model, mesh["tp"], tp_plan())
+    parallelize_module(model, mesh["tp"], tp_plan(sequence_parallel))
     fsdp_graph.fully_shard(
         model,
         fsdp_mesh,
@@ -173,10 +197,12 @@ def tp_fsdp_parity(
         for slot, spec in zip(state.layout.slots, state.tp or [None] * len(state.layout.slots)):
             specs[slot.fqns[0]] = (spec, state, slot)
     params = dict(model.named_parameters())
-    out["max_diff"] = max(
-        _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
-    )
-    out.update(_state_dict_checks(model, ref, specs, dp_rank, dp, dp_names))
+    diffs = {
+        n: _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
+    }
+    out["max_diff"] = max(diffs.values())
+    out["norm_max_diff"] = max(v for n, v in diffs.items() if ".norm" in n)
+    out.update(_state_dict_checks(model, ref, specs, dp_rank, dp, dp_names, sequence_parallel))
     out.update(_optim_state_dict_checks(model, ref, opt, ref_opt, specs, dp_rank, dp))
     out["tp_params"] = float(sum(spec is not None for spec, _, _ in specs.values()))
     out["plain_views"] = float(all(not isinstance(p, DTensor) for p in model.parameters()))
@@ -185,7 +211,13 @@ def tp_fsdp_parity(
 
 
 def _state_dict_checks(
-    model: nn.Module, ref: nn.Module, specs: dict, dp_rank: int, dp: int, dp_names: tuple[str, ...]
+    model: nn.Module,
+    ref: nn.Module,
+    specs: dict,
+    dp_rank: int,
+    dp: int,
+    dp_names: tuple[str, ...],
+    sequence_parallel: bool = False,
 ) -> dict[str, float]:
     """The sharded state dict (DTensors on the (dp, tp) mesh for tp parameters, on dp for the others; HSDP: on
     (replicate, shard, tp) and (replicate, shard)) holds the reference's values; the full state dict too; loading a
@@ -201,9 +233,11 @@ def _state_dict_checks(
         "q.bias": (("tp",), (_StridedShard(0, split_factor=2), Shard(0))),
         "o.weight": (("tp",), (Shard(0), Shard(1))),
         "o.bias": (("tp",), (Shard(0), Replicate())),
-        "norm1.weight": ((), (Shard(0),)),
+        "norm1.weight": ((("tp",), (Shard(0), Replicate())) if sequence_parallel else ((), (Shard(0),))),
         "head.weight": ((), (Shard(0),)),
     }
+    if sequence_parallel:
+        expected["inp.weight"] = (("tp",), (Shard(0), Shard(1)))
     replicas = (Replicate(),) * (len(dp_names) - 1)
     checked = [
         tuple(state[n].placements) == (*replicas, *placements)
@@ -212,7 +246,7 @@ def _state_dict_checks(
         for n in state
         if n.endswith(suffix)
     ]
-    out["sd_placements"] = float(len(checked) == 2 * 5 + 1 and all(checked))
+    out["sd_placements"] = float(len(checked) == 2 * 5 + 1 + sequence_parallel and all(checked))
     full = fsdp_graph.full_state_dict(model)
     out["full_sd_diff"] = max(_max_abs(full[n] - v) for n, v in ref_values.items())
     saved = {
