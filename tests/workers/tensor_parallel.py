@@ -68,6 +68,22 @@ def _max_abs(t: torch.Tensor) -> float:
     return t.abs().max().item() if t.numel() else 0.0
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a parameter, gradient or optimizer state: a DTensor's local tensor (tp views with the
+    rows layout), a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _optimizers(model: nn.Module, ref: nn.Module, optim: str) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    """`optim`: "sgd" (momentum, torch's default implementation: one tensor at a time here, since the views are
+    subclasses), "sgd_foreach", "adamw" or "adamw_foreach" (weight decay on); the reference gets the same."""
+    kind, _, foreach = optim.partition("_")
+    kwargs = {"foreach": True} if foreach else {}
+    if kind == "sgd":
+        return tuple(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, **kwargs) for m in (model, ref))
+    return tuple(torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1, **kwargs) for m in (model, ref))
+
+
 def expected_local(ref_param: torch.Tensor, where: tuple, dp_rank: int, dp: int) -> torch.Tensor:
     """What a rank's optimizer view should hold: the reference parameter's tensor-parallel piece, then its dp row
     block (torch.chunk on dim 0, as the rows layout), or with the flat layout its slice of the flat shard.
@@ -92,6 +108,7 @@ def tp_fsdp_parity(
     mp: bool = False,
     hybrid: bool = False,
     composed: bool = False,
+    optim: str = "sgd",
 ) -> dict[str, float]:
     """(dp=2, tp=2): TP inside each dp group, FSDP across the dp groups. Each dp rank trains on its half of the global
     batch (tp ranks of one dp group share it); 3 steps of SGD with momentum must equal single-process training on
@@ -101,7 +118,8 @@ def tp_fsdp_parity(
     `clip_norm_type`: clip every step with `fsdp_graph.clip_grad_norm_` against torch's clip on the reference.
     `hybrid`: HSDP x TP on 8 ranks, (replicate=2, shard=2, tp=2), HYBRID_SHARD over ("replicate", "shard"); the
     batch is split over the 4 data-parallel ranks. `composed`: each block under activation checkpointing, the
-    backend bucketing units' collectives, and each step two microbatches, the first under `no_sync`."""
+    backend bucketing units' collectives, and each step two microbatches, the first under `no_sync`. `optim`: see
+    `_optimizers`."""
     if hybrid:
         mesh = init_device_mesh("cpu", (2, 2, world // 4), mesh_dim_names=("replicate", "shard", "tp"))
         dp_names, fsdp_mesh, strategy = ("replicate", "shard"), mesh["replicate", "shard"], "HYBRID_SHARD"
@@ -132,7 +150,7 @@ def tp_fsdp_parity(
     if mode != "eager":
         backend = fsdp_graph.make_backend(inductor=mode == "inductor", bucket_bytes=1 << 20 if composed else 0)
         run = torch.compile(model, backend=backend, fullgraph=True)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    opt, ref_opt = _optimizers(model, ref, optim)
     gen = torch.Generator().manual_seed(7)
     out: dict[str, float] = {}
     for step in range(3):
@@ -174,13 +192,81 @@ def tp_fsdp_parity(
             specs[slot.fqns[0]] = (spec, state, slot)
     params = dict(model.named_parameters())
     out["max_diff"] = max(
-        _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
+        _max_abs(_local(params[n]).detach() - expected_local(p, specs[n], dp_rank, dp))
+        for n, p in ref.named_parameters()
     )
+    out.update(_view_checks(model, ref, specs))
+    batch = (torch.randn(8, 6, 8, generator=gen), torch.randn(8, 6, 1, generator=gen))
+    out.update(_grad_checks(model, run, ref, batch, data_parts, data_rank, mp))
     out.update(_state_dict_checks(model, ref, specs, dp_rank, dp, dp_names))
     out.update(_optim_state_dict_checks(model, ref, opt, ref_opt, specs, dp_rank, dp))
     out["tp_params"] = float(sum(spec is not None for spec, _, _ in specs.values()))
-    out["plain_views"] = float(all(not isinstance(p, DTensor) for p in model.parameters()))
     out["graphs"] = float(backend.dynamo_graphs if backend else 0)
+    return out
+
+
+def _view_checks(model: nn.Module, ref: nn.Module, specs: dict) -> dict[str, float]:
+    """What the optimizer holds: how many parameters are DTensors, whether each one's local tensor lies inside its
+    flat shard (so its in-place update is the shard's), whether its spec is its state-dict entry's, and the max
+    |full_tensor() - reference| over them."""
+    params, state = dict(model.named_parameters()), model.state_dict()
+    dtensors = {n: p for n, p in params.items() if isinstance(p, DTensor)}
+    aliased = []
+    for name, p in dtensors.items():
+        shard, local = specs[name][1].flat_shard, p.to_local()
+        offset = (local.data_ptr() - shard.data_ptr()) // local.element_size()
+        same_storage = local.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
+        aliased.append(same_storage and 0 <= offset and offset + local.numel() <= shard.numel())
+    ref_params = dict(ref.named_parameters())
+    return {
+        "dtensor_views": float(len(dtensors)),
+        "aliased": float(all(aliased)),
+        "view_specs": float(
+            all(
+                p.placements == state[n].placements and p.device_mesh == state[n].device_mesh
+                for n, p in dtensors.items()
+            )
+        ),
+        "full_diff": max(
+            (_max_abs(p.full_tensor() - ref_params[n].detach()) for n, p in dtensors.items()), default=0.0
+        ),
+    }
+
+
+def _grad_checks(model, run, ref, batch, data_parts: int, data_rank: int, mp: bool) -> dict[str, float]:
+    """One more backward (no step): a tp view's `.grad` is a DTensor with its spec whose full tensor is the
+    reference's gradient; a second backward adds into the same gradient objects; zero_grad() sets them to None."""
+    x, y = batch
+    local_x, local_y = x.chunk(data_parts)[data_rank], y.chunk(data_parts)[data_rank]
+    ref.zero_grad()
+    if mp:
+        _bf16_reference_loss(ref, lambda call, b: nn.functional.mse_loss(call(b[0]).float(), b[1]), (x, y))
+    else:
+        nn.functional.mse_loss(ref(x), y).backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    params = dict(model.named_parameters())
+    nn.functional.mse_loss(run(local_x).float(), local_y).backward()
+    grads = {n: p.grad for n, p in params.items()}
+    first = {n: _local(g).clone() for n, g in grads.items()}
+    out = {
+        "grad_specs": float(
+            all(
+                isinstance(g, DTensor) == isinstance(params[n], DTensor)
+                and (not isinstance(g, DTensor) or (g.placements, g.shape) == (params[n].placements, params[n].shape))
+                for n, g in grads.items()
+            )
+        ),
+        "grad_full_diff": max(
+            (_max_abs(g.full_tensor() - ref_grads[n]) for n, g in grads.items() if isinstance(g, DTensor)), default=0.0
+        ),
+    }
+    nn.functional.mse_loss(run(local_x).float(), local_y).backward()
+    out["grad_accumulated"] = float(
+        all(params[n].grad is g and torch.allclose(_local(g), 2 * first[n], atol=1e-6) for n, g in grads.items())
+    )
+    model.zero_grad()
+    out["grads_zeroed"] = float(all(p.grad is None for p in model.parameters()))
+    ref.zero_grad()
     return out
 
 
@@ -227,33 +313,42 @@ def _state_dict_checks(
                 p.zero_()
         model.load_state_dict(source, strict=False)
         out[key] = max(
-            _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
+            _max_abs(_local(params[n]).detach() - expected_local(p, specs[n], dp_rank, dp))
+            for n, p in ref.named_parameters()
         )
     return out
 
 
 def _optim_state_dict_checks(model, ref, opt, ref_opt, specs: dict, dp_rank: int, dp: int) -> dict[str, float]:
-    """The optimizer state dict's momentum buffers are DTensors of the reference's, and load back."""
-    ref_buffers = {n: ref_opt.state[p]["momentum_buffer"] for n, p in ref.named_parameters()}
+    """The optimizer state dict's per-element states (SGD's momentum buffers, AdamW's exp_avg and exp_avg_sq) are
+    DTensors of the reference's, and load back (as DTensors with their parameter's spec where it is one); the
+    optimizer steps again after the load."""
+    keys = [k for k, v in next(iter(ref_opt.state.values())).items() if v.dim() > 0]
+    ref_states = {(n, k): ref_opt.state[p][k] for n, p in ref.named_parameters() for k in keys}
     saved = fsdp_graph.optim_state_dict(model, opt)
-    out = {
-        "osd_diff": max(
-            _max_abs(saved["state"][n]["momentum_buffer"].full_tensor() - v) for n, v in ref_buffers.items()
-        )
-    }
+    out = {"osd_diff": max(_max_abs(saved["state"][n][k].full_tensor() - v) for (n, k), v in ref_states.items())}
     for entry in saved["state"].values():
-        value = entry["momentum_buffer"]
-        entry["momentum_buffer"] = DTensor.from_local(
-            value.to_local().clone(), value.device_mesh, value.placements, shape=value.shape, stride=value.stride()
-        )
+        for key in keys:
+            value = entry[key]
+            entry[key] = DTensor.from_local(
+                value.to_local().clone(), value.device_mesh, value.placements, shape=value.shape, stride=value.stride()
+            )
     params = dict(model.named_parameters())
     for p in params.values():
-        opt.state[p]["momentum_buffer"].zero_()
+        for key in keys:
+            opt.state[p][key].zero_()
     fsdp_graph.load_optim_state_dict(model, opt, saved)
     out["load_osd_diff"] = max(
-        _max_abs(opt.state[params[n]]["momentum_buffer"] - expected_local(v, specs[n], dp_rank, dp))
-        for n, v in ref_buffers.items()
+        _max_abs(_local(opt.state[params[n]][k]) - expected_local(v, specs[n], dp_rank, dp))
+        for (n, k), v in ref_states.items()
     )
+    out["osd_state_types"] = float(
+        all(isinstance(opt.state[p][k], DTensor) == isinstance(p, DTensor) for p in params.values() for k in keys)
+    )
+    for p in params.values():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # mixes DTensor and plain states and parameters again, after the load
+    opt.zero_grad()
     return out
 
 
@@ -449,7 +544,13 @@ def hf_llama_tp(rank: int, world: int, steps: int = 3) -> dict:
     params = dict(model.named_parameters())
     out: dict = {
         "max_diff": max(
-            _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
+            _max_abs(_local(params[n]).detach() - expected_local(p, specs[n], dp_rank, dp))
+            for n, p in ref.named_parameters()
+        ),
+        "full_diff": max(
+            _max_abs(p.full_tensor() - dict(ref.named_parameters())[n].detach())
+            for n, p in params.items()
+            if isinstance(p, DTensor)
         ),
         "param_change": max(_max_abs(p.detach() - initial[n]) for n, p in ref.named_parameters()),
         "tp_params": float(sum(spec is not None for spec, _, _ in specs.values())),
