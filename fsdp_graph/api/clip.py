@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_graph.runtime.devices import collective_device
+from fsdp_graph.runtime.dtensor_views import local_of
 from fsdp_graph.runtime.unit import flat_params
 
 
@@ -77,8 +78,8 @@ def clip_grad_norm_(
                 grads = tp_sharded[key].setdefault(spec.mesh, [])
             else:
                 grads = by_group[key]
-            if view.grad is not None:
-                grads.append(view.grad)
+            if view.grad is not None:  # a DTensor gradient (tp view): its local piece, scaled in place below
+                grads.append(local_of(view.grad))
     for key in tp_sharded:
         by_group.setdefault(key, [])
     others = [p.grad for m in models for p in m.parameters() if id(p) not in sharded and p.grad is not None]

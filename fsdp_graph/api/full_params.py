@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_graph.runtime.devices import collective_device
+from fsdp_graph.runtime.dtensor_views import local_of
 from fsdp_graph.runtime.unit import FlatParamState, flat_params
 from fsdp_graph.state.sharded import gather_flat
 
@@ -20,7 +21,7 @@ def _local_grad(state: FlatParamState) -> torch.Tensor | None:
     local = torch.zeros_like(state.flat_shard)
     for slot, view in zip(state.layout.slots, state.views):
         if view.grad is not None:
-            state.layout.local_view(local, slot).copy_(view.grad)
+            state.layout.local_view(local, slot).copy_(local_of(view.grad))
     return local
 
 

@@ -15,6 +15,7 @@ from fsdp_graph.api.groups import Groups, post_forward_groups, resolve_groups, w
 from fsdp_graph.api.wrap import auto_wrap_policy
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.runtime import offload
+from fsdp_graph.runtime.dtensor_views import view_spec
 from fsdp_graph.runtime.flat_param import LAYOUTS
 from fsdp_graph.runtime.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
 from fsdp_graph.runtime.misuse import make_view
@@ -80,6 +81,11 @@ def fully_shard(
       plus a copy of each parameter out of the gathered flat. "flat" (FSDP1): a contiguous 1/world range of the
       unit's concatenated parameters; each parameter is a 1-D slice, possibly empty; no copy, and padding per unit
       rather than per parameter. 0-dim parameters need "flat".
+    - Tensor-parallel (DTensor) parameters from `parallelize_module(model, world_mesh["tp"], plan)`: with "rows"
+      the optimizer sees each as a DTensor of the global parameter on `world_mesh["dp", "tp"]` (FSDP2 + TP's
+      placements) whose local tensor is its row block in the flat shard, its `.grad` a DTensor alike; with "flat"
+      as a plain 1-D slice of the tp-local piece (no DTensor placement describes it), as when a row block is not
+      describable either (dim-0 tp pieces with uneven dp blocks).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"fully_shard: layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
@@ -109,7 +115,7 @@ def fully_shard(
     if mp.buffer_dtype is not None:
         _cast_buffers(model, mp.buffer_dtype, ignored_modules)
 
-    root_state = RootState()
+    root_state = RootState(mesh=mesh, placements=_state_dict_placements(strategy))
     track_kept_gathers(root_state)
     for unit, unit_fqn in zip(units, unit_fqns):
         members = [pid for pid in params if assignment[pid] == unit_fqn]
@@ -151,7 +157,6 @@ def fully_shard(
             is_unit=has_states,
             cast_inputs_to=mp.param_dtype if casts else None,
         )
-    root_state.mesh, root_state.placements = mesh, _state_dict_placements(strategy)
     model.__dict__["_fsdp_root"] = root_state
     install_state_dict_hooks(model)
     return model
@@ -428,8 +433,12 @@ def _shard_flat_param(
     )
     if post_forward is not None:
         state.post_forward_world, (state.piece_group, state.post_forward_group) = reshard, post_forward
-    for slot_index, (orig, slot_uses) in enumerate(zip(params, param_uses)):
-        view = make_view(orig, layout.slots[slot_index].fqns[0], shard)
+    for slot_index, (orig, slot_uses, spec) in enumerate(zip(params, param_uses, tp)):
+        dtensor_spec = None
+        if spec is not None and layout_kind == "rows":
+            rows = layout.slots[slot_index].shape[0]
+            dtensor_spec = view_spec(spec, root_state.mesh, root_state.placements, rows, shard.dtype)
+        view = make_view(orig, layout.slots[slot_index].fqns[0], shard, dtensor_spec)
         state.views.append(view)
         for _, module, pname in slot_uses:
             module._parameters[pname] = view

@@ -6,7 +6,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
+from fsdp_graph.runtime.dtensor_views import like, local_of, set_local
 from fsdp_graph.runtime.flat_param import Layout
 from fsdp_graph.runtime.offload import GradFence
 
@@ -30,7 +32,8 @@ def install_grad_hook(
     stored in that dtype; autograd cannot hand an fp32 leaf a bf16 gradient, so, as FSDP1 does, the
     low-precision tensor is installed through `.grad.data`. `fence` (CPU offload from an accelerator: the
     gradient was copied from that device asynchronously): everything after taking the gradient waits for the copy
-    at the end of the backward (`GradFence`).
+    at the end of the backward (`GradFence`). A DTensor view (a tensor-parallel parameter, `dtensor_views`) gets a
+    DTensor gradient with its spec around the piece; accumulation adds into that gradient's local tensor.
     """
 
     def hook(flat: torch.Tensor) -> None:
@@ -50,15 +53,16 @@ def install_grad_hook(
             piece = layout.local_view(grad, slot)
             if grad_dtype is not None:
                 piece = piece.to(grad_dtype)
-                if param.grad is None:
-                    param.grad = torch.empty_like(param)
-                    param.grad.data = piece
+            if param.grad is not None:
+                local_of(param.grad).add_(piece)
+            elif grad_dtype is not None:
+                param.grad = torch.empty_like(param)
+                if isinstance(param.grad, DTensor):
+                    set_local(param.grad, piece)
                 else:
-                    param.grad.data.add_(piece)
-            elif param.grad is None:
-                param.grad = piece
+                    param.grad.data = piece
             else:
-                param.grad.add_(piece)
+                param.grad = like(piece, param)
         for callback in after:
             callback()
 

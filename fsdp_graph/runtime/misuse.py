@@ -4,14 +4,16 @@
   they never get a gradient and the optimizer trains nothing. `fully_shard` marks each replaced original, and a
   global optimizer step pre-hook refuses to step an optimizer holding one.
 - `requires_grad` changed on a sharded parameter: a unit's trainable parameters share one flat shard (the frozen
-  ones another), so one view cannot stop or start getting a gradient on its own. The views are `ShardedParameter`s,
-  which refuse the change when it is made.
+  ones another), so one view cannot stop or start getting a gradient on its own. The views are `ShardedParameter`s
+  (tensor-parallel ones with the rows layout: `ShardedDTensor`s), which refuse the change when it is made.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 _REPLACED_BY = "_fsdp_replaced_by"
@@ -19,10 +21,10 @@ _CHECKED = "_fsdp_checked_param_count"
 _requires_grad = torch._C.TensorBase.requires_grad
 
 
-class ShardedParameter(nn.Parameter):
-    """A sharded parameter's view (this rank's piece of its unit's flat shard). Behaves as an `nn.Parameter`;
-    changing its `requires_grad` raises, naming the parameter and the fix."""
+class _FixedRequiresGrad:
+    """Refuses a change of `requires_grad` (`_fsdp_fqn`: the parameter's name for the message)."""
 
+    __slots__ = ()
     _fsdp_fqn: str = "?"
 
     @property
@@ -34,7 +36,7 @@ class ShardedParameter(nn.Parameter):
         self._check_requires_grad(value)
         _requires_grad.__set__(self, value)
 
-    def requires_grad_(self, requires_grad: bool = True) -> ShardedParameter:
+    def requires_grad_(self, requires_grad: bool = True):
         self._check_requires_grad(requires_grad)
         return super().requires_grad_(requires_grad)
 
@@ -48,10 +50,30 @@ class ShardedParameter(nn.Parameter):
             )
 
 
-def make_view(original: nn.Parameter, fqn: str, shard: torch.Tensor) -> ShardedParameter:
+class ShardedParameter(_FixedRequiresGrad, nn.Parameter):
+    """A sharded parameter's view (this rank's piece of its unit's flat shard). Behaves as an `nn.Parameter`;
+    changing its `requires_grad` raises, naming the parameter and the fix."""
+
+
+class ShardedDTensor(_FixedRequiresGrad, DTensor):
+    """A tensor-parallel parameter's view with the rows layout: a DTensor of the global parameter on the (dp, tp)
+    mesh whose `_local_tensor` is its row block inside the flat shard (`runtime/dtensor_views.py`). An
+    `nn.Parameter` (`_is_param`); operations on it return plain DTensors. Changing its `requires_grad` raises."""
+
+    __slots__ = ()
+    _is_param = True
+
+
+def make_view(
+    original: nn.Parameter, fqn: str, shard: torch.Tensor, spec: DTensorSpec | None = None
+) -> ShardedParameter | ShardedDTensor:
     """The view that replaces `original` (empty until `bind_flat_shard` points it at the shard) and marks
-    `original` as replaced, for `check_optimizer`."""
-    view = ShardedParameter(torch.empty(0, dtype=shard.dtype, device=shard.device), original.requires_grad)
+    `original` as replaced, for `check_optimizer`. With `spec`: a `ShardedDTensor` with that spec."""
+    empty = torch.empty(0, dtype=shard.dtype, device=shard.device)
+    if spec is None:
+        view = ShardedParameter(empty, original.requires_grad)
+    else:
+        view = ShardedDTensor(empty, spec, requires_grad=original.requires_grad)
     view.__dict__.update({k: v for k, v in original.__dict__.items() if not k.startswith("_")})
     view._fsdp_fqn = fqn
     original.__dict__[_REPLACED_BY] = fqn

@@ -5,7 +5,8 @@ not in `parameters()`): one for its trainable parameters and, if it has any, one
 never get a gradient. `_fsdp_states[i]` describes `_fsdp_flat_shards[i]`. Every module owning a sharded parameter
 gets a subclass whose property for that name returns the parameter read from `fsdp.unshard(flat_shard, ...)` inside
 forward (its layout's `param_of`), and the sharded `nn.Parameter` view (what the optimizer holds: a 1-D slice with
-the flat layout, the `Shard(0)` row block with the rows layout) outside forward.
+the flat layout, the `Shard(0)` row block with the rows layout, for a tensor-parallel parameter with rows a DTensor
+on the (dp, tp) mesh around that block: `dtensor_views`) outside forward.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map
 
 from fsdp_graph.api.controls import FSDPModule
 from fsdp_graph.ir.ops import UNSHARD_SIGNATURE, gather_pieces, piece_of, reuse_gathered
 from fsdp_graph.runtime import eager_reshard, offload
+from fsdp_graph.runtime.dtensor_views import hide_views, restore_views, set_local
 from fsdp_graph.runtime.flat_param import Layout
 from fsdp_graph.runtime.grads import install_grad_hook
 from fsdp_graph.runtime.tensor_parallel import TPSpec
@@ -346,7 +349,10 @@ def bind_flat_shard(state: FlatParamState, flat_shard: torch.Tensor) -> None:
     layout = state.layout
     base = flat_shard.detach()
     for view, slot in zip(state.views, layout.slots):
-        view.data = layout.local_view(base, slot)
+        if isinstance(view, DTensor):
+            set_local(view, layout.local_view(base, slot))
+        else:
+            view.data = layout.local_view(base, slot)
     # A flat shard's size never changes. Without this, compiling a second model of the same class in one process
     # (other sizes) makes Dynamo's automatic-dynamic mark the shards dynamic: symbolic collective sizes, which the
     # passes then cannot bucket, convert or schedule by size.
@@ -367,7 +373,11 @@ def bind_flat_shard(state: FlatParamState, flat_shard: torch.Tensor) -> None:
 def _unit_apply(self: nn.Module, fn, recurse: bool = True):
     """`.to()`, `.double()`, `.cuda()`...: the views are converted one by one by nn.Module (which unlinks them
     from the flat shard); convert each flat shard once instead and re-point them."""
-    result = self._fsdp_original_class._apply(self, fn, recurse)
+    hidden = hide_views(self)
+    try:
+        result = self._fsdp_original_class._apply(self, fn, recurse)
+    finally:
+        restore_views(hidden)
     for state in self._fsdp_states:
         drop_held(state)
         old = state.flat_shard

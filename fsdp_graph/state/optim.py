@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_graph.runtime.dtensor_views import like, local_of
 from fsdp_graph.runtime.unit import FlatParamState, flat_params
 from fsdp_graph.state.sharded import gather_flat, gathered_dtensor, local_dtensor, local_range_of
 
@@ -51,7 +52,8 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
             if state.layout.kind == "rows":  # each state tensor is its parameter's Shard(0) local piece already
                 for index, view in enumerate(state.views):
                     if key in optimizer.state.get(view, {}):
-                        state_out[fqns[id(view)]][key] = local_dtensor(optimizer.state[view][key], state, index)
+                        local = local_of(optimizer.state[view][key])
+                        state_out[fqns[id(view)]][key] = local_dtensor(local, state, index)
                 continue
             dtype = next(optimizer.state[v][key].dtype for v in state.views if key in optimizer.state.get(v, {}))
             local = torch.zeros(state.layout.shard_numel, dtype=dtype, device=state.flat_shard.device)
@@ -88,7 +90,7 @@ def load_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, st
         for key, value in param_state.items():
             if id(param) in slots and isinstance(value, torch.Tensor) and value.dim() > 0:
                 slot_state, slot_index = slots[id(param)]
-                entry[key] = local_range_of(value, slot_state, slot_index).to(value.dtype)
+                entry[key] = like(local_range_of(value, slot_state, slot_index).to(value.dtype), param)
             else:
                 entry[key] = value.full_tensor() if isinstance(value, DTensor) else value
         converted_state[index[fqn]] = entry

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_graph.runtime.devices import collective_device
+from fsdp_graph.runtime.dtensor_views import like, local_of
 from fsdp_graph.runtime.tensor_parallel import TPSpec, state_dict_placements, tp_local_of
 from fsdp_graph.runtime.unit import FlatParamState, RootState, drop_held, flat_params
 
@@ -138,7 +139,7 @@ def _put_flat_param(state_dict: dict, prefix: str, state: FlatParamState, root: 
     gathered tensor dies on return unless the entries keep it (full_state_dict's streaming relies on that). The rows
     layout's sharded state dict gathers nothing: each entry wraps its parameter's view."""
     if state.layout.kind == "rows" and root.full_state_dict is None:
-        entries = [local_dtensor(view.detach(), state, i) for i, view in enumerate(state.views)]
+        entries = [local_dtensor(local_of(view).detach(), state, i) for i, view in enumerate(state.views)]
     else:
         full = gather_flat(state, state.flat_shard.detach())
         values = state.layout.unflatten(full)
@@ -176,8 +177,8 @@ def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict, prefix: str, 
         for index, slot in enumerate(state.layout.slots):
             for fqn in slot.fqns:
                 key = prefix + fqn
-                if key in state_dict:
-                    state_dict[key] = local_range_of(state_dict[key], state, index)
+                if key in state_dict:  # shaped like the view: a DTensor view takes a DTensor of its spec
+                    state_dict[key] = like(local_range_of(state_dict[key], state, index), state.views[index])
 
 
 def install_state_dict_hooks(model: nn.Module) -> None:

@@ -223,3 +223,75 @@ def test_explain_sizes_tp_collectives_by_the_tp_group(fake_pg, prepared):
     assert report.other_collectives == {("all_reduces", "None"): 2 * (2 + (2 if prepared else 5))}
     text = report.to_text()
     assert "sent per step, by group: dp (2 ranks) 0.369 MiB, tp (2 ranks)" in text, text
+
+
+def _tp_block(layout: str = "rows", **options):
+    mesh, model = _mesh(), Block()
+    plan = {**{n: ColwiseParallel() for n in ("q", "k", "v", "up")}, "o": RowwiseParallel(), "down": RowwiseParallel()}
+    parallelize_module(model, mesh["tp"], plan)
+    return fsdp_graph.fully_shard(model, mesh["dp"], layout=layout, **options)
+
+
+def _aliases_shard(model, name: str) -> bool:
+    """Whether parameter `name`'s local tensor lies inside the block's flat shard (same storage, its range)."""
+    from fsdp_graph.runtime.unit import flat_params
+
+    shard, local = flat_params(model)[0].flat_shard, dict(model.named_parameters())[name].to_local()
+    start = local.data_ptr() - shard.data_ptr()
+    same = local.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
+    return same and 0 <= start and start + local.numel() * local.element_size() <= shard.numel() * shard.element_size()
+
+
+def test_tp_views_are_dtensors_on_dp_tp_around_the_flat_shard(fake_pg):
+    """The optimizer's view of a tp parameter is a DTensor of the global parameter on (dp, tp) with the state
+    dict's placements, whose local tensor is its row block inside the flat shard; plain parameters stay plain."""
+    from torch.distributed.tensor import DTensor
+
+    model = _tp_block()
+    params = dict(model.named_parameters())
+    state = model.state_dict()
+    for name in ("q.weight", "q.bias", "o.weight", "o.bias"):
+        p = params[name]
+        assert isinstance(p, DTensor) and isinstance(p, torch.nn.Parameter), name
+        assert p.device_mesh.mesh_dim_names == ("dp", "tp") and p.placements == state[name].placements, name
+        assert p.shape == Block().get_parameter(name).shape and _aliases_shard(model, name), name
+    assert p.to_local().shape == (8,)  # o.bias: 16 / dp 2, replicated over tp
+    assert params["q.weight"].to_local().shape == (4, 16)  # 16 rows / tp 2 / dp 2
+    assert not isinstance(params["norm1.weight"], DTensor)
+    with torch.no_grad():  # an in-place update of the DTensor writes the flat shard
+        params["q.weight"].fill_(3.0)
+    assert (state["q.weight"].to_local() == 3.0).all()
+    with pytest.raises(RuntimeError, match="'q.weight' cannot change after fully_shard"):
+        params["q.weight"].requires_grad_(False)
+
+
+def test_tp_dtensor_grads_accumulate_keep_low_precision_and_survive_double(fake_pg):
+    """`.grad` of a tp view is a DTensor with its spec (bf16 under keep_low_precision_grads, around the reduced
+    piece); a second backward adds into it; `.double()` re-points the same view objects at the new flat shard."""
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_graph.runtime.misuse import ShardedDTensor
+
+    mp = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+    model = _tp_block(mixed_precision=mp)
+    weight = dict(model.named_parameters())["q.weight"]
+    x = torch.randn(2, 3, 16)
+    model(x).float().sum().backward()
+    grad = weight.grad
+    assert isinstance(grad, DTensor) and grad.dtype == torch.bfloat16 and grad.to_local().dtype == torch.bfloat16
+    assert grad.placements == weight.placements and grad.shape == weight.shape
+    first = grad.to_local().clone()
+    model(x).float().sum().backward()
+    assert weight.grad is grad and torch.equal(grad.to_local(), first + first)
+    model.zero_grad()
+    assert weight.grad is None
+    model.double()
+    assert dict(model.named_parameters())["q.weight"] is weight and type(weight) is ShardedDTensor
+    assert weight.dtype == weight.to_local().dtype == torch.float64 and _aliases_shard(model, "q.weight")
+
+
+def test_tp_views_with_the_flat_layout_stay_plain(fake_pg):
+    from torch.distributed.tensor import DTensor
+
+    model = _tp_block(layout="flat")
+    assert not any(isinstance(p, DTensor) for p in model.parameters())

@@ -18,21 +18,33 @@ def _diff(a, b) -> float:
 
 
 @pytest.mark.parametrize(
-    ("mode", "layout"), [("eager", "rows"), ("aot", "rows"), ("aot", "flat"), ("inductor", "rows")]
+    ("mode", "layout", "optim"),
+    [
+        ("eager", "rows", "sgd_foreach"),
+        ("aot", "rows", "adamw"),
+        ("aot", "flat", "sgd"),
+        ("inductor", "rows", "adamw_foreach"),
+    ],
 )
-def test_tp_colwise_rowwise_inside_fsdp_matches_single_process(mode, layout):
-    results = spawn(tp_fsdp_parity, 4, (mode, False, None, layout))
+def test_tp_colwise_rowwise_inside_fsdp_matches_single_process(mode, layout, optim):
+    results = spawn(tp_fsdp_parity, 4, (mode, False, None, layout, False, False, False, optim))
     for r in results:
-        # 2 blocks x (q, k, v, o, up, down) x (weight, bias) are DTensors; the optimizer holds plain row blocks.
-        assert r["tp_params"] == 24.0 and r["plain_views"] == 1.0, r
+        # 2 blocks x (q, k, v, o, up, down) x (weight, bias) are tp parameters. With rows the optimizer holds them as
+        # DTensors on (dp, tp) with their state-dict specs, local tensors inside the flat shards, full tensors equal
+        # to the reference's; with flat as plain 1-D slices (no DTensor placement describes them).
+        assert r["tp_params"] == 24.0 and r["dtensor_views"] == (24.0 if layout == "rows" else 0.0), r
+        assert r["aliased"] == 1.0 and r["view_specs"] == 1.0 and r["full_diff"] < 1e-6, r
         assert r["max_diff"] < 1e-6, r
+        # Their gradients: DTensors alike (full tensor = the reference's gradient), accumulated in place, zeroed.
+        assert r["grad_specs"] == 1.0 and r["grad_full_diff"] < 1e-6, r
+        assert r["grad_accumulated"] == 1.0 and r["grads_zeroed"] == 1.0, r
         # State dicts: DTensors on (dp, tp) (_StridedShard for Colwise weights), full, and both loaded back; the
-        # optimizer's (momentum buffers) saved and loaded.
-        assert r["sd_placements"] == 1.0, r
+        # optimizer's (momentum buffers, AdamW's moments: DTensors like their parameters) saved and loaded.
+        assert r["sd_placements"] == 1.0 and r["osd_state_types"] == 1.0, r
         state_dicts = ("sd_diff", "full_sd_diff", "load_full_diff", "load_sharded_diff", "osd_diff", "load_osd_diff")
         assert max(r[k] for k in state_dicts) < 1e-6, r
         if mode != "eager":
-            assert r["graphs"] == 1.0, r
+            assert r["graphs"] == 1.0 and r["checked_graphs"] == 1.0, r  # and the checks' forwards: no recompile
 
 
 def test_tp_parity_fails_without_the_dp_mean():
@@ -125,10 +137,12 @@ def test_sequence_parallel_inside_fsdp_matches_single_process():
     under SequenceParallel, Colwise from Shard(1), Rowwise back onto Shard(1), the sequence gathered for the head),
     compiled: parity with single-process training on the global batch, one graph. The norms' weights and biases are
     Replicate DTensors whose Partial gradients DTensor all-reduces over tp before our dp reduce-scatter."""
-    results = spawn(tp_fsdp_parity, 4, ("aot", False, None, "rows", False, False, False, True))
+    results = spawn(tp_fsdp_parity, 4, ("aot", False, None, "rows", False, False, False, "sgd_foreach", True))
     for r in results:
-        # inp (Rowwise), 2 blocks x (q, k, v, o, up, down, norm1, norm2) x (weight, bias).
-        assert r["tp_params"] == 34.0 and r["plain_views"] == 1.0 and r["graphs"] == 1.0, r
+        # inp (Rowwise), 2 blocks x (q, k, v, o, up, down, norm1, norm2) x (weight, bias); all but the head are
+        # DTensor views, and the foreach optimizer steps them beside the plain head.
+        assert r["tp_params"] == 34.0 and r["dtensor_views"] == 34.0 and r["graphs"] == 1.0, r
+        assert r["aliased"] == 1.0 and r["view_specs"] == 1.0 and r["grad_full_diff"] < 1e-6, r
         assert r["max_diff"] < 1e-6 and r["norm_max_diff"] < 1e-6, r
         assert r["sd_placements"] == 1.0, r
         state_dicts = ("sd_diff", "full_sd_diff", "load_full_diff", "load_sharded_diff", "osd_diff", "load_osd_diff")

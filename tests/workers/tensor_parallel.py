@@ -22,6 +22,15 @@ from torch.utils.checkpoint import checkpoint
 
 import fsdp_graph
 from fsdp_graph.planning.measure import executed_collectives
+from tests.workers.tp_checks import (
+    _grad_checks,
+    _local,
+    _max_abs,
+    _optim_state_dict_checks,
+    _state_dict_checks,
+    _view_checks,
+    expected_local,
+)
 from tests.workers.training import BF16, _bf16_reference_loss
 
 DIM, HEADS, FFN, BLOCKS = 16, 4, 32, 2
@@ -86,22 +95,17 @@ def tp_plan(sequence_parallel: bool = False) -> dict:
     return plan
 
 
-def _max_abs(t: torch.Tensor) -> float:
-    return t.abs().max().item() if t.numel() else 0.0
-
-
-def expected_local(ref_param: torch.Tensor, where: tuple, dp_rank: int, dp: int) -> torch.Tensor:
-    """What a rank's optimizer view should hold: the reference parameter's tensor-parallel piece, then its dp row
-    block (torch.chunk on dim 0, as the rows layout), or with the flat layout its slice of the flat shard.
-    `where`: (tp spec or None, flat parameter state, slot)."""
-    spec, state, slot = where
-    value = ref_param.detach()
-    if spec is not None and isinstance(spec.placements[0], Shard):
-        value = value.chunk(spec.mesh.size(), dim=spec.placements[0].dim)[spec.mesh.get_local_rank()]
-    if state.layout.kind == "flat":
-        return state.layout.local_piece(value, slot)
-    rows = value.chunk(dp, dim=0)
-    return rows[dp_rank] if dp_rank < len(rows) else value[:0]
+def _optimizers(model: nn.Module, ref: nn.Module, optim: str) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    """`optim`: "sgd" (momentum, torch's default implementation: one tensor at a time here, since the views are
+    subclasses), "sgd_foreach", "adamw" or "adamw_foreach" (weight decay on); the reference gets the same. AdamW's
+    eps is 1e-3: k's bias has a zero gradient in exact arithmetic (softmax ignores a shift shared by all keys), and
+    with the default 1e-8 AdamW scales its rounding noise, which differs between summation orders, to lr-sized
+    updates (measured 4e-3 apart; 6e-8 with eps 1e-3, with moments equal to 3e-8 either way)."""
+    kind, _, foreach = optim.partition("_")
+    kwargs = {"foreach": True} if foreach else {}
+    if kind == "sgd":
+        return tuple(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, **kwargs) for m in (model, ref))
+    return tuple(torch.optim.AdamW(m.parameters(), lr=0.01, eps=1e-3, weight_decay=0.1, **kwargs) for m in (model, ref))
 
 
 def tp_fsdp_parity(
@@ -114,6 +118,7 @@ def tp_fsdp_parity(
     mp: bool = False,
     hybrid: bool = False,
     composed: bool = False,
+    optim: str = "sgd",
     sequence_parallel: bool = False,
 ) -> dict[str, float]:
     """(dp=2, tp=2): TP inside each dp group, FSDP across the dp groups. Each dp rank trains on its half of the global
@@ -124,8 +129,8 @@ def tp_fsdp_parity(
     `clip_norm_type`: clip every step with `fsdp_graph.clip_grad_norm_` against torch's clip on the reference.
     `hybrid`: HSDP x TP on 8 ranks, (replicate=2, shard=2, tp=2), HYBRID_SHARD over ("replicate", "shard"); the
     batch is split over the 4 data-parallel ranks. `composed`: each block under activation checkpointing, the
-    backend bucketing units' collectives, and each step two microbatches, the first under `no_sync`.
-    `sequence_parallel`: `tp_plan(sequence_parallel=True)`."""
+    backend bucketing units' collectives, and each step two microbatches, the first under `no_sync`. `optim`: see
+    `_optimizers`. `sequence_parallel`: `tp_plan(sequence_parallel=True)`."""
     if hybrid:
         mesh = init_device_mesh("cpu", (2, 2, world // 4), mesh_dim_names=("replicate", "shard", "tp"))
         dp_names, fsdp_mesh, strategy = ("replicate", "shard"), mesh["replicate", "shard"], "HYBRID_SHARD"
@@ -156,7 +161,7 @@ def tp_fsdp_parity(
     if mode != "eager":
         backend = fsdp_graph.make_backend(inductor=mode == "inductor", bucket_bytes=1 << 20 if composed else 0)
         run = torch.compile(model, backend=backend, fullgraph=True)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    opt, ref_opt = _optimizers(model, ref, optim)
     gen = torch.Generator().manual_seed(7)
     out: dict[str, float] = {}
     for step in range(3):
@@ -198,96 +203,20 @@ def tp_fsdp_parity(
             specs[slot.fqns[0]] = (spec, state, slot)
     params = dict(model.named_parameters())
     diffs = {
-        n: _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
+        n: _max_abs(_local(params[n]).detach() - expected_local(p, specs[n], dp_rank, dp))
+        for n, p in ref.named_parameters()
     }
     out["max_diff"] = max(diffs.values())
     out["norm_max_diff"] = max(v for n, v in diffs.items() if ".norm" in n)
+    out.update(_view_checks(model, ref, specs))
+    out["graphs"] = float(backend.dynamo_graphs if backend else 0)  # training's (the checks' synced forward after
+    # no_sync microbatches, with no accumulation pending, is a graph of its own)
+    batch = (torch.randn(8, 6, 8, generator=gen), torch.randn(8, 6, 1, generator=gen))
+    out.update(_grad_checks(model, run, ref, batch, data_parts, data_rank, mp))
     out.update(_state_dict_checks(model, ref, specs, dp_rank, dp, dp_names, sequence_parallel))
     out.update(_optim_state_dict_checks(model, ref, opt, ref_opt, specs, dp_rank, dp))
     out["tp_params"] = float(sum(spec is not None for spec, _, _ in specs.values()))
-    out["plain_views"] = float(all(not isinstance(p, DTensor) for p in model.parameters()))
-    out["graphs"] = float(backend.dynamo_graphs if backend else 0)
-    return out
-
-
-def _state_dict_checks(
-    model: nn.Module,
-    ref: nn.Module,
-    specs: dict,
-    dp_rank: int,
-    dp: int,
-    dp_names: tuple[str, ...],
-    sequence_parallel: bool = False,
-) -> dict[str, float]:
-    """The sharded state dict (DTensors on the (dp, tp) mesh for tp parameters, on dp for the others; HSDP: on
-    (replicate, shard, tp) and (replicate, shard)) holds the reference's values; the full state dict too; loading a
-    full and a sharded state dict restores the views."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    out: dict[str, float] = {}
-    ref_values = {n: p.detach() for n, p in ref.named_parameters()}
-    state = model.state_dict()
-    out["sd_diff"] = max(_max_abs(state[n].full_tensor() - v) for n, v in ref_values.items())
-    expected = {  # name suffix: tp dim or none, placements after HYBRID's Replicate
-        "q.weight": (("tp",), (_StridedShard(0, split_factor=2), Shard(0))),
-        "q.bias": (("tp",), (_StridedShard(0, split_factor=2), Shard(0))),
-        "o.weight": (("tp",), (Shard(0), Shard(1))),
-        "o.bias": (("tp",), (Shard(0), Replicate())),
-        "norm1.weight": ((("tp",), (Shard(0), Replicate())) if sequence_parallel else ((), (Shard(0),))),
-        "head.weight": ((), (Shard(0),)),
-    }
-    if sequence_parallel:
-        expected["inp.weight"] = (("tp",), (Shard(0), Shard(1)))
-    replicas = (Replicate(),) * (len(dp_names) - 1)
-    checked = [
-        tuple(state[n].placements) == (*replicas, *placements)
-        and state[n].device_mesh.mesh_dim_names == (*dp_names, *names)
-        for suffix, (names, placements) in expected.items()
-        for n in state
-        if n.endswith(suffix)
-    ]
-    out["sd_placements"] = float(len(checked) == 2 * 5 + 1 + sequence_parallel and all(checked))
-    full = fsdp_graph.full_state_dict(model)
-    out["full_sd_diff"] = max(_max_abs(full[n] - v) for n, v in ref_values.items())
-    saved = {
-        n: DTensor.from_local(v.to_local().clone(), v.device_mesh, v.placements, shape=v.shape, stride=v.stride())
-        for n, v in state.items()
-        if isinstance(v, DTensor)
-    }
-    params = dict(model.named_parameters())
-    for source, key in ((full, "load_full_diff"), (saved, "load_sharded_diff")):
-        with torch.no_grad():
-            for p in params.values():
-                p.zero_()
-        model.load_state_dict(source, strict=False)
-        out[key] = max(
-            _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
-        )
-    return out
-
-
-def _optim_state_dict_checks(model, ref, opt, ref_opt, specs: dict, dp_rank: int, dp: int) -> dict[str, float]:
-    """The optimizer state dict's momentum buffers are DTensors of the reference's, and load back."""
-    ref_buffers = {n: ref_opt.state[p]["momentum_buffer"] for n, p in ref.named_parameters()}
-    saved = fsdp_graph.optim_state_dict(model, opt)
-    out = {
-        "osd_diff": max(
-            _max_abs(saved["state"][n]["momentum_buffer"].full_tensor() - v) for n, v in ref_buffers.items()
-        )
-    }
-    for entry in saved["state"].values():
-        value = entry["momentum_buffer"]
-        entry["momentum_buffer"] = DTensor.from_local(
-            value.to_local().clone(), value.device_mesh, value.placements, shape=value.shape, stride=value.stride()
-        )
-    params = dict(model.named_parameters())
-    for p in params.values():
-        opt.state[p]["momentum_buffer"].zero_()
-    fsdp_graph.load_optim_state_dict(model, opt, saved)
-    out["load_osd_diff"] = max(
-        _max_abs(opt.state[params[n]]["momentum_buffer"] - expected_local(v, specs[n], dp_rank, dp))
-        for n, v in ref_buffers.items()
-    )
+    out["checked_graphs"] = float(backend.dynamo_graphs if backend else 0)
     return out
 
 
@@ -483,7 +412,13 @@ def hf_llama_tp(rank: int, world: int, steps: int = 3) -> dict:
     params = dict(model.named_parameters())
     out: dict = {
         "max_diff": max(
-            _max_abs(params[n].detach() - expected_local(p, specs[n], dp_rank, dp)) for n, p in ref.named_parameters()
+            _max_abs(_local(params[n]).detach() - expected_local(p, specs[n], dp_rank, dp))
+            for n, p in ref.named_parameters()
+        ),
+        "full_diff": max(
+            _max_abs(p.full_tensor() - dict(ref.named_parameters())[n].detach())
+            for n, p in params.items()
+            if isinstance(p, DTensor)
         ),
         "param_change": max(_max_abs(p.detach() - initial[n]) for n, p in ref.named_parameters()),
         "tp_params": float(sum(spec is not None for spec, _, _ in specs.values())),
