@@ -50,7 +50,9 @@ def clip_grad_norm_(
 
     Tensor parallelism (DTensor parameters, issue 14): a tensor-parallel-sharded parameter's part is first summed
     (maxed) over its tensor-parallel group, since each tp rank holds a different piece of it; replicated ones
-    (Replicate placements, plain parameters) are identical on the tp ranks and count once.
+    (Replicate placements, plain parameters) are identical on the tp ranks and count once. Which is which comes
+    from the parameter's `TPSpec`, never from its view being a DTensor: with the rows layout every view of such a
+    model is one, the plain parameters' replicated over tp.
 
     Pipeline parallelism: pass the stage modules this rank holds (each sharded on its own) and `pp_group` (e.g.
     `world_mesh["pp"].get_group()`): the stages' parts are combined over it, so every stage clips by the norm of
@@ -78,7 +80,7 @@ def clip_grad_norm_(
                 grads = tp_sharded[key].setdefault(spec.mesh, [])
             else:
                 grads = by_group[key]
-            if view.grad is not None:  # a DTensor gradient (tp view): its local piece, scaled in place below
+            if view.grad is not None:  # a DTensor gradient (rows views of a tp model): its local piece, scaled below
                 grads.append(local_of(view.grad))
     for key in tp_sharded:
         by_group.setdefault(key, [])

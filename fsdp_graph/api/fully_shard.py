@@ -15,7 +15,7 @@ from fsdp_graph.api.groups import Groups, post_forward_groups, resolve_groups, w
 from fsdp_graph.api.wrap import auto_wrap_policy
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.runtime import offload
-from fsdp_graph.runtime.dtensor_views import view_spec
+from fsdp_graph.runtime.dtensor_views import dtensor_views_mesh, replicated_view_spec, view_spec
 from fsdp_graph.runtime.flat_param import LAYOUTS
 from fsdp_graph.runtime.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
 from fsdp_graph.runtime.misuse import make_view
@@ -83,9 +83,11 @@ def fully_shard(
       rather than per parameter. 0-dim parameters need "flat".
     - Tensor-parallel (DTensor) parameters from `parallelize_module(model, world_mesh["tp"], plan)`: with "rows"
       the optimizer sees each as a DTensor of the global parameter on `world_mesh["dp", "tp"]` (FSDP2 + TP's
-      placements) whose local tensor is its row block in the flat shard, its `.grad` a DTensor alike; with "flat"
-      as a plain 1-D slice of the tp-local piece (no DTensor placement describes it), as when a row block is not
-      describable either (dim-0 tp pieces with uneven dp blocks).
+      placements) whose local tensor is its row block in the flat shard, its `.grad` a DTensor alike, and every
+      other parameter of the call as a DTensor on the same mesh, replicated over tp (`Shard(0)`, `Replicate()`):
+      one mesh for all, so foreach optimizers step them together. With "flat" every view is a plain 1-D slice (of
+      the tp-local piece for tp parameters: no DTensor placement describes it), as when some tp parameter's row
+      block is not describable either (dim-0 tp pieces with uneven dp blocks): then all views stay plain.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"fully_shard: layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
@@ -117,6 +119,7 @@ def fully_shard(
 
     root_state = RootState(mesh=mesh, placements=_state_dict_placements(strategy))
     track_kept_gathers(root_state)
+    views_tp_mesh = None if layout != "rows" else dtensor_views_mesh(list(tp.values()), mesh, root_state.placements)
     for unit, unit_fqn in zip(units, unit_fqns):
         members = [pid for pid in params if assignment[pid] == unit_fqn]
         values = _unit_values(members, params, uses, param_init_fn, device, tp)
@@ -140,6 +143,7 @@ def fully_shard(
                 root_state,
                 compute_device,
                 layout,
+                views_tp_mesh,
             )
             root_state.flat_params.append(state)
         del values
@@ -401,6 +405,7 @@ def _shard_flat_param(
     root_state,
     compute_device: torch.device | None,
     layout_kind: str,
+    views_tp_mesh: DeviceMesh | None,
 ) -> FlatParamState:
     _check_flat_params(name, values, param_uses)
     layout = LAYOUTS[layout_kind].build(
@@ -435,9 +440,14 @@ def _shard_flat_param(
         state.post_forward_world, (state.piece_group, state.post_forward_group) = reshard, post_forward
     for slot_index, (orig, slot_uses, spec) in enumerate(zip(params, param_uses, tp)):
         dtensor_spec = None
-        if spec is not None and layout_kind == "rows":
-            rows = layout.slots[slot_index].shape[0]
-            dtensor_spec = view_spec(spec, root_state.mesh, root_state.placements, rows, shard.dtype)
+        if views_tp_mesh is not None:  # rows layout, tp parameters in the call: every view a DTensor on one mesh
+            slot_shape = layout.slots[slot_index].shape
+            if spec is None:
+                dtensor_spec = replicated_view_spec(
+                    slot_shape, root_state.mesh, root_state.placements, views_tp_mesh, shard.dtype
+                )
+            else:
+                dtensor_spec = view_spec(spec, root_state.mesh, root_state.placements, slot_shape[0], shard.dtype)
         view = make_view(orig, layout.slots[slot_index].fqns[0], shard, dtensor_spec)
         state.views.append(view)
         for _, module, pname in slot_uses:

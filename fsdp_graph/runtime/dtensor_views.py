@@ -1,17 +1,26 @@
-"""Tensor-parallel parameters as the optimizer sees them (issue 14): DTensors on the (dp, tp) mesh whose local
-tensors are their row blocks inside the unit's flat shard.
+"""Parameters as the optimizer sees them when a model has tensor-parallel parameters (issue 14): DTensors on ONE
+mesh, the world's (dp..., tp), whose local tensors are their row blocks inside the units' flat shards.
 
-A rows-layout view of a tensor-parallel parameter is a `misuse.ShardedDTensor` with the placements its state-dict
-entry has (`tensor_parallel.state_dict_placements`: fully_shard's, then the tp one), so `p.full_tensor()` is the
-global parameter and an optimizer's in-place update of `p` writes the flat shard. Its `.grad` is a DTensor with
-the same spec around the reduced gradient's piece. The flat layout keeps plain views: a 1-D slice of the
-concatenated flat shard is no DTensor placement.
+With the rows layout, when a fully_shard call shards tensor-parallel parameters, every view it makes is a
+`misuse.ShardedDTensor` on fully_shard's mesh dimensions followed by the tp one, as with FSDP2 + TP (torchtitan):
 
-Stock optimizers given both these DTensors and the plain views of other parameters step them alike one by one,
-but their foreach kernels take one list of both, which DTensor refuses ("mixed torch.Tensor and DTensor"). While
-such an optimizer steps (global step pre/post hooks) DTensor's implicit replication is on: a plain tensor in a
-list is read as replicated, which for the element-wise updates of one parameter's own tensors is exact (each
-list position pairs a parameter with its own gradient and state, all plain or all of one spec).
+- a tensor-parallel parameter's view has the placements of its state-dict entry (`view_spec`:
+  `tensor_parallel.state_dict_placements`, fully_shard's then the tp one) and the global shape;
+- every other parameter of the call (a plain head, norms without SequenceParallel) has fully_shard's placements
+  followed by `Replicate()` on tp and its own shape (`replicated_view_spec`): it is replicated over tp, and its
+  dp row block (torch.chunk's, which is DTensor's `Shard(0)` split, uneven blocks included) is the local tensor.
+
+So `p.full_tensor()` is the global parameter, an optimizer's in-place update of `p` writes the flat shard, and a
+foreach optimizer's single list holds DTensors of one mesh only (DTensor refuses lists mixing them with plain
+tensors). Each `.grad` is a DTensor with its parameter's spec around the reduced gradient's piece (`grads.py`).
+State dicts do not change: they are built from the local tensors, a non-tp parameter's entry on fully_shard's own
+mesh (`state/sharded.py`).
+
+Where a DTensor cannot describe some tensor-parallel parameter's row block (`view_spec` is None: uneven dp blocks of
+a dim-0 tp piece, a world mesh ordering tp before dp) or the call's tp parameters use different tp dimensions,
+`dtensor_views_mesh` is None and EVERY view of the call stays plain, as with the flat layout (a 1-D slice of a
+concatenation is no DTensor placement). All or nothing: one list of plain and DTensor tensors would break foreach
+optimizers, while plain local tensors step exactly (element-wise updates of a parameter's own tensors).
 """
 
 from __future__ import annotations
@@ -19,15 +28,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from fsdp_graph.runtime.misuse import ShardedDTensor
 from fsdp_graph.runtime.tensor_parallel import TPSpec, state_dict_placements
-
-_MIXED = "_fsdp_mixed_dtensor"  # optimizer attribute: (parameter count, whether it mixes both kinds)
-_turned_on: list[bool] = []  # one entry while a pre-hook turned implicit replication on and its post-hook has not run
 
 
 def view_spec(
@@ -41,6 +46,38 @@ def view_spec(
     except ValueError:
         return None
     return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(spec.shape, spec.stride, dtype))
+
+
+def _tp_local_rows(spec: TPSpec) -> int:
+    """Dim 0 of a tensor-parallel parameter's local piece (tp shards are even: `tp_spec_of` refuses others)."""
+    return spec.shape[0] // spec.mesh.size() if spec.shard_dim == 0 else spec.shape[0]
+
+
+def dtensor_views_mesh(specs: list[TPSpec], fsdp_mesh: DeviceMesh | None, fsdp_placements: tuple) -> DeviceMesh | None:
+    """The tp dimension (of the world mesh) the DTensor views of one rows-layout fully_shard call add to fully_shard's
+    mesh, or None when its views stay plain: no tensor-parallel parameters (`specs` empty), tp parameters on
+    different tp dimensions (no one mesh holds them all), or one whose row block no DTensor describes."""
+    meshes = {spec.mesh.mesh_dim_names for spec in specs}
+    if fsdp_mesh is None or not fsdp_mesh.mesh_dim_names or len(meshes) != 1:
+        return None
+    if any(len(s.shape) == 0 for s in specs):  # no rows: the rows layout refuses it, naming the parameter
+        return None
+    if any(view_spec(s, fsdp_mesh, fsdp_placements, _tp_local_rows(s), torch.float32) is None for s in specs):
+        return None
+    return specs[0].mesh
+
+
+def replicated_view_spec(
+    shape: torch.Size, fsdp_mesh: DeviceMesh, fsdp_placements: tuple, tp_mesh: DeviceMesh, dtype: torch.dtype
+) -> DTensorSpec:
+    """The spec of a rows-layout view of a parameter that is not tensor-parallel, in a call that has tensor-parallel
+    ones: on fully_shard's mesh dimensions then the tp one, fully_shard's placements then `Replicate()` (the
+    parameter is the same on every tp rank), the parameter's own shape. Its local tensor, the rank's `Shard(0)`
+    row block, is torch.chunk's (the rows layout's), uneven or empty blocks included."""
+    names = (*fsdp_mesh.mesh_dim_names, *tp_mesh.mesh_dim_names)
+    mesh = fsdp_mesh._get_root_mesh()[names]
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensorSpec(mesh, (*fsdp_placements, Replicate()), tensor_meta=TensorMeta(shape, stride, dtype))
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -87,32 +124,3 @@ def hide_views(unit: nn.Module) -> list[tuple[nn.Module, str, DTensor]]:
 def restore_views(hidden: list[tuple[nn.Module, str, DTensor]]) -> None:
     for module, name, param in hidden:
         module._parameters[name] = param
-
-
-def _mixes(optimizer: torch.optim.Optimizer) -> bool:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    cached = optimizer.__dict__.get(_MIXED)
-    if cached is None or cached[0] != len(params):
-        ours = any(isinstance(p, ShardedDTensor) for p in params)
-        cached = (len(params), ours and any(not isinstance(p, DTensor) for p in params))
-        optimizer.__dict__[_MIXED] = cached
-    return cached[1]
-
-
-def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    # `_turned_on` already set: a step that raised left it on (its post-hook did not run); this step's turns it off.
-    if torch.compiler.is_compiling() or not _mixes(optimizer) or _turned_on:
-        return
-    if not DTensor._op_dispatcher._allow_implicit_replication:
-        DTensor._op_dispatcher._allow_implicit_replication = True
-        _turned_on.append(True)
-
-
-def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    if _turned_on and not torch.compiler.is_compiling():
-        DTensor._op_dispatcher._allow_implicit_replication = False
-        _turned_on.clear()
-
-
-register_optimizer_step_pre_hook(_before_step)
-register_optimizer_step_post_hook(_after_step)

@@ -32,8 +32,9 @@ def install_grad_hook(
     stored in that dtype; autograd cannot hand an fp32 leaf a bf16 gradient, so, as FSDP1 does, the
     low-precision tensor is installed through `.grad.data`. `fence` (CPU offload from an accelerator: the
     gradient was copied from that device asynchronously): everything after taking the gradient waits for the copy
-    at the end of the backward (`GradFence`). A DTensor view (a tensor-parallel parameter, `dtensor_views`) gets a
-    DTensor gradient with its spec around the piece; accumulation adds into that gradient's local tensor.
+    at the end of the backward (`GradFence`). A DTensor view (every view of a model with tensor-parallel parameters,
+    with the rows layout: `dtensor_views`) gets a DTensor gradient with its spec around the piece; accumulation adds
+    into that gradient's local tensor.
     """
 
     def hook(flat: torch.Tensor) -> None:

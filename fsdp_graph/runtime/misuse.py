@@ -5,7 +5,8 @@
   global optimizer step pre-hook refuses to step an optimizer holding one.
 - `requires_grad` changed on a sharded parameter: a unit's trainable parameters share one flat shard (the frozen
   ones another), so one view cannot stop or start getting a gradient on its own. The views are `ShardedParameter`s
-  (tensor-parallel ones with the rows layout: `ShardedDTensor`s), which refuse the change when it is made.
+  (`ShardedDTensor`s in a model with tensor-parallel parameters, with the rows layout), which refuse the change
+  when it is made.
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ class ShardedParameter(_FixedRequiresGrad, nn.Parameter):
 
 
 class ShardedDTensor(_FixedRequiresGrad, DTensor):
-    """A tensor-parallel parameter's view with the rows layout: a DTensor of the global parameter on the (dp, tp)
-    mesh whose `_local_tensor` is its row block inside the flat shard (`runtime/dtensor_views.py`). An
-    `nn.Parameter` (`_is_param`); operations on it return plain DTensors. Changing its `requires_grad` raises."""
+    """A parameter's view with the rows layout in a model with tensor-parallel parameters: a DTensor of the global
+    parameter on the (dp, tp) mesh (replicated over tp for a parameter that is not tensor-parallel) whose
+    `_local_tensor` is its row block inside the flat shard (`runtime/dtensor_views.py`). An `nn.Parameter`
+    (`_is_param`); operations on it return plain DTensors. Changing its `requires_grad` raises."""
 
     __slots__ = ()
     _is_param = True

@@ -5,8 +5,8 @@ not in `parameters()`): one for its trainable parameters and, if it has any, one
 never get a gradient. `_fsdp_states[i]` describes `_fsdp_flat_shards[i]`. Every module owning a sharded parameter
 gets a subclass whose property for that name returns the parameter read from `fsdp.unshard(flat_shard, ...)` inside
 forward (its layout's `param_of`), and the sharded `nn.Parameter` view (what the optimizer holds: a 1-D slice with
-the flat layout, the `Shard(0)` row block with the rows layout, for a tensor-parallel parameter with rows a DTensor
-on the (dp, tp) mesh around that block: `dtensor_views`) outside forward.
+the flat layout, the `Shard(0)` row block with the rows layout; in a model with tensor-parallel parameters, with
+rows, a DTensor on the (dp, tp) mesh around that block: `dtensor_views`) outside forward.
 """
 
 from __future__ import annotations

@@ -198,6 +198,11 @@ def test_hybrid_shard_with_tp_on_a_3d_mesh(fake_world_8):
     for name, (dims, placements) in expected.items():
         assert (state[name].device_mesh.mesh_dim_names, tuple(state[name].placements)) == (dims, placements), name
     assert state["q.weight"].to_local().shape == (4, 16)  # 16 rows / tp 2 / shard 2
+    # The optimizer's views: all on the 3-D mesh, a plain norm replicated over tp after HYBRID's placements.
+    params = dict(model.named_parameters())
+    assert {p.device_mesh.mesh_dim_names for p in params.values()} == {("replicate", "shard", "tp")}
+    assert tuple(params["norm1.weight"].placements) == (Replicate(), Shard(0), Replicate())
+    assert tuple(params["q.weight"].placements) == expected["q.weight"][1]
 
 
 @pytest.mark.parametrize("prepared", [False, True])
@@ -244,7 +249,8 @@ def _aliases_shard(model, name: str) -> bool:
 
 def test_tp_views_are_dtensors_on_dp_tp_around_the_flat_shard(fake_pg):
     """The optimizer's view of a tp parameter is a DTensor of the global parameter on (dp, tp) with the state
-    dict's placements, whose local tensor is its row block inside the flat shard; plain parameters stay plain."""
+    dict's placements, whose local tensor is its row block inside the flat shard. The other parameters are DTensors
+    on the same mesh, replicated over tp, while their state-dict entries stay on dp (as FSDP2 + TP's)."""
     from torch.distributed.tensor import DTensor
 
     model = _tp_block()
@@ -257,7 +263,12 @@ def test_tp_views_are_dtensors_on_dp_tp_around_the_flat_shard(fake_pg):
         assert p.shape == Block().get_parameter(name).shape and _aliases_shard(model, name), name
     assert p.to_local().shape == (8,)  # o.bias: 16 / dp 2, replicated over tp
     assert params["q.weight"].to_local().shape == (4, 16)  # 16 rows / tp 2 / dp 2
-    assert not isinstance(params["norm1.weight"], DTensor)
+    norm = params["norm1.weight"]
+    assert isinstance(norm, DTensor) and norm.device_mesh.mesh_dim_names == ("dp", "tp")
+    assert tuple(norm.placements) == (Shard(0), Replicate()) and norm.shape == (16,)
+    assert norm.to_local().shape == (8,) and _aliases_shard(model, "norm1.weight")
+    assert state["norm1.weight"].device_mesh.mesh_dim_names == ("dp",)
+    assert tuple(state["norm1.weight"].placements) == (Shard(0),) and state["norm1.weight"].shape == (16,)
     with torch.no_grad():  # an in-place update of the DTensor writes the flat shard
         params["q.weight"].fill_(3.0)
     assert (state["q.weight"].to_local() == 3.0).all()
@@ -295,3 +306,76 @@ def test_tp_views_with_the_flat_layout_stay_plain(fake_pg):
 
     model = _tp_block(layout="flat")
     assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+class _BlockWithHead(torch.nn.Module):
+    """A tp block followed by a plain head whose 3 rows split unevenly over dp 2 (2 rows on dp rank 0, 1 on 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.head = Block(), torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def test_all_views_are_dtensors_on_one_mesh_and_foreach_optimizers_step_them(fake_pg):
+    """With tp parameters every view is a DTensor on (dp, tp): the non-tp ones (norms, the uneven head) with
+    (Shard(0), Replicate()) and DTensor's own row split as local shape. Foreach SGD and AdamW step the one list, and
+    foreach zero_grad(set_to_none=False) zeroes it, with no global optimizer hooks of ours and implicit replication
+    off; SGD's update of each local tensor is the plain one (lr x gradient)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    mesh, model = _mesh(), _BlockWithHead()
+    plan = {f"block.{n}": ColwiseParallel() for n in ("q", "k", "v", "up")}
+    plan.update({"block.o": RowwiseParallel(), "block.down": RowwiseParallel()})
+    parallelize_module(model, mesh["tp"], plan)
+    fsdp_graph.fully_shard(model, mesh["dp"])
+    params = dict(model.named_parameters())
+    assert all(isinstance(p, DTensor) for p in params.values()) and len({p.device_mesh for p in params.values()}) == 1
+    head = params["head.weight"]
+    assert tuple(head.placements) == (Shard(0), Replicate()) and head.shape == (3, 16)
+    local_shape, _ = compute_local_shape_and_global_offset(head.shape, head.device_mesh, head.placements)
+    assert tuple(head.to_local().shape) == tuple(local_shape) == (2, 16)
+    ours = [h for h in (*_global_optimizer_pre_hooks.values(), *_global_optimizer_post_hooks.values())]
+    assert not any(h.__module__ == "fsdp_graph.runtime.dtensor_views" for h in ours)
+
+    model(torch.randn(2, 3, 16)).sum().backward()
+    assert all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in params.values())
+    before = {n: p.to_local().detach().clone() for n, p in params.items()}
+    grads = {n: p.grad.to_local().clone() for n, p in params.items()}
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, foreach=True)
+    sgd.step()
+    assert not DTensor._op_dispatcher._allow_implicit_replication
+    for name, p in params.items():
+        torch.testing.assert_close(p.to_local(), before[name] - 0.5 * grads[name], msg=name)
+    sgd.zero_grad(set_to_none=False)
+    assert all(isinstance(p.grad, DTensor) and not p.grad.to_local().any() for p in params.values())
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
+    model(torch.randn(2, 3, 16)).sum().backward()
+    adamw.step()
+    assert all(isinstance(adamw.state[p]["exp_avg"], DTensor) for p in params.values())
+    assert all(torch.isfinite(p.to_local()).all() for p in params.values())
+
+
+def test_undescribable_tp_row_blocks_keep_every_view_plain(fake_pg):
+    """A Colwise weight with 3 rows per tp rank has uneven dp blocks, which no DTensor placement describes: then
+    every view of the call stays plain, the describable Rowwise ones too (not a mix, which foreach optimizers
+    refuse), and foreach SGD steps them."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = _mesh()
+    model = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 6), torch.nn.Linear(6, 16))
+    parallelize_module(model, mesh["tp"], {"1": ColwiseParallel(), "2": RowwiseParallel()})
+    fsdp_graph.fully_shard(model, mesh["dp"])
+    params = list(model.parameters())
+    assert not any(isinstance(p, DTensor) for p in params)
+    # 6 Colwise rows / tp 2 = 3, / dp 2: 2 on rank 0; the Rowwise weight's tp piece (16, 3), its bias replicated.
+    assert [tuple(p.shape) for p in params] == [(8,), (8,), (2, 16), (2,), (8, 3), (8,)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    torch.optim.SGD(params, lr=0.5, foreach=True).step()
+    assert all(torch.equal(p, b - 0.5) for p, b in zip(params, before))

@@ -30,9 +30,11 @@ def test_tp_colwise_rowwise_inside_fsdp_matches_single_process(mode, layout, opt
     results = spawn(tp_fsdp_parity, 4, (mode, False, None, layout, False, False, False, optim))
     for r in results:
         # 2 blocks x (q, k, v, o, up, down) x (weight, bias) are tp parameters. With rows the optimizer holds them as
-        # DTensors on (dp, tp) with their state-dict specs, local tensors inside the flat shards, full tensors equal
-        # to the reference's; with flat as plain 1-D slices (no DTensor placement describes them).
-        assert r["tp_params"] == 24.0 and r["dtensor_views"] == (24.0 if layout == "rows" else 0.0), r
+        # DTensors on (dp, tp) with their state-dict specs, and the other 12 (inp, norms, head) as DTensors on the
+        # same mesh replicated over tp: local tensors inside the flat shards, full tensors equal to the reference's;
+        # with flat all 36 as plain 1-D slices (no DTensor placement describes them).
+        assert r["tp_params"] == 24.0 and r["dtensor_views"] == (36.0 if layout == "rows" else 0.0), r
+        assert r["one_mesh"] == (1.0 if layout == "rows" else 0.0), r
         assert r["aliased"] == 1.0 and r["view_specs"] == 1.0 and r["full_diff"] < 1e-6, r
         assert r["max_diff"] < 1e-6, r
         # Their gradients: DTensors alike (full tensor = the reference's gradient), accumulated in place, zeroed.
@@ -139,9 +141,10 @@ def test_sequence_parallel_inside_fsdp_matches_single_process():
     Replicate DTensors whose Partial gradients DTensor all-reduces over tp before our dp reduce-scatter."""
     results = spawn(tp_fsdp_parity, 4, ("aot", False, None, "rows", False, False, False, "sgd_foreach", True))
     for r in results:
-        # inp (Rowwise), 2 blocks x (q, k, v, o, up, down, norm1, norm2) x (weight, bias); all but the head are
-        # DTensor views, and the foreach optimizer steps them beside the plain head.
-        assert r["tp_params"] == 34.0 and r["dtensor_views"] == 34.0 and r["graphs"] == 1.0, r
+        # inp (Rowwise), 2 blocks x (q, k, v, o, up, down, norm1, norm2) x (weight, bias) are tp parameters; the
+        # head's views are DTensors on the same mesh too (replicated over tp), so the foreach optimizer steps one list.
+        assert r["tp_params"] == 34.0 and r["dtensor_views"] == 36.0 and r["one_mesh"] == 1.0, r
+        assert r["graphs"] == 1.0, r
         assert r["aliased"] == 1.0 and r["view_specs"] == 1.0 and r["grad_full_diff"] < 1e-6, r
         assert r["max_diff"] < 1e-6 and r["norm_max_diff"] < 1e-6, r
         assert r["sd_placements"] == 1.0, r

@@ -16,8 +16,8 @@ def _max_abs(t: torch.Tensor) -> float:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of a parameter, gradient or optimizer state: a DTensor's local tensor (tp views with the
-    rows layout), a plain tensor as it is."""
+    """What this rank holds of a parameter, gradient or optimizer state: a DTensor's local tensor (every view of a
+    tp model with the rows layout), a plain tensor as it is."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -35,10 +35,19 @@ def expected_local(ref_param: torch.Tensor, where: tuple, dp_rank: int, dp: int)
     return rows[dp_rank] if dp_rank < len(rows) else value[:0]
 
 
+def _view_spec_is_expected(p: DTensor, entry: DTensor, tp: bool) -> bool:
+    """A tp parameter's view has its state-dict entry's spec; another parameter's view is its entry (on fully_shard's
+    mesh) followed by Replicate() on tp."""
+    if tp:
+        return p.placements == entry.placements and p.device_mesh == entry.device_mesh
+    names = (*entry.device_mesh.mesh_dim_names, "tp")
+    return tuple(p.placements) == (*entry.placements, Replicate()) and p.device_mesh.mesh_dim_names == names
+
+
 def _view_checks(model: nn.Module, ref: nn.Module, specs: dict) -> dict[str, float]:
-    """What the optimizer holds: how many parameters are DTensors, whether each one's local tensor lies inside its
-    flat shard (so its in-place update is the shard's), whether its spec is its state-dict entry's, and the max
-    |full_tensor() - reference| over them."""
+    """What the optimizer holds: how many parameters are DTensors, whether they all share one mesh, whether each
+    one's local tensor lies inside its flat shard (so its in-place update is the shard's), whether its spec is the
+    expected one (`_view_spec_is_expected`), and the max |full_tensor() - reference| over them."""
     params, state = dict(model.named_parameters()), model.state_dict()
     dtensors = {n: p for n, p in params.items() if isinstance(p, DTensor)}
     aliased = []
@@ -46,16 +55,16 @@ def _view_checks(model: nn.Module, ref: nn.Module, specs: dict) -> dict[str, flo
         shard, local = specs[name][1].flat_shard, p.to_local()
         offset = (local.data_ptr() - shard.data_ptr()) // local.element_size()
         same_storage = local.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
-        aliased.append(same_storage and 0 <= offset and offset + local.numel() <= shard.numel())
+        # An empty row block (the head's 1 row on dp rank 1) has no data pointer (0): its storage is the shard's.
+        in_range = local.numel() == 0 or (0 <= offset and offset + local.numel() <= shard.numel())
+        aliased.append(same_storage and in_range)
     ref_params = dict(ref.named_parameters())
     return {
         "dtensor_views": float(len(dtensors)),
+        "one_mesh": float(len(dtensors) == len(params) and len({p.device_mesh for p in dtensors.values()}) == 1),
         "aliased": float(all(aliased)),
         "view_specs": float(
-            all(
-                p.placements == state[n].placements and p.device_mesh == state[n].device_mesh
-                for n, p in dtensors.items()
-            )
+            all(_view_spec_is_expected(p, state[n], specs[n][0] is not None) for n, p in dtensors.items())
         ),
         "full_diff": max(
             (_max_abs(p.full_tensor() - ref_params[n].detach()) for n, p in dtensors.items()), default=0.0
@@ -185,6 +194,6 @@ def _optim_state_dict_checks(model, ref, opt, ref_opt, specs: dict, dp_rank: int
     )
     for p in params.values():
         p.grad = torch.zeros_like(p)
-    opt.step()  # mixes DTensor and plain states and parameters again, after the load
+    opt.step()  # steps the loaded states (DTensors like their parameters, or all plain) again
     opt.zero_grad()
     return out
