@@ -15,6 +15,7 @@ from fsdp_graph.api.groups import Groups, post_forward_groups, resolve_groups, w
 from fsdp_graph.api.wrap import auto_wrap_policy
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.runtime import offload
+from fsdp_graph.runtime.block_region import make_reusable
 from fsdp_graph.runtime.flat_param import LAYOUTS
 from fsdp_graph.runtime.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
 from fsdp_graph.runtime.misuse import make_view
@@ -51,6 +52,7 @@ def fully_shard(
     cpu_offload: CPUOffload | None = None,
     separate_reduce_group: bool = False,
     layout: str = "rows",
+    reuse_blocks: bool = False,
 ) -> nn.Module:
     """Shard `model` in place over `mesh` and return it. Create the optimizer AFTER this call.
 
@@ -80,6 +82,10 @@ def fully_shard(
       plus a copy of each parameter out of the gathered flat. "flat" (FSDP1): a contiguous 1/world range of the
       unit's concatenated parameters; each parameter is a 1-D slice, possibly empty; no copy, and padding per unit
       rather than per parameter. 0-dim parameters need "flat".
+    - `reuse_blocks`: under torch.compile, each unit other than the root gathers its flat parameters and then runs
+      its forward as a `nested_compile_region` shared by every unit of the same structure: Dynamo, AOT autograd
+      and Inductor compile one block body however deep the model (`fsdp_graph.runtime.block_region`). A unit
+      whose subtree holds another unit, reads another unit's parameters or holds tensor-parallel ones is refused.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"fully_shard: layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
@@ -151,6 +157,10 @@ def fully_shard(
             is_unit=has_states,
             cast_inputs_to=mp.param_dtype if casts else None,
         )
+    if reuse_blocks:
+        for unit in units:
+            if unit is not model and "_fsdp_states" in unit.__dict__:
+                make_reusable(unit)
     root_state.mesh, root_state.placements = mesh, _state_dict_placements(strategy)
     model.__dict__["_fsdp_root"] = root_state
     install_state_dict_hooks(model)
