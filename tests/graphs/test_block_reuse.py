@@ -57,6 +57,31 @@ def test_llama_blocks_share_one_body(fake_pg):
     assert counts["bw"].startswith(f"all_gather: {CFG.layers + 1} ")  # every block and the embedding re-gathered
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"layout": "flat"},
+        {"mixed_precision": fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
+        {"reshard_after_forward": False},
+        {"reshard_after_forward": 2},
+    ],
+    ids=["flat", "bf16", "no_reshard", "reshard_2"],
+)
+def test_other_options_keep_their_collectives(fake_pg, options):
+    """With the flat layout, bf16 gathers, gathers kept for backward or a 1/2 piece kept: one body for the 3 blocks,
+    and the collectives of the same model without `reuse_blocks` (graphs only; numerics untested)."""
+    cfg = LlamaConfig(dim=32, layers=3, heads=4, kv_heads=2, hidden=48, seq=16, vocab=64)
+    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq + 1))
+    collectives = []
+    for reuse in (False, True):
+        torch.manual_seed(0)
+        model = fsdp_graph.fully_shard(Llama(cfg), reuse_blocks=reuse, **options)
+        (gm,), backend = _compile_step(model, llama_loss, (tokens[:, :-1], tokens[:, 1:]))
+        assert body_calls(gm) == (["subgraph_0"] * cfg.layers if reuse else [])
+        collectives.append([(r.stage, r.collectives.to_text()) for r in backend.reports])
+    assert collectives[0] == collectives[1]
+
+
 class Block(nn.Module):
     def __init__(self, hidden: int, scale: float = 1.0):
         super().__init__()

@@ -18,12 +18,13 @@ def body_calls(gm: torch.fx.GraphModule) -> list[str]:
     return [str(node.args[0].target) for node in calls]
 
 
-def train(rank: int, world: int, reuse: bool) -> dict:
-    """STEPS SGD steps of a 3-block Llama, compiled with eager kernels: the losses, the last step's full
-    gradients, the final full parameters, the bodies the Dynamo graph calls and each lowered graph's collectives."""
+def train(rank: int, world: int, reuse: bool, inductor: bool = False) -> dict:
+    """STEPS SGD steps of a 3-block Llama, compiled with eager kernels (or Inductor): the losses, the last step's
+    full gradients, the final full parameters, the bodies the Dynamo graph calls and each lowered graph's
+    collectives."""
     torch.manual_seed(0)
     model = fsdp_graph.fully_shard(Llama(CFG), reuse_blocks=reuse)
-    backend = fsdp_graph.make_backend(inductor=False)
+    backend = fsdp_graph.make_backend(inductor=inductor)
     dynamo_graphs: list[torch.fx.GraphModule] = []
 
     def capture(gm, example_inputs):
@@ -53,6 +54,6 @@ def train(rank: int, world: int, reuse: bool) -> dict:
     }
 
 
-def train_both(rank: int, world: int) -> tuple[dict, dict]:
+def train_both(rank: int, world: int, inductor: bool = False) -> tuple[dict, dict]:
     """`train` without, then with, `reuse_blocks`."""
-    return train(rank, world, False), train(rank, world, True)
+    return train(rank, world, False, inductor), train(rank, world, True, inductor)
