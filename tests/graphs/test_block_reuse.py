@@ -4,6 +4,7 @@ and reductions outside it (fake process group, world 4)."""
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 import fsdp_graph
 from fsdp_graph.ir import ALL_GATHER, UNSHARD_TARGETS
@@ -13,7 +14,9 @@ from tests.workers.block_reuse import body_calls
 CFG = LlamaConfig(dim=32, layers=4, heads=4, kv_heads=2, hidden=48, seq=16, vocab=64)
 
 
-def _compile_step(model: nn.Module, loss_fn, *inputs) -> tuple[list[torch.fx.GraphModule], object]:
+def _compiled(model: nn.Module) -> tuple[nn.Module, list[torch.fx.GraphModule], object]:
+    """`model` compiled with eager kernels, the Dynamo graphs it compiles (appended as they come) and the backend."""
+    torch._dynamo.reset()  # each model compiles from scratch (no recompile limit across the tests' models)
     backend = fsdp_graph.make_backend(inductor=False, keep_graphs=True)
     graphs: list[torch.fx.GraphModule] = []
 
@@ -21,7 +24,12 @@ def _compile_step(model: nn.Module, loss_fn, *inputs) -> tuple[list[torch.fx.Gra
         graphs.append(gm)
         return backend(gm, example_inputs)
 
-    loss_fn(torch.compile(model, backend=capture, fullgraph=True), *inputs).backward()
+    return torch.compile(model, backend=capture, fullgraph=True), graphs, backend
+
+
+def _compile_step(model: nn.Module, loss_fn, *inputs) -> tuple[list[torch.fx.GraphModule], object]:
+    compiled, graphs, backend = _compiled(model)
+    loss_fn(compiled, *inputs).backward()
     return graphs, backend
 
 
@@ -82,6 +90,26 @@ def test_other_options_keep_their_collectives(fake_pg, options):
     assert collectives[0] == collectives[1]
 
 
+def test_no_sync_then_sync(fake_pg):
+    """A `no_sync` step then a synchronising one (two graphs, gathers with accumulator arguments): each graph
+    calls one body per block, with the collectives of the model without `reuse_blocks`."""
+    cfg = LlamaConfig(dim=32, layers=3, heads=4, kv_heads=2, hidden=48, seq=16, vocab=64)
+    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq + 1))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    collectives = []
+    for reuse in (False, True):
+        torch.manual_seed(0)
+        model = fsdp_graph.fully_shard(Llama(cfg), reuse_blocks=reuse)
+        compiled, graphs, backend = _compiled(model)
+        with fsdp_graph.no_sync(model):
+            llama_loss(compiled, batch).backward()
+        llama_loss(compiled, batch).backward()
+        assert [body_calls(gm) for gm in graphs] == [["subgraph_0"] * cfg.layers if reuse else []] * 2
+        collectives.append([(r.stage, r.collectives.to_text()) for r in backend.reports])
+    assert collectives[0] == collectives[1]
+    assert "reduce_scatter" not in collectives[0][1][1] and "reduce_scatter" in collectives[0][3][1]
+
+
 class Block(nn.Module):
     def __init__(self, hidden: int, scale: float = 1.0):
         super().__init__()
@@ -113,6 +141,26 @@ def test_blocks_of_another_structure_get_their_own_body(fake_pg):
     # (`torch._dynamo.config.inline_single_use_invoke_subgraph`); with the others' key it would be a third call.
     calls = body_calls(gm)
     assert calls == [calls[0], calls[1]] * 2 and calls[0] != calls[1]
+
+
+class CheckpointedBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(super().forward, x, use_reentrant=False)
+
+
+def test_activation_checkpoint_inside_the_body(fake_pg):
+    """Blocks whose forward is an activation checkpoint: one body, the collectives of the model without reuse."""
+    x = torch.randn(3, 4)
+    collectives = []
+    for reuse in (False, True):
+        torch.manual_seed(0)
+        model = Mixed()
+        model.blocks = nn.ModuleList(CheckpointedBlock(8) for _ in range(3))
+        (gm,), backend = _compile_step(fsdp_graph.fully_shard(model, reuse_blocks=reuse), lambda m, x: m(x).sum(), x)
+        assert body_calls(gm) == (["subgraph_0"] * 3 if reuse else [])
+        collectives.append([(r.stage, r.collectives.to_text()) for r in backend.reports])
+    assert collectives[0] == collectives[1]
+    assert collectives[0][1][1].startswith("all_gather: 3 ")  # re-gathered in backward
 
 
 def test_refuses_a_unit_holding_another_unit(fake_pg):
