@@ -13,17 +13,21 @@ guard-based reuse refuse the region; the reuse is therefore keyed by `reuse_hash
 structure, computed here when it is made reusable, and its training flag. Dynamo installs no guards for the
 stamped-out copies, so changing a reused unit's plain attributes after compiling does not recompile it.
 
-Inside the body, each parameter read is annotated `fsdp_graph.ir.REGION_PARAM_ANNOTATION`; `passes.tag_reshard` tags those views of
-the body's inputs `MUST_RECOMPUTE`, so the body's partition saves the gathered flat (an input) rather than
-copies of the parameters, and the outer graph's reshard tags decide as before whether the backward re-gathers.
+Inside the body, each parameter read is annotated `fsdp_graph.ir.REGION_PARAM_ANNOTATION`; `passes.tag_reshard`
+tags those views of the body's inputs `MUST_RECOMPUTE`, so the body's partition saves the gathered flat (an input)
+rather than copies of the parameters, and the outer graph's reshard tags decide as before whether the backward
+re-gathers (docs/design-notes.md, "Compile once per block").
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
 from fsdp_graph.ir import REGION_PARAM_ANNOTATION
+from fsdp_graph.runtime.flat_param import ParamSlot
 
 REGION_FLATS = "_fsdp_region_flats"  # the gathered flats a unit's body reads while it runs (compiled only)
 BLOCK_KEY = "_fsdp_block_key"  # the structure key `_reuse_key` returns
@@ -38,29 +42,43 @@ def region_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
     return None if flats is None else flats[index]
 
 
-def region_param(param_of, flat: torch.Tensor, slot) -> torch.Tensor:
+def region_param(
+    param_of: Callable[[torch.Tensor, ParamSlot], torch.Tensor], flat: torch.Tensor, slot: ParamSlot
+) -> torch.Tensor:
     """`param_of(flat, slot)`, annotated as a parameter read inside a body (see the module docstring)."""
     with torch.fx.traceback.annotate(REGION_PARAM_ANNOTATION):
         return param_of(flat, slot)
 
 
-def make_reusable(unit: nn.Module) -> None:
-    """Give `unit` (a unit with flat parameters, its class already swapped) a forward that gathers outside a
-    compile region shared by every unit of the same structure. Raises ValueError for a unit the body could not
-    be reused for: one whose subtree reads parameters of another unit, or holds tensor-parallel ones."""
-    states = unit.__dict__.get("_fsdp_states")
-    if not states:
-        raise ValueError(f"reuse_blocks: {type(unit).__name__} has no parameters of its own to gather")
-    if any(state.tp for state in states):
-        raise ValueError("reuse_blocks: tensor-parallel parameters are not supported inside a reused block")
-    for name, module in unit.named_modules():
-        if module is not unit and "_fsdp_states" in module.__dict__:
-            raise ValueError(f"reuse_blocks: unit {type(unit).__name__} contains another unit ({name!r})")
-        for spec in module.__dict__.get("_fsdp_views", {}).values():
-            if spec.unit is not unit:
+def check_reusable(unit_fqns: list[str], assignment: dict[int, str], uses: dict, tp: dict) -> None:
+    """Before `fully_shard` changes anything: raise ValueError if a unit other than the root ("") could not share a
+    body, that is if its subtree holds another unit, reads a parameter another unit owns (shared weights: the body
+    would gather it inside) or owns a tensor-parallel parameter. `assignment` maps parameter ids to their unit's
+    FQN, `uses` to the (module FQN, module, name) reading them, `tp` holds the tensor-parallel ones."""
+
+    def inside(fqn: str, unit: str) -> bool:
+        return fqn == unit or fqn.startswith(unit + ".")
+
+    for unit in unit_fqns:
+        if not unit:
+            continue
+        nested = [other for other in unit_fqns if other and other != unit and inside(other, unit)]
+        if nested:
+            raise ValueError(f"reuse_blocks: unit {unit!r} contains another unit ({nested[0]!r})")
+        for pid, owner in assignment.items():
+            readers = [fqn for fqn, _, _ in uses[pid] if inside(fqn, unit)]
+            if readers and owner != unit:
                 raise ValueError(
-                    f"reuse_blocks: {name or type(unit).__name__} reads a parameter of another unit (shared weights)"
+                    f"reuse_blocks: {readers[0]!r} in unit {unit!r} reads a parameter of unit {owner!r} (shared "
+                    "weights): its body would gather it"
                 )
+            if owner == unit and pid in tp:
+                raise ValueError(f"reuse_blocks: unit {unit!r} holds tensor-parallel parameters, not supported")
+
+
+def make_reusable(unit: nn.Module) -> None:
+    """Give `unit` (a unit with flat parameters, its class already swapped, `check_reusable` passed) a forward that
+    gathers outside a compile region shared by every unit of the same structure."""
     unit.__dict__[BLOCK_KEY] = block_key(unit)
     cls = type(unit)
     if cls not in _REUSING_CLASSES:

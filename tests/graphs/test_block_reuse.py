@@ -167,3 +167,11 @@ def test_refuses_a_unit_holding_another_unit(fake_pg):
     model = Mixed()
     with pytest.raises(ValueError, match="contains another unit"):
         fsdp_graph.fully_shard(model, wrap=[model.blocks[0], model.blocks[0].up], reuse_blocks=True)
+    assert not fsdp_graph.runtime.unit.is_sharded(model)  # refused before anything changed
+
+
+def test_refuses_weights_shared_between_units(fake_pg):
+    model = Mixed()
+    model.blocks[2].up.weight = model.blocks[0].up.weight  # owned by the root, read by two units
+    with pytest.raises(ValueError, match="reads a parameter of unit ''"):
+        fsdp_graph.fully_shard(model, reuse_blocks=True)
