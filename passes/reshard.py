@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fsdp_graph.ir import UNSHARD, UNSHARD_SIGNATURE, UNSHARD_TARGETS
+from fsdp_graph.ir import REGION_PARAM_ANNOTATION, UNSHARD, UNSHARD_SIGNATURE, UNSHARD_TARGETS
 from passes.fx_nodes import INFER, NodeEmitter, bind_args
 from passes.lower import emit_rank_order
 
@@ -47,6 +47,8 @@ def tag_reshard(graph: fx.Graph) -> fx.Graph:
     gathers, so the lowering needs nothing more; the gradient's reduction (already in the joint graph) stays over
     the whole group. No-op when nothing matches.
     """
+    _tag_region_params(graph)
+    _bypass_passthroughs(graph)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in UNSHARD_TARGETS:
             continue
@@ -61,6 +63,39 @@ def tag_reshard(graph: fx.Graph) -> fx.Graph:
         for view in views:
             _tag(view, CheckpointPolicy.MUST_RECOMPUTE)
     return graph
+
+
+def _tag_region_params(graph: fx.Graph) -> None:
+    """A reused block's body (`fully_shard(reuse_blocks=True)`; Inductor runs this pass on each body's joint graph
+    too): its parameters are views and copies of input placeholders (the gathered flats, an argument), annotated
+    by the runtime. Tag them `MUST_RECOMPUTE`, so the body saves its input and never a copy of a parameter; the
+    outer graph's tags on the gather then decide whether that input is re-gathered in backward or kept."""
+    for placeholder in graph.find_nodes(op="placeholder"):
+        for view in _view_closure(placeholder)[1:]:
+            custom = view.meta.get("custom") or {}
+            if all(custom.get(key) == value for key, value in REGION_PARAM_ANNOTATION.items()):
+                _tag(view, CheckpointPolicy.MUST_RECOMPUTE)
+
+
+def _bypass_passthroughs(graph: fx.Graph) -> None:
+    """After AOT autograd partitioned a reused block's body, the outer joint graph's forward `invoke_subgraph`
+    returns every input the body's backward needs, a gathered flat included, and the backward call reads that
+    output: the gather would be kept alive to the backward whatever its tags say. Such an output is its input
+    (the body returns the placeholder itself), so its readers read the input instead, and the gather's tags apply."""
+    module = graph.owning_module
+    for node in graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
+        body = getattr(module, node.args[0].target, None) if isinstance(node.args[0], fx.Node) else None
+        if not isinstance(body, fx.GraphModule):
+            continue
+        placeholders = list(body.graph.find_nodes(op="placeholder"))
+        outputs = body.graph.output_node().args[0]
+        for user in list(node.users):
+            if user.target is not operator.getitem or not isinstance(user.args[1], int):
+                continue
+            out = outputs[user.args[1]]
+            if isinstance(out, fx.Node) and out.op == "placeholder":
+                user.replace_all_uses_with(node.args[2 + placeholders.index(out)])
+                graph.erase_node(user)
 
 
 def _split_gather(graph: fx.Graph, node: fx.Node, args: dict) -> fx.Node:

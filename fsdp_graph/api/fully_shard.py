@@ -15,6 +15,7 @@ from fsdp_graph.api.groups import Groups, post_forward_groups, resolve_groups, w
 from fsdp_graph.api.wrap import auto_wrap_policy
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.runtime import offload
+from fsdp_graph.runtime.block_region import check_reusable, make_reusable
 from fsdp_graph.runtime.dtensor_views import dtensor_views_mesh, replicated_view_spec, view_spec
 from fsdp_graph.runtime.flat_param import LAYOUTS
 from fsdp_graph.runtime.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
@@ -52,6 +53,7 @@ def fully_shard(
     cpu_offload: CPUOffload | None = None,
     separate_reduce_group: bool = False,
     layout: str = "rows",
+    reuse_blocks: bool = False,
 ) -> nn.Module:
     """Shard `model` in place over `mesh` and return it. Create the optimizer AFTER this call.
 
@@ -88,6 +90,11 @@ def fully_shard(
       one mesh for all, so foreach optimizers step them together. With "flat" every view is a plain 1-D slice (of
       the tp-local piece for tp parameters: no DTensor placement describes it), as when some tp parameter's row
       block is not describable either (dim-0 tp pieces with uneven dp blocks): then all views stay plain.
+    - `reuse_blocks`: under torch.compile, each unit other than the root gathers its flat parameters and then runs
+      its forward as a `nested_compile_region` shared by every unit of the same structure: Dynamo, AOT autograd
+      and Inductor compile one block body however deep the model (`fsdp_graph.runtime.block_region`). A unit
+      whose subtree holds another unit, reads another unit's parameters or holds tensor-parallel ones is refused
+      (ValueError, before anything is sharded).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"fully_shard: layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
@@ -101,6 +108,8 @@ def fully_shard(
     unit_fqns = [module_fqns[id(u)] for u in units]
     params, uses, tp = _collect_parameters(model, ignored, mesh)
     assignment = _assign_to_units(params, uses, unit_fqns)
+    if reuse_blocks:
+        check_reusable(unit_fqns[:-1], assignment, uses, tp)
     reshard = _resolve_reshard(reshard_after_forward, strategy, units, unit_fqns, groups.shard_world)
     if tp:
         _check_tp_options(uses, tp, reshard, cpu_offload, sync_module_states)
@@ -161,6 +170,10 @@ def fully_shard(
             is_unit=has_states,
             cast_inputs_to=mp.param_dtype if casts else None,
         )
+    if reuse_blocks:
+        for unit in units:
+            if unit is not model and "_fsdp_states" in unit.__dict__:
+                make_reusable(unit)
     model.__dict__["_fsdp_root"] = root_state
     install_state_dict_hooks(model)
     return model

@@ -32,6 +32,8 @@ META_ROLE = "fsdp_role"
 META_BUCKET = "fsdp_bucket"
 ROLE_UNSHARD = "unshard"
 ROLE_REDUCE = "reduce_grad"
+# meta["custom"] (torch.fx.traceback.annotate) of a parameter read inside a reused block's body (`reuse_blocks`).
+REGION_PARAM_ANNOTATION = {"fsdp_graph": "region_param"}
 
 # The ops' arguments, derived from their registered schemas (fsdp_graph/ir/ops.py defines each op once).
 UNSHARD_SIGNATURE = _ops.UNSHARD_SIGNATURE

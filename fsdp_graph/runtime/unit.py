@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map
 from fsdp_graph.api.controls import FSDPModule
 from fsdp_graph.ir.ops import UNSHARD_SIGNATURE, gather_pieces, piece_of, reuse_gathered
 from fsdp_graph.runtime import eager_reshard, offload
+from fsdp_graph.runtime.block_region import region_flat, region_param
 from fsdp_graph.runtime.dtensor_views import hide_views, restore_views, set_local
 from fsdp_graph.runtime.flat_param import Layout
 from fsdp_graph.runtime.grads import install_grad_hook
@@ -318,6 +319,10 @@ def _unshard_values(shard: torch.Tensor, state: FlatParamState) -> dict:
 def _make_property(name: str) -> property:
     def get(self: nn.Module) -> torch.Tensor:
         spec: ViewSpec = self._fsdp_views[name]
+        flat = region_flat(spec.unit, spec.index)
+        if flat is not None:  # inside a reused block's body (`reuse_blocks`): its gathered flat is an argument
+            layout = spec.unit._fsdp_states[spec.index].layout
+            return region_param(layout.param_of, flat, layout.slots[spec.slot])
         flat = unsharded_flat(spec.unit, spec.index)
         if flat is None:
             return self._parameters[name]

@@ -1,0 +1,138 @@
+"""Compile once per block (issue 15): `fully_shard(..., reuse_blocks=True)`.
+
+A unit's compiled forward gathers its flat parameters first, outside any region, then calls `_block_body`, a
+`torch.compiler.nested_compile_region`, with the gathered flats as explicit arguments. Inside, the unit's
+properties read their parameters from those arguments (`region_flat`), so the body holds no gather and no
+unit-specific constant, and Dynamo traces it once and stamps the same `subgraph_0` out for every block with the
+same `block_key`; AOT autograd and Inductor then compile its forward and backward once. The gathers and the
+gradient reductions stay in the outer graph, where the dedup, reshard, lowering and schedule passes see them as
+before (a block's gather can still be issued before the previous block's region runs).
+
+The body stores the flats on the unit while the original forward runs, a side effect, which makes Dynamo's own
+guard-based reuse refuse the region; the reuse is therefore keyed by `reuse_hash_fn` (`_reuse_key`): the unit's
+structure, computed here when it is made reusable, and its training flag. Dynamo installs no guards for the
+stamped-out copies, so changing a reused unit's plain attributes after compiling does not recompile it.
+
+Inside the body, each parameter read is annotated `fsdp_graph.ir.REGION_PARAM_ANNOTATION`; `passes.tag_reshard`
+tags those views of the body's inputs `MUST_RECOMPUTE`, so the body's partition saves the gathered flat (an input)
+rather than copies of the parameters, and the outer graph's reshard tags decide as before whether the backward
+re-gathers (docs/design-notes.md, "Compile once per block").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from fsdp_graph.ir import REGION_PARAM_ANNOTATION
+from fsdp_graph.runtime.flat_param import ParamSlot
+
+REGION_FLATS = "_fsdp_region_flats"  # the gathered flats a unit's body reads while it runs (compiled only)
+BLOCK_KEY = "_fsdp_block_key"  # the structure key `_reuse_key` returns
+
+_PLAIN = (bool, int, float, str, type(None))
+_REUSING_CLASSES: dict[type, type] = {}
+
+
+def region_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
+    """The gathered flat parameter `index` of `unit` while its reused body runs under torch.compile (else None)."""
+    flats = unit.__dict__.get(REGION_FLATS)
+    return None if flats is None else flats[index]
+
+
+def region_param(
+    param_of: Callable[[torch.Tensor, ParamSlot], torch.Tensor], flat: torch.Tensor, slot: ParamSlot
+) -> torch.Tensor:
+    """`param_of(flat, slot)`, annotated as a parameter read inside a body (see the module docstring)."""
+    with torch.fx.traceback.annotate(REGION_PARAM_ANNOTATION):
+        return param_of(flat, slot)
+
+
+def check_reusable(unit_fqns: list[str], assignment: dict[int, str], uses: dict, tp: dict) -> None:
+    """Before `fully_shard` changes anything: raise ValueError if a unit other than the root ("") could not share a
+    body, that is if its subtree holds another unit, reads a parameter another unit owns (shared weights: the body
+    would gather it inside) or owns a tensor-parallel parameter. `assignment` maps parameter ids to their unit's
+    FQN, `uses` to the (module FQN, module, name) reading them, `tp` holds the tensor-parallel ones."""
+
+    def inside(fqn: str, unit: str) -> bool:
+        return fqn == unit or fqn.startswith(unit + ".")
+
+    for unit in unit_fqns:
+        if not unit:
+            continue
+        nested = [other for other in unit_fqns if other and other != unit and inside(other, unit)]
+        if nested:
+            raise ValueError(f"reuse_blocks: unit {unit!r} contains another unit ({nested[0]!r})")
+        for pid, owner in assignment.items():
+            readers = [fqn for fqn, _, _ in uses[pid] if inside(fqn, unit)]
+            if readers and owner != unit:
+                raise ValueError(
+                    f"reuse_blocks: {readers[0]!r} in unit {unit!r} reads a parameter of unit {owner!r} (shared "
+                    "weights): its body would gather it"
+                )
+            if owner == unit and pid in tp:
+                raise ValueError(f"reuse_blocks: unit {unit!r} holds tensor-parallel parameters, not supported")
+
+
+def make_reusable(unit: nn.Module) -> None:
+    """Give `unit` (a unit with flat parameters, its class already swapped, `check_reusable` passed) a forward that
+    gathers outside a compile region shared by every unit of the same structure."""
+    unit.__dict__[BLOCK_KEY] = block_key(unit)
+    cls = type(unit)
+    if cls not in _REUSING_CLASSES:
+        members = {"forward": _gathering_forward, "_fsdp_block_forward": cls.forward}
+        _REUSING_CLASSES[cls] = type(f"Reused{cls.__name__}", (cls,), members)
+    unit.__class__ = _REUSING_CLASSES[cls]
+
+
+def block_key(unit: nn.Module) -> int:
+    """What a body traced for one unit bakes in, as an int: every submodule's class and plain attributes, its
+    buffers' metadata, where each parameter lives in which flat parameter, and the flats' gather facts (not the
+    unit's name). Units with equal keys share one body."""
+    from fsdp_graph.ir.ops import UNSHARD_SIGNATURE
+
+    parts: list = []
+    for name, module in unit.named_modules():
+        cls = getattr(type(module), "_fsdp_original_class", type(module))
+        attrs = sorted(
+            (k, v) for k, v in vars(module).items() if isinstance(v, _PLAIN) and k != "training" and k != BLOCK_KEY
+        )
+        buffers = [
+            (b_name, None if b is None else (tuple(b.shape), b.dtype, b.device))
+            for b_name, b in module._buffers.items()
+        ]
+        views = sorted((p, spec.index, spec.slot) for p, spec in module.__dict__.get("_fsdp_views", {}).items())
+        parts.append((name, cls.__module__, cls.__qualname__, tuple(attrs), tuple(buffers), tuple(views)))
+    for state in unit.__dict__["_fsdp_states"]:
+        static = dict(zip(UNSHARD_SIGNATURE.names[1:], state.static_unshard_args))
+        static.pop("unit", None)
+        layout = state.layout
+        slots = tuple((tuple(s.shape), s.offset) for s in layout.slots)
+        parts.append((sorted(static.items(), key=str), layout.kind, layout.world, layout.shard_numel, slots))
+    return hash(repr(parts))
+
+
+def _reuse_key(self: nn.Module, flats: tuple, *args, **kwargs) -> int:
+    return self.__dict__[BLOCK_KEY] * 2 + int(self.training)
+
+
+def _body(self: nn.Module, flats: tuple, *args, **kwargs):
+    setattr(self, REGION_FLATS, flats)
+    out = type(self)._fsdp_block_forward(self, *args, **kwargs)
+    setattr(self, REGION_FLATS, None)
+    return out
+
+
+_block_body = torch.compiler.nested_compile_region(_body, reuse_hash_fn=_reuse_key)
+
+
+def _gathering_forward(self: nn.Module, *args, **kwargs):
+    """Eager: the unit's own forward. Compiled: its gathers, then the shared body."""
+    if not torch.compiler.is_compiling():
+        return type(self)._fsdp_block_forward(self, *args, **kwargs)
+    from fsdp_graph.runtime.unit import unsharded_flat
+
+    flats = tuple(unsharded_flat(self, index) for index in range(len(self.__dict__["_fsdp_states"])))
+    return _block_body(self, flats, *args, **kwargs)

@@ -1,0 +1,177 @@
+"""`fully_shard(reuse_blocks=True)` (issue 15): one block body for every block of the same structure, the gathers
+and reductions outside it (fake process group, world 4)."""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import fsdp_graph
+from fsdp_graph.ir import ALL_GATHER, UNSHARD_TARGETS
+from fsdp_graph.train.llama import Llama, LlamaConfig, llama_loss
+from tests.workers.block_reuse import body_calls
+
+CFG = LlamaConfig(dim=32, layers=4, heads=4, kv_heads=2, hidden=48, seq=16, vocab=64)
+
+
+def _compiled(model: nn.Module) -> tuple[nn.Module, list[torch.fx.GraphModule], object]:
+    """`model` compiled with eager kernels, the Dynamo graphs it compiles (appended as they come) and the backend."""
+    torch._dynamo.reset()  # each model compiles from scratch (no recompile limit across the tests' models)
+    backend = fsdp_graph.make_backend(inductor=False, keep_graphs=True)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return backend(gm, example_inputs)
+
+    return torch.compile(model, backend=capture, fullgraph=True), graphs, backend
+
+
+def _compile_step(model: nn.Module, loss_fn, *inputs) -> tuple[list[torch.fx.GraphModule], object]:
+    compiled, graphs, backend = _compiled(model)
+    loss_fn(compiled, *inputs).backward()
+    return graphs, backend
+
+
+def _targets(gm: torch.fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_llama_blocks_share_one_body(fake_pg):
+    """4 blocks: one Dynamo graph calling `subgraph_0` 4 times; every gather is in the outer graph (none in the
+    body); the lowered forward issues block k+1's gather before block k's body runs, and the backward re-gathers
+    every block (reshard after forward) as many times as without reuse."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, CFG.vocab, (2, CFG.seq + 1))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    graphs, backend = _compile_step(fsdp_graph.fully_shard(Llama(CFG), reuse_blocks=True), llama_loss, batch)
+    assert len(graphs) == 1
+    (gm,) = graphs
+    assert body_calls(gm) == ["subgraph_0"] * CFG.layers
+    # after the backend's dedup pass: one gather per block and one for the root (the tied embedding and head)
+    assert sum(t in UNSHARD_TARGETS for t in _targets(gm)) == CFG.layers + 1
+    assert not any(t in UNSHARD_TARGETS for t in _targets(gm.subgraph_0))
+    outer = {r.stage: r for r in backend.reports if "invoke_subgraph" in r.code}
+    fw = outer["fw"].graph
+    calls = [n for n in fw.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len({str(n.args[1]) for n in calls}) == 1  # one compiled body, called once per block
+    order = {n: i for i, n in enumerate(fw.graph.nodes)}
+    gathers = [n for n in fw.graph.nodes if n.target is ALL_GATHER]
+    for call in calls[:-1]:  # prefetch: some gather is issued between this body and the one before it
+        assert any(order[g] < order[call] and g not in call.all_input_nodes for g in gathers)
+    graphs_plain, plain = _compile_step(fsdp_graph.fully_shard(Llama(CFG)), llama_loss, batch)
+    counts = {r.stage: r.collectives.to_text() for r in plain.reports}
+    assert {stage: r.collectives.to_text() for stage, r in outer.items()} == counts
+    assert counts["bw"].startswith(f"all_gather: {CFG.layers + 1} ")  # every block and the embedding re-gathered
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"layout": "flat"},
+        {"mixed_precision": fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
+        {"reshard_after_forward": False},
+        {"reshard_after_forward": 2},
+    ],
+    ids=["flat", "bf16", "no_reshard", "reshard_2"],
+)
+def test_other_options_keep_their_collectives(fake_pg, options):
+    """With the flat layout, bf16 gathers, gathers kept for backward or a 1/2 piece kept: one body for the 3 blocks,
+    and the collectives of the same model without `reuse_blocks` (graphs only; numerics untested)."""
+    cfg = LlamaConfig(dim=32, layers=3, heads=4, kv_heads=2, hidden=48, seq=16, vocab=64)
+    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq + 1))
+    collectives = []
+    for reuse in (False, True):
+        torch.manual_seed(0)
+        model = fsdp_graph.fully_shard(Llama(cfg), reuse_blocks=reuse, **options)
+        (gm,), backend = _compile_step(model, llama_loss, (tokens[:, :-1], tokens[:, 1:]))
+        assert body_calls(gm) == (["subgraph_0"] * cfg.layers if reuse else [])
+        collectives.append([(r.stage, r.collectives.to_text()) for r in backend.reports])
+    assert collectives[0] == collectives[1]
+
+
+def test_no_sync_then_sync(fake_pg):
+    """A `no_sync` step then a synchronising one (two graphs, gathers with accumulator arguments): each graph
+    calls one body per block, with the collectives of the model without `reuse_blocks`."""
+    cfg = LlamaConfig(dim=32, layers=3, heads=4, kv_heads=2, hidden=48, seq=16, vocab=64)
+    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq + 1))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    collectives = []
+    for reuse in (False, True):
+        torch.manual_seed(0)
+        model = fsdp_graph.fully_shard(Llama(cfg), reuse_blocks=reuse)
+        compiled, graphs, backend = _compiled(model)
+        with fsdp_graph.no_sync(model):
+            llama_loss(compiled, batch).backward()
+        llama_loss(compiled, batch).backward()
+        assert [body_calls(gm) for gm in graphs] == [["subgraph_0"] * cfg.layers if reuse else []] * 2
+        collectives.append([(r.stage, r.collectives.to_text()) for r in backend.reports])
+    assert collectives[0] == collectives[1]
+    assert "reduce_scatter" not in collectives[0][1][1] and "reduce_scatter" in collectives[0][3][1]
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, scale: float = 1.0):
+        super().__init__()
+        self.up, self.down, self.scale = nn.Linear(4, hidden), nn.Linear(hidden, 4), scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.scale * self.down(torch.relu(self.up(x)))
+
+
+class Mixed(nn.Module):
+    """Blocks of three structures: hidden 8 (twice), hidden 6 (twice), hidden 8 with another plain attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(8), Block(6), Block(8), Block(6), Block(8, scale=0.5)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_blocks_of_another_structure_get_their_own_body(fake_pg):
+    """A body is shared only by blocks with equal parameter layouts and plain attributes."""
+    torch.manual_seed(0)
+    model = fsdp_graph.fully_shard(Mixed(), reuse_blocks=True)
+    (gm,), _ = _compile_step(model, lambda m, x: m(x).sum(), torch.randn(3, 4))
+    # The block of its own structure (scale 0.5) gets a body of its own, used once, which Dynamo inlines
+    # (`torch._dynamo.config.inline_single_use_invoke_subgraph`); with the others' key it would be a third call.
+    calls = body_calls(gm)
+    assert calls == [calls[0], calls[1]] * 2 and calls[0] != calls[1]
+
+
+class CheckpointedBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(super().forward, x, use_reentrant=False)
+
+
+def test_activation_checkpoint_inside_the_body(fake_pg):
+    """Blocks whose forward is an activation checkpoint: one body, the collectives of the model without reuse."""
+    x = torch.randn(3, 4)
+    collectives = []
+    for reuse in (False, True):
+        torch.manual_seed(0)
+        model = Mixed()
+        model.blocks = nn.ModuleList(CheckpointedBlock(8) for _ in range(3))
+        (gm,), backend = _compile_step(fsdp_graph.fully_shard(model, reuse_blocks=reuse), lambda m, x: m(x).sum(), x)
+        assert body_calls(gm) == (["subgraph_0"] * 3 if reuse else [])
+        collectives.append([(r.stage, r.collectives.to_text()) for r in backend.reports])
+    assert collectives[0] == collectives[1]
+    assert collectives[0][1][1].startswith("all_gather: 3 ")  # re-gathered in backward
+
+
+def test_refuses_a_unit_holding_another_unit(fake_pg):
+    model = Mixed()
+    with pytest.raises(ValueError, match="contains another unit"):
+        fsdp_graph.fully_shard(model, wrap=[model.blocks[0], model.blocks[0].up], reuse_blocks=True)
+    assert not fsdp_graph.runtime.unit.is_sharded(model)  # refused before anything changed
+
+
+def test_refuses_weights_shared_between_units(fake_pg):
+    model = Mixed()
+    model.blocks[2].up.weight = model.blocks[0].up.weight  # owned by the root, read by two units
+    with pytest.raises(ValueError, match="reads a parameter of unit ''"):
+        fsdp_graph.fully_shard(model, reuse_blocks=True)

@@ -1,0 +1,59 @@
+"""Rank-side worker for `fully_shard(reuse_blocks=True)` (issue 15): one compiled block body, same training."""
+
+from __future__ import annotations
+
+import torch
+
+import fsdp_graph
+from fsdp_graph.train.llama import Llama, LlamaConfig, llama_loss
+from tests.workers.training import full_grads
+
+CFG = LlamaConfig(dim=32, layers=3, heads=4, kv_heads=2, hidden=48, seq=16, vocab=64)
+STEPS = 3
+
+
+def body_calls(gm: torch.fx.GraphModule) -> list[str]:
+    """The body each `invoke_subgraph` call of `gm` runs, in graph order."""
+    calls = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+    return [str(node.args[0].target) for node in calls]
+
+
+def train(rank: int, world: int, reuse: bool, inductor: bool = False) -> dict:
+    """STEPS SGD steps of a 3-block Llama, compiled with eager kernels (or Inductor): the losses, the last step's
+    full gradients, the final full parameters, the bodies the Dynamo graph calls and each lowered graph's
+    collectives."""
+    torch.manual_seed(0)
+    model = fsdp_graph.fully_shard(Llama(CFG), reuse_blocks=reuse)
+    backend = fsdp_graph.make_backend(inductor=inductor)
+    dynamo_graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm, example_inputs):
+        dynamo_graphs.append(gm)
+        return backend(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    gen = torch.Generator().manual_seed(1 + rank)
+    losses, grads = [], {}
+    for _ in range(STEPS):
+        tokens = torch.randint(0, CFG.vocab, (2, CFG.seq + 1), generator=gen)
+        loss = llama_loss(compiled, (tokens[:, :-1], tokens[:, 1:]))
+        loss.backward()
+        grads = full_grads(model)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    with fsdp_graph.summon_full_params(model):
+        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "params": params,
+        "bodies": [body_calls(gm) for gm in dynamo_graphs],
+        "collectives": [(r.stage, r.collectives.to_text()) for r in backend.reports],
+    }
+
+
+def train_both(rank: int, world: int, inductor: bool = False) -> tuple[dict, dict]:
+    """`train` without, then with, `reuse_blocks`."""
+    return train(rank, world, False, inductor), train(rank, world, True, inductor)
