@@ -101,6 +101,19 @@ def test_tensor_parallel_job_matches_the_data_parallel_job_and_resumes_exactly(t
         assert abs(a - b) < 1e-6, (resumed["history"], straight["history"])
 
 
+def test_reuse_blocks_job_trains_like_the_job_without_it():
+    """--reuse-blocks (one compiled block body for every layer) changes how the model compiles, not what it computes:
+    the same losses as the job without it, step for step."""
+    args = [*FAST, "--world", "2", "--steps", "3", "--plot", "none"]
+    reused = train.main([*args, "--reuse-blocks"])
+    plain = train.main(args)
+    assert reused["last_loss"] < reused["first_loss"], reused
+    assert max(abs(a - b) for (_, a), (_, b) in zip(reused["history"], plain["history"])) < 1e-6, (
+        reused["history"],
+        plain["history"],
+    )
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -111,6 +124,7 @@ def test_tensor_parallel_job_matches_the_data_parallel_job_and_resumes_exactly(t
         (["--pp", "3", "--world", "4"], "--pp 3 does not divide the 4 ranks"),
         (["--pp", "2", "--world", "4", "--microbatches", "3"], "--microbatches 3 does not divide --batch 2"),
         (["--pp", "2", "--world", "4", "--strategy", "HYBRID_SHARD"], "--pp with HYBRID_SHARD"),
+        (["--reuse-blocks", "--tp", "2", "--world", "4"], "--reuse-blocks runs without --tp and --pp"),
     ],
 )
 def test_parallel_options_are_checked_before_starting(extra, message, capsys):
