@@ -1,0 +1,87 @@
+"""Compile time against depth at real model shapes (issue 15): a Llama preset on the meta device, world N on the
+fake process group, compiled by our backend with eager kernels (`explain()`'s compile: Dynamo, AOT autograd, our
+passes; no Inductor code generation, which needs real tensors), at a shallow and a deep layer count.
+
+    python benchmarks/compile_depth_meta.py                         # 70b shapes, 8 and 80 layers, world 8
+    python benchmarks/compile_depth_meta.py --preset 1b --layers 8 16
+    python benchmarks/compile_depth_meta.py --reuse-blocks          # fully_shard(reuse_blocks=True)
+
+Each depth runs in a fresh process: build on meta, `fully_shard(device="meta")`, `fsdp_graph.explain` (one training
+step traced and compiled, then its plan replayed). Prints wall and CPU seconds per depth and deep / shallow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def measure(preset_name: str, layers: int, world: int, reuse_blocks: bool) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fsdp_graph
+    from fsdp_graph.train.llama import Llama, preset
+
+    cfg = replace(preset(preset_name), layers=layers)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        start, cpu = time.perf_counter(), time.process_time()
+        with torch.device("meta"):
+            llama = Llama(cfg)
+        fsdp_graph.fully_shard(llama, device="meta", param_init_fn=llama.init_module, reuse_blocks=reuse_blocks)
+        idx = torch.zeros(1, cfg.seq, dtype=torch.long, device="meta")
+
+        def lm_loss(logits: torch.Tensor) -> torch.Tensor:
+            return -logits.float().log_softmax(-1).gather(-1, idx.unsqueeze(-1)).mean()
+
+        report = fsdp_graph.explain(llama, idx, loss_fn=lm_loss)
+        return {
+            "layers": layers,
+            "wall_s": time.perf_counter() - start,
+            "cpu_s": time.process_time() - cpu,
+            "peak_gib": report.peak_memory_bytes / 2**30,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="70b")
+    parser.add_argument("--layers", type=int, nargs=2, default=(8, 80))
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--reuse-blocks", action="store_true")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure(args.preset, args.layers[0], args.world, args.reuse_blocks)))
+        return 0
+    results = []
+    for layers in args.layers:
+        command = [sys.executable, __file__, "--child", "--preset", args.preset, "--world", str(args.world)]
+        command += ["--layers", str(layers), str(layers)] + (["--reuse-blocks"] if args.reuse_blocks else [])
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    label = f"{args.preset}, world {args.world}, reuse_blocks={args.reuse_blocks}"
+    for r in results:
+        print(f"{label}: {r['layers']:3d} layers  {r['wall_s']:7.1f} s wall  {r['cpu_s']:7.1f} s CPU")
+    shallow, deep = results
+    print(
+        f"{label}: {deep['layers']} / {shallow['layers']} layers: {deep['wall_s'] / shallow['wall_s']:.2f}x wall, "
+        f"{deep['cpu_s'] / shallow['cpu_s']:.2f}x CPU (issue 15's goal: <= 2x)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
