@@ -6,8 +6,9 @@ passes; no Inductor code generation, which needs real tensors), at a shallow and
     python benchmarks/compile_depth_meta.py --preset 1b --layers 8 16
     python benchmarks/compile_depth_meta.py --reuse-blocks          # fully_shard(reuse_blocks=True)
 
-Each depth runs in a fresh process: build on meta, `fully_shard(device="meta")`, `fsdp_graph.explain` (one training
-step traced and compiled, then its plan replayed). Prints wall and CPU seconds per depth and deep / shallow.
+Each depth runs in a fresh process: `scale_plans.explain_llama` (build on meta, `fully_shard(device="meta")`,
+`fsdp_graph.explain`: one training step traced and compiled, then its plan replayed). Prints wall and CPU seconds
+per depth and deep / shallow.
 """
 
 from __future__ import annotations
@@ -25,32 +26,18 @@ sys.path.insert(0, str(ROOT))
 
 
 def measure(preset_name: str, layers: int, world: int, reuse_blocks: bool) -> dict:
-    import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import fsdp_graph
-    from fsdp_graph.train.llama import Llama, preset
+    from benchmarks.scale_plans import explain_llama, hardware_for
+    from fsdp_graph.train.llama import preset
 
     cfg = replace(preset(preset_name), layers=layers)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         start, cpu = time.perf_counter(), time.process_time()
-        with torch.device("meta"):
-            llama = Llama(cfg)
-        fsdp_graph.fully_shard(llama, device="meta", param_init_fn=llama.init_module, reuse_blocks=reuse_blocks)
-        idx = torch.zeros(1, cfg.seq, dtype=torch.long, device="meta")
-
-        def lm_loss(logits: torch.Tensor) -> torch.Tensor:
-            return -logits.float().log_softmax(-1).gather(-1, idx.unsqueeze(-1)).mean()
-
-        report = fsdp_graph.explain(llama, idx, loss_fn=lm_loss)
-        return {
-            "layers": layers,
-            "wall_s": time.perf_counter() - start,
-            "cpu_s": time.process_time() - cpu,
-            "peak_gib": report.peak_memory_bytes / 2**30,
-        }
+        explain_llama(cfg, 1, hardware_for(world), reuse_blocks=reuse_blocks)
+        return {"layers": layers, "wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}
     finally:
         dist.destroy_process_group()
 

@@ -89,6 +89,33 @@ def hardware_for(world: int) -> str:
     return "nvlink" if world <= 8 else "infiniband"
 
 
+def explain_llama(cfg, batch: int, hardware: str, mp=None, layout: str = LAYOUTS[0], reuse_blocks: bool = False):
+    """`explain()` of the Llama `cfg` built on the meta device and sharded there (the process group is the
+    caller's): one training step of `batch` sequences of `cfg.seq` tokens, the loss a log-softmax (cross_entropy has
+    no meta autograd kernel)."""
+    import torch
+
+    import fsdp_graph
+    from fsdp_graph.train.llama import Llama
+
+    with torch.device("meta"):
+        llama = Llama(cfg)
+    fsdp_graph.fully_shard(
+        llama,
+        device="meta",
+        param_init_fn=llama.init_module,
+        mixed_precision=mp,
+        layout=layout,
+        reuse_blocks=reuse_blocks,
+    )
+    idx = torch.zeros(batch, cfg.seq, dtype=torch.long, device="meta")
+
+    def lm_loss(logits: torch.Tensor) -> torch.Tensor:
+        return -logits.float().log_softmax(-1).gather(-1, idx.unsqueeze(-1)).mean()
+
+    return fsdp_graph.explain(llama, idx, loss_fn=lm_loss, hardware=hardware)
+
+
 def plan(
     model: str,
     world: int,
@@ -107,22 +134,14 @@ def plan(
 
     import fsdp_graph
     from fsdp_graph.planning.depth import figures_of
-    from fsdp_graph.train.llama import LLAMA3_VOCAB, Llama, preset
+    from fsdp_graph.train.llama import LLAMA3_VOCAB, preset
 
     cfg = preset(model, vocab=vocab or LLAMA3_VOCAB, seq=seq)
     hw = hardware_for(world)
     mp = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" else None
 
     def explain_at(layers: int) -> fsdp_graph.ExplainReport:
-        with torch.device("meta"):
-            llama = Llama(replace(cfg, layers=layers))
-        fsdp_graph.fully_shard(llama, device="meta", param_init_fn=llama.init_module, mixed_precision=mp, layout=layout)
-        idx = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-
-        def lm_loss(logits: torch.Tensor) -> torch.Tensor:
-            return -logits.float().log_softmax(-1).gather(-1, idx.unsqueeze(-1)).mean()
-
-        return fsdp_graph.explain(llama, idx, loss_fn=lm_loss, hardware=hw)
+        return explain_llama(replace(cfg, layers=layers), batch, hw, mp, layout)
 
     by_depth = samples is not None and cfg.layers > max(samples)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
