@@ -159,6 +159,7 @@ def _torchrun_env(rank: int = 0, world: int = 1, port: int | None = None) -> Non
 def _train_child(params: dict) -> dict:
     """The main job itself, as torchrun would start its one rank."""
     from fsdp_graph.train import job as train
+
     _torchrun_env()
     argv = [*_TRAIN, "--steps", str(params["steps"]), *(["--cpu-offload"] if params.get("offload") else [])]
     argv += params.get("extra", [])  # later options win: a CPU smoke run passes a smaller preset

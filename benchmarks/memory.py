@@ -126,7 +126,10 @@ def copy_seconds(layers: int) -> tuple[float, float, int]:
     def copy_in():
         return torch.cat([g.reshape(2, -1) for g in grads], dim=1).view(-1)
 
-    times = [benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=1.0).median for fn in (copy_out, copy_in)]
+    times = [
+        benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=1.0).median
+        for fn in (copy_out, copy_in)
+    ]
     torch.set_num_threads(threads)
     return times[0], times[1], layout.numel
 

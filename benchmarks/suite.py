@@ -24,7 +24,9 @@ Two phases, all peers in one spawn:
    order rotates per run) and one profiled step for the peak. Every ratio (ours against DDP, FSDP2 eager,
    SimpleFSDP) is taken within a run, so a load change on a shared machine hits both sides of it, and reported as
    min/median/max over the runs.
-Then the wall time of our passes on a 12-layer and a 48-layer Llama (fake process group, 8 ranks).
+Then the wall time of our passes on a 12-layer and a 48-layer Llama (fake process group, 8 ranks), and issue 15's
+compile-time goals (`benchmarks/compile_goals.py`: cold compile against depth and against plain torch.compile, real
+shapes on the meta device, a warm restart of the main job and the ranks' shared cache; `--no-compile-goals` skips).
 Writes the tables, the machine and the versions to `--out` and a bar chart next to it.
 """
 
@@ -52,13 +54,13 @@ from fsdp_graph.train.launch import spawn
 from fsdp_graph.train.llama import LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import compile_goals  # noqa: E402
+from benchmarks.suite_tables import BASELINE, SINGLE, chart, parity_table, peer_table, ratio_table  # noqa: E402
 from benchmarks.workload import BENCH_CONFIG, batches, bench_model, llama_loss  # noqa: E402
 
 OURS = "fsdp_graph (Inductor)"
 MEMORY_PEER = "fsdp_graph, activation_memory_budget=0.5"
-BASELINE = "FSDP2 eager"
 SIMPLE_FSDP = "SimpleFSDP (torchtitan) + Inductor"
-SINGLE = "single process (torch.compile)"
 
 # How the SimpleFSDP peer's environment was made (a venv of its own: torchtitan is not a dependency of this project,
 # and its declared dependencies would pull a CUDA torch). Written into the report.
@@ -285,23 +287,6 @@ def _fake_world(fn, world: int, *args):
         dist.destroy_process_group()
 
 
-def _table(results: dict, zero_min: float) -> list[str]:
-    base = results[BASELINE]
-    ddp = results["DDP"]
-    lines = [
-        "| peer | median step | vs FSDP2 eager | vs DDP | peak MiB/rank | vs FSDP2 eager | MiB sent/rank/step "
-        "| vs ZeRO-3 min | cold compile | warm compile |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in results.items():
-        lines.append(
-            f"| {name} | {r['median']:.3f} s | {r['median'] / base['median']:.2f}x | {r['median'] / ddp['median']:.2f}x "
-            f"| {r['peak'] / 2**20:.1f} | {r['peak'] / base['peak']:.2f}x | {r['bytes'] / 2**20:.2f} "
-            f"| {r['bytes'] / zero_min:.4f} | {r['cold_compile']:.1f} s | {r['warm_compile']:.1f} s |"
-        )
-    return lines
-
-
 def _ratios(measured: dict) -> list[tuple[str, list[float], float | None]]:
     """(label, one value per run, target or None) for every ratio issue 15 asks for. Step time and memory are
     paired within each timed run, cold compile within each cold run. Rows of a skipped peer are left out."""
@@ -330,57 +315,6 @@ def _ratios(measured: dict) -> list[tuple[str, list[float], float | None]]:
     return out
 
 
-def _ratio_table(rows: list[tuple[str, list[float], float | None]]) -> list[str]:
-    lines = ["| ratio | runs | min | median | max | target | met (median) |", "|---|---|---|---|---|---|---|"]
-    for label, values, target in rows:
-        med = statistics.median(values)
-        goal, met = ("-", "-") if target is None else (f"<= {target}", "yes" if med <= target else "no")
-        lines.append(
-            f"| {label} | {len(values)} | {min(values):.2f} | {med:.2f} | {max(values):.2f} | {goal} | {met} |"
-        )
-    return lines
-
-
-def _parity_table(results: dict) -> list[str]:
-    """Each peer's global loss in its cold phase (same data, same initial weights) against FSDP2 eager's."""
-    ref = results[BASELINE]["losses"]
-    lines = ["| peer | loss, first -> last step | max abs diff vs FSDP2 eager |", "|---|---|---|"]
-    for name, r in results.items():
-        diff = (
-            "- (each rank trains its own copy)"
-            if name == SINGLE
-            else f"{max(abs(a - b) for a, b in zip(r['losses'], ref)):.2e}"
-        )
-        lines.append(f"| {name} | {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} | {diff} |")
-    return lines
-
-
-def _chart(results: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    names = list(results)
-    base = results[BASELINE]
-    metrics = [("median step", "median"), ("peak memory", "peak"), ("bytes sent", "bytes")]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for ax, (title, key) in zip(axes, metrics):
-        values = [results[n][key] / base[key] if base[key] else 0.0 for n in names]
-        ax.barh(names, values, color=["tab:blue" if n.startswith("fsdp_graph") else "tab:gray" for n in names])
-        ax.axvline(1.0, color="black", linewidth=0.8)
-        ax.set_title(f"{title} (x FSDP2 eager)")
-        ax.invert_yaxis()
-    for ax in axes[1:]:
-        ax.set_yticklabels([])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="timed sections; each ratio is reported over them")
@@ -394,6 +328,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
     parser.add_argument("--out", default="docs/benchmarks.md", help="also writes the raw numbers next to it (.json)")
     parser.add_argument("--from-json", help="render the tables of a saved run (its .json) instead of measuring")
+    parser.add_argument(
+        "--no-compile-goals", action="store_true", help="skip issue 15's compile-time goals (about 8 minutes)"
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     out = Path(args.out)
@@ -404,6 +341,7 @@ def main() -> None:
         measured, passes, skipped, load_before, load_after = (
             saved[k] for k in ("measured", "passes", "skipped", "load_before", "load_after")
         )
+        compile_measured = saved.get("compile_goals")
         passes = {int(k): v for k, v in passes.items()}
         started -= saved["seconds"]
         for key, value in saved["args"].items():  # the settings of the measured run, for the header
@@ -422,12 +360,14 @@ def main() -> None:
         saved = {"measured": measured, "args": vars(args)}
         raw.write_text(json.dumps(saved, indent=1))  # the ranks' numbers are kept even if the pass timing fails
         passes = {layers: _fake_world(pass_seconds, 8, layers) for layers in (12, 48)}
+        compile_measured = None if args.no_compile_goals else compile_goals.measure()
         saved = {
             "measured": measured,
             "passes": passes,
             "skipped": skipped,
             "load_before": load_before,
             "load_after": load_after,
+            "compile_goals": compile_measured,
             "seconds": time.perf_counter() - started,
             "args": vars(args),
             "command": command,
@@ -465,7 +405,7 @@ def main() -> None:
             else []
         ),
         "",
-        *_table(results, zero_min),
+        *peer_table(results, zero_min),
         "",
         "Peak memory is what a step allocates above its starting point (activations, gathered parameters, "
         "gradients in flight, optimizer temporaries), measured per rank with the profiler's memory events (the "
@@ -474,12 +414,12 @@ def main() -> None:
         "",
         f"Ratios (ours = {OURS}), each taken within one run and reported over the runs:",
         "",
-        *_ratio_table(ratios),
+        *ratio_table(ratios),
         "",
         "Loss parity (cold phase: every peer starts from the same weights and sees the same global batches; the "
         "loss is the mean over ranks):",
         "",
-        *_parity_table(results),
+        *parity_table(results),
         "",
         f"Pass time (our passes only, one training step's graphs, fake process group at 8 ranks): 12 layers "
         f"{passes[12]:.3f} s, 48 layers {passes[48]:.3f} s ({passes[48] / passes[12]:.2f}x).",
@@ -487,6 +427,17 @@ def main() -> None:
         "| target | measured | met |",
         "|---|---|---|",
         *[f"| {label} | {value:.2f} | {'yes' if value <= limit else 'no'} |" for label, value, limit in targets],
+        "",
+        *(
+            [
+                "Compile time (issue 15; `benchmarks/compile_goals.py`, measured in this run after the peers; CPU "
+                "seconds where both are measured, the steadier figure on a shared machine):",
+                "",
+                *compile_goals.table(compile_measured),
+            ]
+            if compile_measured
+            else ["Compile-time goals not measured in this run (`--no-compile-goals`)."]
+        ),
         "",
         "SimpleFSDP on CPU/gloo: `data_parallel(model, init_device_mesh('cpu', (world,)), mode='fully_shard')` "
         "(no mixed precision: fp32 like every peer), then `torch.compile(model, fullgraph=True)`; Dynamo traces "
@@ -506,9 +457,9 @@ def main() -> None:
         SIMPLE_FSDP_RECIPE,
         "```",
     ]
-    chart = out.with_suffix(".png")
-    if _chart(results, chart):
-        lines += ["", f"![ratios against FSDP2 eager]({chart.name})"]
+    chart_path = out.with_suffix(".png")
+    if chart(results, chart_path):
+        lines += ["", f"![ratios against FSDP2 eager]({chart_path.name})"]
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -68,10 +68,15 @@ def _first_step(rank: int, world: int, argv: list[str]) -> dict:
     }
 
 
-def run_once(argv: list[str], world: int) -> dict:
+def run_all_ranks(argv: list[str], world: int) -> list[dict]:
+    """One start of the job's ranks: each rank's figures, in rank order."""
     from fsdp_graph.train.launch import spawn
 
-    return spawn(_first_step, world, (argv,))[0]
+    return spawn(_first_step, world, (argv,))
+
+
+def run_once(argv: list[str], world: int) -> dict:
+    return run_all_ranks(argv, world)[0]
 
 
 def main(cli: list[str] | None = None) -> int:

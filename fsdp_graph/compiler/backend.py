@@ -26,6 +26,7 @@ from fsdp_graph import ir
 from fsdp_graph.compiler.dump import GraphDumper, no_caches_when_dumping
 from fsdp_graph.compiler.options import OWNED_VALUES, inductor_config_patches, patches_key
 from fsdp_graph.compiler.rank_check import STORE, GraphCollectives, check_first_call
+from fsdp_graph.compiler.region_schema import cached_region_schemas
 from fsdp_graph.ir import ops
 from passes.collective_counts import CollectiveSummary
 from passes.fx_nodes import bind_args
@@ -191,7 +192,11 @@ class FSDPBackend:
             functorch_patches["force_non_lazy_backward_lowering"] = True
 
         def compile_graph(caches: bool = True):
-            with no_caches_when_dumping(dumper.enabled or not caches), functorch_config.patch(functorch_patches):
+            with (
+                no_caches_when_dumping(dumper.enabled or not caches),
+                functorch_config.patch(functorch_patches),
+                cached_region_schemas(),
+            ):
                 if self.inductor:
                     return _compile_inductor(
                         gm, example_inputs, reshard, lower, dumper.enabled or not caches, inductor_patches

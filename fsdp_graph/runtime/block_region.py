@@ -114,11 +114,12 @@ def block_key(unit: nn.Module) -> int:
     return hash(repr(parts))
 
 
-def _reuse_key(self: nn.Module, flats: tuple, *args, **kwargs) -> int:
+def _reuse_key(self: nn.Module, count: int, *flats_and_args, **kwargs) -> int:
     return self.__dict__[BLOCK_KEY] * 2 + int(self.training)
 
 
-def _body(self: nn.Module, flats: tuple, *args, **kwargs):
+def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
+    flats, args = flats_and_args[:count], flats_and_args[count:]
     setattr(self, REGION_FLATS, flats)
     out = type(self)._fsdp_block_forward(self, *args, **kwargs)
     setattr(self, REGION_FLATS, None)
@@ -135,4 +136,6 @@ def _gathering_forward(self: nn.Module, *args, **kwargs):
     from fsdp_graph.runtime.unit import unsharded_flat
 
     flats = tuple(unsharded_flat(self, index) for index in range(len(self.__dict__["_fsdp_states"])))
-    return _block_body(self, flats, *args, **kwargs)
+    # The flats unpacked, not one tuple argument: with only tensors, ints and modules as arguments Dynamo
+    # fingerprints a call without pytree-flattening it (`build_fingerprint_fast`), about 0.07 s a call.
+    return _block_body(self, len(flats), *flats, *args, **kwargs)

@@ -49,7 +49,9 @@ def choose_device(
         backends = {_NATIVE.get(backends[""], "cpu"): backends[""]}
     native = [t for t, b in backends.items() if b == _ANY_DEVICE or _NATIVE.get(b, t) == t]
     if not native:
-        raise ValueError(f"fsdp_graph.runtime.devices: process-group backend '{config}' natively serves no device type.")
+        raise ValueError(
+            f"fsdp_graph.runtime.devices: process-group backend '{config}' natively serves no device type."
+        )
     any_device = all(b == _ANY_DEVICE for b in backends.values())
     if preferred is not None and (any_device or preferred.type in native):
         chosen = preferred

@@ -175,3 +175,43 @@ def test_refuses_weights_shared_between_units(fake_pg):
     model.blocks[2].up.weight = model.blocks[0].up.weight  # owned by the root, read by two units
     with pytest.raises(ValueError, match="reads a parameter of unit ''"):
         fsdp_graph.fully_shard(model, reuse_blocks=True)
+
+
+def test_one_schema_per_body_while_compiling(fake_pg, monkeypatch):
+    """torch's autograd rule for `invoke_subgraph` asks for the body's schema at every call (a re-trace of the body);
+    our backend computes it once per body (`compiler.region_schema`), so compile time does not grow with it."""
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+
+    computed = []
+    compute = InvokeSubgraphHOP.gen_schema
+    monkeypatch.setattr(InvokeSubgraphHOP, "gen_schema", lambda self, *a: computed.append(a[1]) or compute(self, *a))
+    torch.manual_seed(0)
+    tokens = torch.randint(0, CFG.vocab, (2, CFG.seq + 1))
+    graphs, _ = _compile_step(
+        fsdp_graph.fully_shard(Llama(CFG), reuse_blocks=True), llama_loss, (tokens[:, :-1], tokens[:, 1:])
+    )
+    assert body_calls(graphs[0]) == ["subgraph_0"] * CFG.layers
+    assert computed and len(computed) == len(set(computed)), computed  # once per body (forward and backward's)
+
+
+def test_schema_cache_still_refuses_a_body_that_mutates_its_input():
+    """The cache keeps torch's check: the first call computes the real schema (a trace of the body), so training
+    through a body that writes its input fails as it does without the cache, with the same error."""
+    from fsdp_graph.compiler.region_schema import cached_region_schemas
+
+    @torch.compiler.nested_compile_region
+    def scale_in_place(x):
+        x.mul_(2)
+        return x * 3
+
+    def fn(x):
+        return scale_in_place(x.clone()) + scale_in_place(x.clone())
+
+    x = torch.randn(4, requires_grad=True)
+    errors = []
+    for context in (torch.enable_grad, cached_region_schemas):
+        torch._dynamo.reset()
+        with context(), pytest.raises(Exception, match="in-place operation") as raised:
+            torch.compile(fn, backend="aot_eager", fullgraph=True)(x).sum().backward()
+        errors.append(str(raised.value).splitlines()[1])
+    assert errors[0] == errors[1]
