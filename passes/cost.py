@@ -340,6 +340,25 @@ def node_flops(node: fx.Node) -> int:
     return hint(formula(*args, **kwargs, out_val=_concrete(fake_value(node))))
 
 
+def kernel_cost(node: fx.Node, hardware: Hardware, bodies: dict | None = None) -> tuple[float, int]:
+    """(seconds, flops) of one compute node: max(flops / flops_per_s, bytes moved / memory_bytes_per_s). A call
+    of a compile region (`invoke_subgraph`, `fully_shard(reuse_blocks=True)`'s block body) costs its body's
+    kernels, each priced the same way (views free; computed once per body in `bodies`)."""
+    if node.target is torch.ops.higher_order.invoke_subgraph:
+        body = getattr(node.graph.owning_module, node.args[0].target)
+        bodies = {} if bodies is None else bodies
+        if id(body) not in bodies:
+            costs = [kernel_cost(n, hardware, bodies) for n in body.graph.nodes if _is_compute(n)]
+            bodies[id(body)] = (sum(c[0] for c in costs), sum(c[1] for c in costs))
+        return bodies[id(body)]
+    n_flops = node_flops(node)
+    return max(n_flops / hardware.flops_per_s, _moved_bytes(node) / hardware.memory_bytes_per_s), n_flops
+
+
+def _is_compute(node: fx.Node) -> bool:
+    return node.op == "call_function" and collective_kind(node) is None and node.target != WAIT and not _is_free(node)
+
+
 def _is_free(node: fx.Node) -> bool:
     """Views cost nothing; an in-place op aliases its input too but still moves its bytes."""
     if node.target is operator.getitem:
@@ -396,13 +415,15 @@ def simulate(
     memory_bytes_per_s); views, getitem and collective issues are free. Comm lane, serial: a collective starts
     when the compute lane reaches it and the lane is free, and lasts `collective_cost`. A wait holds the compute
     lane until its collective ends: that holding is exposed communication. So a gather issued early overlaps the
-    compute between its issue and its wait, and one issued right before its wait is fully exposed."""
+    compute between its issue and its wait, and one issued right before its wait is fully exposed. A compile
+    region's call runs its body's kernels (`kernel_cost`)."""
     labels = unit_labels(gm)
     clock = comm_free = start
     ends: dict[fx.Node, float] = {}
     lanes: dict[str, list[Event]] = {"compute": [], "comm": []}
     node_times: list[tuple[float, float]] = []
     compute = comm = exposed = flops = 0.0
+    bodies: dict = {}
     for node, unit in zip(gm.graph.nodes, labels):
         begin = clock
         if node.op != "call_function":
@@ -424,8 +445,7 @@ def simulate(
                 exposed += done - clock
                 clock = done
         elif not _is_free(node):
-            n_flops = node_flops(node)
-            seconds = max(n_flops / hardware.flops_per_s, _moved_bytes(node) / hardware.memory_bytes_per_s)
+            seconds, n_flops = kernel_cost(node, hardware, bodies)
             flops += n_flops
             compute += seconds
             bars = lanes["compute"]

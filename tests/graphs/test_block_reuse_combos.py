@@ -115,3 +115,21 @@ def test_checkpoint_around_each_unit(fake_pg):
 def test_other_strategies(fake_pg, strategy):
     strat = getattr(fsdp_graph.ShardingStrategy, strategy)
     _steps(lambda m, reuse: fsdp_graph.fully_shard(m, strategy=strat, reuse_blocks=reuse))
+
+
+def test_explain_charges_the_block_bodies(fake_pg):
+    """`explain()` prices a body call as the kernels of its body, so its FLOPs are the model's without
+    `reuse_blocks` (before, a call was one kernel without FLOPs)."""
+    idx = torch.randn(64, 4)
+    reports = []
+    for reuse in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = fsdp_graph.fully_shard(Stack(), reuse_blocks=reuse)
+        reports.append(fsdp_graph.explain(model, idx, loss_fn=lambda out: out.sum(), hardware="nvlink"))
+    plain, reused = reports
+    assert reused.forward.flops == plain.forward.flops > 0
+    assert reused.forward.compute_time == pytest.approx(plain.forward.compute_time)
+    # One body serves every block, so its backward also computes the first block's input gradient, which the
+    # model without reuse skips (its input needs none): one (64 x 8) @ (8 x 4) matmul more, 2 * 64 * 8 * 4 FLOPs.
+    assert reused.backward.flops == plain.backward.flops + 2 * 64 * 8 * 4
