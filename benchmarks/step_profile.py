@@ -9,17 +9,12 @@ reduce-scatter), and DDP (eager). One peer at a time, from a fresh Dynamo state:
 under `torch.profiler` (CPU activity). Inductor's C++ kernels are compiled with `cpp.enable_kernel_profile`, so each
 appears as a named event (`graph_<id>_cpp_fused_...`).
 
-Each profiled step is a `record_function`; its time on the main thread is split by the SELF time of every event
-inside it (a parent's self time excludes its children, so the categories add up to the step):
-- optimizer: everything under `Optimizer.step` / `Optimizer.zero_grad`, whatever the op;
-- matmul, attention (SDPA), Inductor kernels (`cpp_fused_*`), copies (copy_, cat, clone, slice_scatter, _to_copy,
-  zero_/fill_, index ops, ...);
-- collective issue (`_c10d_functional`/`c10d` ops, gloo calls made on the main thread) and collective wait
-  (`wait_tensor`, work waits): the main thread blocked on communication that nothing hid;
-- other aten ops, and framework (self time of wrappers: the step itself, compiled-graph calls, autograd nodes,
-  DDP's forward: Python and dispatch).
-Also reported: the time gloo's own threads spent per step (the communication itself, hidden or not), the mean over
-ranks of every figure, and the top ops by self time. `--json` writes the raw numbers.
+Each profiled step's time on the main thread is split by the SELF time of every event in it, so the categories add
+up to the step: everything under `Optimizer.step`/`zero_grad` is "optimizer"; then matmul, SDPA, Inductor kernels
+(data movement only, or compute, from the ops their names list), copies, collective issue and wait (the main thread
+blocked on communication nothing hid), other aten ops, the backward call's own self time (autograd engine; DDP's
+bucket waits have no event of their own and land there), and wrappers' self time. Also: waits by collective kind,
+phases, gloo's threads' busy time (all of the communication), top ops. `--json` writes the raw numbers.
 """
 
 from __future__ import annotations
@@ -45,23 +40,11 @@ from fsdp_graph.train.launch import spawn  # noqa: E402
 UNSCHEDULED = "fsdp_graph, no scheduling"
 STEP = "step_profile::step"
 CATEGORIES = (
-    "matmul",
-    "attention (SDPA)",
-    "Inductor kernels, data movement only",
-    "Inductor kernels, compute",
-    "copies",
-    "collective issue",
-    "collective wait",
-    "optimizer",
-    "other aten ops",
-    "backward, outside any op",
+    "matmul", "attention (SDPA)", "Inductor kernels, data movement only", "Inductor kernels, compute", "copies",
+    "collective issue", "collective wait", "optimizer", "other aten ops", "backward, outside any op",
     "framework (wrappers' self time)",
-)
-PHASES = {
-    "step_profile::forward": "forward",
-    "step_profile::backward": "backward",
-    "step_profile::optimizer": "optimizer",
-}
+)  # fmt: skip
+PHASES = {f"step_profile::{p}": p for p in ("forward", "backward", "optimizer")}
 # Inductor kernel names list the ATen ops fused into them: a kernel made of these only moves data.
 _MOVES = {"clone", "slice", "view", "unsafe", "cat", "squeeze", "unsqueeze", "transpose", "permute", "expand", "split"}
 _KINDS = (("all_gather", "allgather"), ("all_to_all", "alltoall"), ("all_reduce", "allreduce"), ("reduce_scatter",))
