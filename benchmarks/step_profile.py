@@ -93,7 +93,9 @@ def attribute(events) -> dict:
     by op and by phase, in microseconds summed over the steps. Each wait is put under the kind of the last
     collective issued before it, and under whether any computation ran between that issue and the wait. Also: what
     other threads (gloo's workers) were busy with during the steps."""
-    steps = [e for e in events if e.name == STEP]
+    # One event per step: the profiler can list a record_function twice (seen for the first peer profiled with
+    # Inductor's kernel profiling on), which would halve every per-step figure.
+    steps = list({(e.thread, e.time_range.start): e for e in events if e.name == STEP}.values())
     by_category: dict[str, float] = defaultdict(float)
     by_op: dict[str, float] = defaultdict(float)
     phases: dict[str, float] = defaultdict(float)

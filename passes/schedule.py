@@ -88,6 +88,19 @@ def _wait_position(issue: fx.Node, order: dict[fx.Node, int]) -> int:
     return max((order[u] for u in issue.users if u.target is WAIT), default=order[issue])
 
 
+def _serial_earliest(previous: fx.Node, previous_on_group: dict[fx.Node, fx.Node], order: dict[fx.Node, int]) -> int:
+    """The first index a gather may be issued at on a serial group, given `previous`, the collective issued before it
+    there: after `previous`'s wait. When `previous` is a gradient reduction with a collective before it on the group,
+    the gather may instead move above the reduction, to halfway between that collective's wait and the reduction's
+    issue: in a backward, unit k-1's re-gather then overlaps the second half of unit k's compute (it is waited before
+    unit k's reduction is issued) and unit k's reduction the first half of unit k-1's, where otherwise the one channel
+    would carry both, exposed, between the two units."""
+    if previous.meta.get(META_ROLE) == ROLE_REDUCE and previous in previous_on_group:
+        after_wait = _wait_position(previous_on_group[previous], order) + 1
+        return max(after_wait, (after_wait + order[previous]) // 2)
+    return _wait_position(previous, order) + 1
+
+
 def _prefetch_gathers(graph: fx.Graph, max_inflight_bytes: int | None, serial_groups: frozenset[str]) -> bool:
     """Each gather moves up to just after the previous gather's issue (so issue order is unchanged and gather k+1
     is in flight while unit k computes), as long as the bytes of gathered buffers alive at its new position plus its
@@ -124,7 +137,11 @@ def _prefetch_gathers(graph: fx.Graph, max_inflight_bytes: int | None, serial_gr
             live[p] -= own
         earliest = max(
             [floor]
-            + ([_wait_position(previous_on_group[gather], order) + 1] if gather in previous_on_group else [])
+            + (
+                [_serial_earliest(previous_on_group[gather], previous_on_group, order)]
+                if gather in previous_on_group
+                else []
+            )
             + [order[a] + 1 for n in chain for a in n.all_input_nodes if a not in chain]
         )
         # Issued at p, the buffer is alive over [p, its first use]: the busiest point of that range must fit.
@@ -235,11 +252,13 @@ def schedule_collectives(
       reduce-scatter's issue (the last one: before the output).
     `serial_groups` are process groups that must never run two collectives at once (gloo: torch's
     ProcessGroupGloo corrupts its heap when two collectives finish together on its two worker threads; see
-    docs/design-notes.md). On them a gather is prefetched no earlier than the previous collective's wait, a reduce
-    wait sinks no further than the next collective's issue, and any remaining overlap is removed by moving the
-    earlier collective's wait up, even with `prefetch` off.
-    Guarantees: only node order changes (same nodes, same values), issue order of collectives is unchanged (every
-    rank issues the same sequence), at most one collective in flight per serial group, the graph stays
+    docs/design-notes.md). On them a gather is prefetched no earlier than the previous collective's wait (or, when
+    that collective is a gradient reduction, no earlier than halfway through the compute before the reduction: it
+    moves above it, `_serial_earliest`), a reduce wait sinks no further than the next collective's issue, and any
+    remaining overlap is removed by moving the earlier collective's wait up, even with `prefetch` off.
+    Guarantees: only node order changes (same nodes, same values); the issue order of collectives is unchanged
+    except that on a serial group a gather may move above a reduction (the same graph on every rank: every rank
+    still issues the same sequence); at most one collective in flight per serial group; the graph stays
     topologically valid. No-op when nothing matches.
     """
     serial = frozenset(serial_groups)

@@ -67,7 +67,9 @@ gather(<root>)
 
 def test_schedule_backward_prefetches_and_sinks_reduce_waits(fake_pg):
     _, bw = _lowered()
-    assert_expected_inline(_collective_order(bw), """\
+    assert_expected_inline(
+        _collective_order(bw),
+        """\
     mm_1
 gather(<root>)
   wait(<root>)
@@ -82,9 +84,12 @@ scatter(blocks.1)
   wait(blocks.1)
     mm_5
 scatter(blocks.0)
-  wait(blocks.0)""")
+  wait(blocks.0)""",
+    )
     schedule_collectives(bw)
-    assert_expected_inline(_collective_order(bw), """\
+    assert_expected_inline(
+        _collective_order(bw),
+        """\
     mm_1
 gather(<root>)
 gather(blocks.1)
@@ -99,7 +104,8 @@ scatter(blocks.1)
     mm_5
   wait(blocks.1)
 scatter(blocks.0)
-  wait(blocks.0)""")
+  wait(blocks.0)""",
+    )
 
 
 def test_schedule_respects_max_inflight_bytes(fake_pg):
@@ -184,6 +190,27 @@ gather(<root>)
     )
     reduce_scatter_as_all_to_all(bw, {group})
     schedule_collectives(bw, serial_groups={group})
+    # The backward: a unit's re-gather moves above the next unit's reduction, to the middle of that unit's compute
+    # (it is waited before the reduction is issued), so each reduction is in flight over the next unit's compute.
+    assert_expected_inline(
+        _collective_order(bw),
+        """\
+    mm_1
+gather(<root>)
+  wait(<root>)
+gather(blocks.1)
+    mm_2
+  wait(blocks.1)
+all_to_all(<root>)
+    mm_3
+    mm_4
+  wait(<root>)
+all_to_all(blocks.1)
+    mm_5
+  wait(blocks.1)
+all_to_all(blocks.0)
+  wait(blocks.0)""",
+    )
     for gm in (fw, bw):
         passes.check_collectives(gm, {group})
         gm.graph.lint()
