@@ -3,17 +3,28 @@
 import torch
 
 from fsdp_graph.train.launch import spawn
-from tests.workers.block_reuse import train_both
+from tests.workers.block_reuse import train_both, train_both_with_options
+
+
+def _assert_same_training(plain: dict, reused: dict, label: str) -> None:
+    assert plain["bodies"] == [[]] and reused["bodies"] == [["subgraph_0"] * 3], label
+    assert reused["losses"] == plain["losses"], label
+    for name, grad in plain["grads"].items():
+        torch.testing.assert_close(reused["grads"][name], grad, rtol=0, atol=0, msg=f"{label}: {name}")
+    for name, value in plain["params"].items():
+        torch.testing.assert_close(reused["params"][name], value, rtol=0, atol=0, msg=f"{label}: {name}")
+    assert [c for c in reused["collectives"] if "no collectives" not in c[1]] == plain["collectives"], label
 
 
 def test_reused_blocks_train_bit_for_bit_like_inlined_ones():
     """3 Llama blocks, 3 SGD steps: the same losses, gradients and parameters (exactly: the same kernels run in
     the same order), the same collectives, and one block body called 3 times."""
     for plain, reused in spawn(train_both, 2):
-        assert plain["bodies"] == [[]] and reused["bodies"] == [["subgraph_0"] * 3]
-        assert reused["losses"] == plain["losses"]
-        for name, grad in plain["grads"].items():
-            torch.testing.assert_close(reused["grads"][name], grad, rtol=0, atol=0, msg=name)
-        for name, value in plain["params"].items():
-            torch.testing.assert_close(reused["params"][name], value, rtol=0, atol=0, msg=name)
-        assert [c for c in reused["collectives"] if "no collectives" not in c[1]] == plain["collectives"]
+        _assert_same_training(plain, reused, "FULL_SHARD")
+
+
+def test_reused_blocks_with_bucketing_offload_shard_grad_op_and_bf16():
+    """The same, with bucketing and CPU offload, and with SHARD_GRAD_OP and bf16 parameters."""
+    for rank_results in spawn(train_both_with_options, 2):
+        for label, (plain, reused) in rank_results.items():
+            _assert_same_training(plain, reused, label)

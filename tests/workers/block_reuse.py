@@ -18,13 +18,20 @@ def body_calls(gm: torch.fx.GraphModule) -> list[str]:
     return [str(node.args[0].target) for node in calls]
 
 
-def train(rank: int, world: int, reuse: bool, inductor: bool = False) -> dict:
-    """STEPS SGD steps of a 3-block Llama, compiled with eager kernels (or Inductor): the losses, the last step's
-    full gradients, the final full parameters, the bodies the Dynamo graph calls and each lowered graph's
-    collectives."""
+def train(
+    rank: int,
+    world: int,
+    reuse: bool,
+    inductor: bool = False,
+    shard_options: dict | None = None,
+    backend_options: dict | None = None,
+) -> dict:
+    """STEPS SGD steps of a 3-block Llama, compiled with eager kernels (or Inductor), `fully_shard` and the backend
+    given the options: the losses, the last step's full gradients, the final full parameters, the bodies the Dynamo
+    graph calls and each lowered graph's collectives."""
     torch.manual_seed(0)
-    model = fsdp_graph.fully_shard(Llama(CFG), reuse_blocks=reuse)
-    backend = fsdp_graph.make_backend(inductor=inductor)
+    model = fsdp_graph.fully_shard(Llama(CFG), reuse_blocks=reuse, **(shard_options or {}))
+    backend = fsdp_graph.make_backend(inductor=inductor, **(backend_options or {}))
     dynamo_graphs: list[torch.fx.GraphModule] = []
 
     def capture(gm, example_inputs):
@@ -57,3 +64,23 @@ def train(rank: int, world: int, reuse: bool, inductor: bool = False) -> dict:
 def train_both(rank: int, world: int, inductor: bool = False) -> tuple[dict, dict]:
     """`train` without, then with, `reuse_blocks`."""
     return train(rank, world, False, inductor), train(rank, world, True, inductor)
+
+
+OPTIONS = {  # label: (fully_shard options, backend options)
+    "bucketing + CPU offload": ({"cpu_offload": fsdp_graph.CPUOffload(offload_params=True)}, {"bucket_bytes": 1 << 20}),
+    "SHARD_GRAD_OP + bf16": (
+        {
+            "strategy": fsdp_graph.ShardingStrategy.SHARD_GRAD_OP,
+            "mixed_precision": fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        },
+        {},
+    ),
+}
+
+
+def train_both_with_options(rank: int, world: int) -> dict[str, tuple[dict, dict]]:
+    """`train` without, then with, `reuse_blocks`, for each of OPTIONS."""
+    return {
+        label: tuple(train(rank, world, reuse, False, shard, backend) for reuse in (False, True))
+        for label, (shard, backend) in OPTIONS.items()
+    }
