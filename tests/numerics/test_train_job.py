@@ -16,6 +16,14 @@ from tests.workers.train_job import llama_checks
 FAST = ["--preset", "tiny", "--batch", "2", "--seq", "32", "--backend-mode", "aot"]
 
 
+@pytest.fixture(scope="module")
+def plain_job() -> dict:
+    """The job on 2 ranks without --tp, --pp or --reuse-blocks, 4 steps: what the --tp and --reuse-blocks jobs are
+    compared with (nothing in the job depends on --steps but the loop's length, so its first 3 steps are a 3-step
+    run's)."""
+    return train.main([*FAST, "--world", "2", "--steps", "4", "--plot", "none"])
+
+
 def test_llama_sharded_and_compiled_matches_single_process():
     for result in spawn(llama_checks, 2):
         for name in ("tied_full_shard", "untied_shard_grad_op"):
@@ -82,14 +90,15 @@ def test_pipeline_parallel_job_trains_and_resumes_exactly(tmp_path, capfd):
         assert abs(a - b) < 1e-6, (resumed["history"], straight["history"])
 
 
-def test_tensor_parallel_job_matches_the_data_parallel_job_and_resumes_exactly(tmp_path, capfd):
+def test_tensor_parallel_job_matches_the_data_parallel_job_and_resumes_exactly(tmp_path, capfd, plain_job):
     """--tp 2 on 4 ranks (dp=2 x tp=2) trains the same model on the same data as the job on 2 ranks without --tp
     (it starts from the same values), so the losses agree; checkpoints (DTensors on (dp, tp)) resume exactly."""
     ckpt = tmp_path / "ckpt"
     tp = [*FAST, "--tp", "2", "--world", "4", "--steps", "4", "--plot", "none"]
     straight = train.main([*tp, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--keep", "2"])
     assert "4 ranks (gloo, cpu) as dp=2 x tp=2" in capfd.readouterr().out
-    plain = train.main([*FAST, "--world", "2", "--steps", "4", "--plot", "none"])
+    plain = plain_job
+    assert len(straight["history"]) == len(plain["history"]) == 4, (straight["history"], plain["history"])
     assert max(abs(a - b) for (_, a), (_, b) in zip(straight["history"], plain["history"])) < 1e-5, (
         straight["history"],
         plain["history"],
@@ -101,12 +110,12 @@ def test_tensor_parallel_job_matches_the_data_parallel_job_and_resumes_exactly(t
         assert abs(a - b) < 1e-6, (resumed["history"], straight["history"])
 
 
-def test_reuse_blocks_job_trains_like_the_job_without_it():
+def test_reuse_blocks_job_trains_like_the_job_without_it(plain_job):
     """--reuse-blocks (one compiled block body for every layer) changes how the model compiles, not what it computes:
-    the same losses as the job without it, step for step."""
-    args = [*FAST, "--world", "2", "--steps", "3", "--plot", "none"]
-    reused = train.main([*args, "--reuse-blocks"])
-    plain = train.main(args)
+    the same losses as the job without it, step for step (its first 3 of 4)."""
+    reused = train.main([*FAST, "--world", "2", "--steps", "3", "--plot", "none", "--reuse-blocks"])
+    plain = {"history": plain_job["history"][:3]}
+    assert len(reused["history"]) == len(plain["history"]) == 3, (reused["history"], plain["history"])
     assert reused["last_loss"] < reused["first_loss"], reused
     assert max(abs(a - b) for (_, a), (_, b) in zip(reused["history"], plain["history"])) < 1e-6, (
         reused["history"],
