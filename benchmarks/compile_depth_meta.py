@@ -48,6 +48,14 @@ def measure(preset_name: str, layers: int, world: int, reuse_blocks: bool) -> di
         dist.destroy_process_group()
 
 
+def in_fresh_process(preset_name: str, layers: int, world: int, reuse_blocks: bool) -> dict:
+    """`measure` in a new Python process (nothing compiled or imported before it)."""
+    command = [sys.executable, __file__, "--child", "--preset", preset_name, "--world", str(world)]
+    command += ["--layers", str(layers), str(layers)] + (["--reuse-blocks"] if reuse_blocks else [])
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="70b")
@@ -59,12 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(measure(args.preset, args.layers[0], args.world, args.reuse_blocks)))
         return 0
-    results = []
-    for layers in args.layers:
-        command = [sys.executable, __file__, "--child", "--preset", args.preset, "--world", str(args.world)]
-        command += ["--layers", str(layers), str(layers)] + (["--reuse-blocks"] if args.reuse_blocks else [])
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    results = [in_fresh_process(args.preset, layers, args.world, args.reuse_blocks) for layers in args.layers]
     label = f"{args.preset}, world {args.world}, reuse_blocks={args.reuse_blocks}"
     for r in results:
         print(

@@ -23,10 +23,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -53,17 +53,14 @@ def cold_depth(layers: tuple[int, int] = (4, 16)) -> dict:
 
 
 def meta_depth() -> dict:
-    """{preset: {layers: compile s}} of `compile_depth_meta`'s measurement with `reuse_blocks`, a process each."""
-    script = ROOT / "benchmarks" / "compile_depth_meta.py"
+    """{preset: {layers: figures}} of `compile_depth_meta`'s measurement with `reuse_blocks`, a process each."""
+    from benchmarks.compile_depth_meta import in_fresh_process
+
     out: dict = {}
     for preset, *depths in META_CASES:
         for depth in depths:
             _progress(f"meta compile, {preset} shapes, {depth} layers, world 8")
-            command = [sys.executable, str(script), "--child", "--preset", preset, "--world", "8", "--reuse-blocks"]
-            done = subprocess.run(
-                command + ["--layers", str(depth), str(depth)], capture_output=True, text=True, check=True
-            )
-            out.setdefault(preset, {})[depth] = json.loads(done.stdout.strip().splitlines()[-1])
+            out.setdefault(preset, {})[depth] = in_fresh_process(preset, depth, 8, reuse_blocks=True)
     return out
 
 
@@ -73,19 +70,12 @@ def warm_restart(warm_runs: int = 2, world: int = 2) -> dict:
 
     job_argv = ["--preset", "tiny", "--backend-mode", "inductor", "--batch", "8"]
     cache = tempfile.mkdtemp(prefix="fsdp_graph_goals_")
-    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-    try:
-        runs = []
+    runs = []
+    with mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": cache}):  # the ranks inherit it: one cache
         for i in range(warm_runs + 1):
             _progress(f"main job restart {i + 1} of {warm_runs + 1} ({'cold' if i == 0 else 'warm'} cache)")
             runs.append(run_all_ranks(job_argv, world))
-    finally:
-        if previous is None:
-            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
-    entries = sum(1 for _ in (Path(cache) / "aotautograd").glob("*")) if (Path(cache) / "aotautograd").exists() else 0
+    entries = len(list((Path(cache) / "aotautograd").glob("*")))
     return {"runs": runs, "aot_cache_entries": entries, "world": world, "argv": job_argv}
 
 

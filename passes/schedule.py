@@ -102,8 +102,8 @@ def _serial_earliest(previous: fx.Node, previous_on_group: dict[fx.Node, fx.Node
 
 
 def _prefetch_gathers(graph: fx.Graph, max_inflight_bytes: int | None, serial_groups: frozenset[str]) -> bool:
-    """Each gather moves up to just after the previous gather's issue (so issue order is unchanged and gather k+1
-    is in flight while unit k computes), as long as the bytes of gathered buffers alive at its new position plus its
+    """Each gather moves up to just after the previous gather's issue (gather k+1 in flight while unit k computes;
+    on a serial group no earlier than `_serial_earliest`), as long as the bytes of gathered buffers alive at its new position plus its
     own stay within the budget; else to the first later position where they do.
 
     Positions are the ORIGINAL node indices throughout: a chain moves in front of the node that held its target
