@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_graph.api.config import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_graph.api.groups import Groups, post_forward_groups, resolve_groups, with_reduce_group
+from fsdp_graph.api.placement import move_buffers, moves_to, parameter_device
 from fsdp_graph.api.wrap import auto_wrap_policy
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.runtime import offload
@@ -68,12 +69,15 @@ def fully_shard(
     - `mixed_precision`: see `MixedPrecision`.
     - `ignored_modules` / `ignored_params`: left as ordinary replicated parameters; their gradients are not
       reduced.
-    - Meta-device models: each unit's parameters are materialised on `device` (default cpu) one module at a
+    - `device`: where parameters and buffers live. Default: the mesh's device type (FSDP2), or with mesh=None the
+      device the world group's collectives run on (the current CUDA device for NCCL and `cpu:gloo,cuda:nccl`, the
+      CPU for gloo); an accelerator this process lacks is refused (ValueError: pass device=). Parameters and
+      buffers on the CPU are moved there (each rank moves only its shard); ones already on a device stay.
+    - Meta-device models: each unit's parameters are materialised on `device` one module at a
       time with `param_init_fn(module)` or `module.reset_parameters()`; only this rank's shard is kept.
     - `sync_module_states`: broadcast rank 0's parameters and buffers before sharding.
     - `cpu_offload=CPUOffload(offload_params=True)`: flat shards and gradients stay in CPU memory; `device` is
-      then the compute device (default: the current CUDA device if there is one, else cpu), where gathers,
-      compute and buffers live.
+      then the compute device (default as above), where gathers, compute and buffers live.
     - `separate_reduce_group`: reduce gradients over a second process group with the shard group's ranks, so a
       reduce-scatter and a prefetched all-gather can run at the same time (NCCL runs one stream per group). Off by
       default: the overlap it buys is unmeasured, and each rank then holds a second communicator (its buffers).
@@ -118,9 +122,8 @@ def fully_shard(
         for k in sorted({k for k in reshard.values() if not isinstance(k, bool)})
     }
     mp = mixed_precision or MixedPrecision()
-    compute_device = _offload_compute_device(cpu_offload, device)
-    if compute_device is not None:
-        device = compute_device
+    device = parameter_device(mesh, device)
+    compute_device = device if _offloads_params(cpu_offload) else None
     if sync_module_states:
         sync_module_states_from_rank0(model, ignored)
     if mp.buffer_dtype is not None:
@@ -151,14 +154,15 @@ def fully_shard(
                 mp,
                 root_state,
                 compute_device,
+                device,
                 layout,
                 views_tp_mesh,
             )
             root_state.flat_params.append(state)
         del values
-    materialize_buffers(model, torch.device(device or "cpu"), param_init_fn)
-    if compute_device is not None:
-        _move_buffers(model, compute_device)
+    materialize_buffers(model, device, param_init_fn)
+    offloading = compute_device is not None  # then every buffer goes to the compute device, as before
+    move_buffers(model, device, () if offloading else ignored_modules, all_devices=offloading)
     for unit in units:
         casts = mp.cast_forward_inputs or (unit is model and mp.cast_root_forward_inputs)
         has_states = "_fsdp_states" in unit.__dict__
@@ -198,26 +202,10 @@ def _check_tp_options(uses, tp, reshard, cpu_offload, sync_module_states) -> Non
             )
 
 
-def _offload_compute_device(cpu_offload: CPUOffload | None, device) -> torch.device | None:
-    """None without parameter offload; else the device gathers and compute run on."""
-    if cpu_offload is None:
-        return None
-    if not isinstance(cpu_offload, CPUOffload):
+def _offloads_params(cpu_offload: CPUOffload | None) -> bool:
+    if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
         raise TypeError(f"fully_shard: cpu_offload must be a fsdp_graph.CPUOffload, got {cpu_offload!r}")
-    if not cpu_offload.offload_params:
-        return None
-    if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _move_buffers(model: nn.Module, device: torch.device) -> None:
-    for module in model.modules():
-        for name, buf in module._buffers.items():
-            if buf is not None and buf.device != device:
-                module._buffers[name] = buf.to(device)
+    return cpu_offload is not None and cpu_offload.offload_params
 
 
 def _state_dict_placements(strategy: ShardingStrategy) -> tuple:
@@ -392,7 +380,6 @@ def _unit_values(members, params, uses, param_init_fn, device, tp) -> dict[int, 
     module at a time (this unit's parameters are the most any rank holds unsharded at once; a tensor-parallel
     parameter's value is its tp piece)."""
     values = {pid: params[pid] for pid in members}
-    device = torch.device(device or "cpu")
     for pid in members:
         if values[pid].device.type != "meta":
             continue
@@ -417,6 +404,7 @@ def _shard_flat_param(
     mp: MixedPrecision,
     root_state,
     compute_device: torch.device | None,
+    device: torch.device,
     layout_kind: str,
     views_tp_mesh: DeviceMesh | None,
 ) -> FlatParamState:
@@ -429,6 +417,8 @@ def _shard_flat_param(
     shard = layout.shard_of(values)
     if compute_device is not None:  # pinned: the host-to-device copy of each gather can be asynchronous
         shard = offload.pinned(shard.to("cpu"))
+    elif moves_to(shard.device, device):
+        shard = shard.to(device)
     shard.requires_grad_(params[0].requires_grad)
     index = len(unit.__dict__.get("_fsdp_states", []))
     state = FlatParamState(

@@ -7,9 +7,12 @@ import torch
 import torch.distributed as dist
 
 import fsdp_graph
+from fsdp_graph.api import placement
 from fsdp_graph.runtime import devices
 from fsdp_graph.runtime.devices import backend_for, choose_device, collective_device
 from fsdp_graph.runtime.unit import flat_params
+from torch.distributed.device_mesh import DeviceMesh
+
 from tests.graphs.capture import TwoBlock
 
 CPU, META = torch.device("cpu"), torch.device("meta")
@@ -100,7 +103,7 @@ def test_mixed_group_runs_cpu_tensors_on_gloo(monkeypatch, fake_pg):
     _mixed_nccl(monkeypatch)
     assert ops.is_gloo_group(fake_pg.group_name, "cpu")
     assert not ops.is_gloo_group(fake_pg.group_name, torch.device("cuda", 0))
-    model = fsdp_graph.fully_shard(TwoBlock(), separate_reduce_group=False)
+    model = fsdp_graph.fully_shard(TwoBlock(), separate_reduce_group=False, device="cpu")
     assert _gloo_groups(dynamo_graph(model, torch.randn(2, 4))) == {fake_pg.group_name}
     with torch.device("meta"):  # shards off the CPU: not gloo's
         model = TwoBlock()
@@ -112,4 +115,45 @@ def test_mixed_nccl_group_reduces_on_its_shard_group_by_default(monkeypatch, fak
     """separate_reduce_group is off by default, NCCL included (issue 11: unmeasured, and a second communicator costs
     memory). Opting in is tested on gloo ranks (tests/numerics/test_reduce_group.py)."""
     _mixed_nccl(monkeypatch)
-    assert all(state.reduce_group == "" for state in flat_params(fsdp_graph.fully_shard(TwoBlock())))
+    assert all(state.reduce_group == "" for state in flat_params(fsdp_graph.fully_shard(TwoBlock(), device="cpu")))
+
+
+def _meta_two_block() -> TwoBlock:
+    with torch.device("meta"):
+        return TwoBlock()
+
+
+@pytest.mark.parametrize("config", ["cuda:nccl", "cpu:gloo,cuda:nccl"])
+def test_a_meta_model_is_materialised_on_the_groups_accelerator_not_the_cpu(monkeypatch, fake_pg, config):
+    """Issue 27 item 6: the default was the CPU, so a pure NCCL group failed at its first gather and a mixed one
+    trained on the CPU over gloo. This machine has no CUDA, so the choice shows as the error naming the fix."""
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    with pytest.raises(ValueError, match=rf"backend '{config}' puts the parameters on cuda.*Pass device="):
+        fsdp_graph.fully_shard(_meta_two_block())
+    with pytest.raises(ValueError, match=r"mesh's device type 'cuda'.*Pass device="):
+        fsdp_graph.fully_shard(_meta_two_block(), DeviceMesh("cuda", torch.arange(4)))
+    model = fsdp_graph.fully_shard(_meta_two_block(), device="cpu")  # explicit: still honoured
+    assert all(state.flat_shard.device == CPU for state in flat_params(model))
+
+
+def test_the_default_parameter_device_is_the_mesh_or_group_device(monkeypatch, fake_pg):
+    monkeypatch.setattr(placement, "_available", lambda device_type: True)
+    monkeypatch.setattr(devices, "_current_index", lambda device_type: 5)
+    assert placement.parameter_device(None, None) == CPU  # the fake group: the CPU
+    assert placement.parameter_device(DeviceMesh("cuda", torch.arange(4)), None) == torch.device("cuda", 5)
+    assert placement.parameter_device(DeviceMesh("cpu", torch.arange(4)), None) == CPU
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert placement.parameter_device(None, None) == torch.device("cuda", 5)
+    assert placement.parameter_device(None, "cuda:1") == torch.device("cuda", 1)
+
+
+def test_a_cpu_built_model_moves_its_shards_and_buffers_to_the_device(monkeypatch, fake_pg):
+    """Meta plays the accelerator (no copy can run here): only the CPU moves, and ignored modules stay."""
+    monkeypatch.setattr(placement, "is_accelerator", lambda device: device.type == "meta")
+    model = TwoBlock()
+    model.blocks[0].register_buffer("scale", torch.ones(4))
+    model.head.register_buffer("kept", torch.ones(2))
+    fsdp_graph.fully_shard(model, device="meta", ignored_modules=[model.head])
+    assert all(state.flat_shard.device == META for state in flat_params(model))
+    assert model.blocks[0].scale.device == META and model.head.kept.device == CPU
+    assert model.head.weight.device == CPU
