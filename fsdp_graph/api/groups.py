@@ -112,9 +112,9 @@ def _shard_rank_lists(mesh: DeviceMesh | None, strategy: ShardingStrategy) -> li
 def post_forward_groups(mesh: DeviceMesh | None, strategy: ShardingStrategy, groups: Groups, k: int) -> tuple[str, str]:
     """(piece group, node group) of this rank for `reshard_after_forward=k`: the shard group of N ranks (in rank
     order) as an (N / k, k) arrangement. Node groups are k consecutive ranks (a node's GPUs, when k is the GPUs per
-    node); the piece group is the N / k ranks at this rank's position in theirs (ranks j, j + k, ...). Collective:
-    every rank of the world creates every group, in the same order (gloo: single-thread copies, like the shard
-    group's)."""
+    node); the piece group is the N / k ranks at this rank's position in theirs (ranks j, j + k, ...). Every rank of
+    the shard group calls this, in the same order; each group is made once, by its members only (gloo:
+    single-thread copies, like the shard group's)."""
     lists = [sorted(ranks) for ranks in _shard_rank_lists(mesh, strategy)]
     nodes = [ranks[i : i + k] for ranks in lists for i in range(0, len(ranks), k)]
     pieces = [ranks[j::k] for ranks in lists for j in range(k)]
@@ -122,15 +122,35 @@ def post_forward_groups(mesh: DeviceMesh | None, strategy: ShardingStrategy, gro
     return _this_ranks_group(pieces, f"piece{k}", shard_pg), _this_ranks_group(nodes, f"node{k}", shard_pg)
 
 
+# (default group, purpose, this rank's group's ranks, the shard group) -> the group: made once, as gloo's are.
+_post_forward_groups: dict[tuple[object, str, tuple[int, ...], str], dist.ProcessGroup] = {}
+
+
 def _this_ranks_group(rank_lists: list[list[int]], purpose: str, like: dist.ProcessGroup) -> str:
+    """This rank's group among `rank_lists` (disjoint, each inside one shard group `like`), made once and by its
+    members only. A world-wide `new_group` advances a counter on every rank that names the next world-wide group;
+    pipeline stages with different `reshard_after_forward` would advance it differently, and later groups would
+    get different names per stage and hang. The members share `like`, so they make the same calls in one order."""
     if dist.get_backend(like) in GLOO_BACKENDS:
-        return single_thread_gloo_group(rank_lists, purpose, gloo_timeout(like)).group_name
-    mine = None
-    for ranks in rank_lists:
-        group = dist.new_group(ranks, backend=dist.get_backend_config(like), group_desc=f"fsdp_{purpose}")
-        if dist.get_rank() in ranks:
-            mine = group
-    return mine.group_name
+        return single_thread_gloo_group(rank_lists, purpose, gloo_timeout(like), members_only=True).group_name
+    mine = next(ranks for ranks in rank_lists if dist.get_rank() in ranks)
+    key = (dist.group.WORLD, purpose, tuple(mine), like.group_name)
+    if key not in _post_forward_groups:
+        _post_forward_groups[key] = _members_group(rank_lists, mine, purpose, like)
+    return _post_forward_groups[key].group_name
+
+
+def _members_group(rank_lists: list[list[int]], mine: list[int], purpose: str, like: dist.ProcessGroup):
+    if _splittable(like):  # new_group would split the default group, which every rank would have to join
+        members = set(dist.get_process_group_ranks(like))
+        inside = [[dist.get_group_rank(like, r) for r in ranks] for ranks in rank_lists if set(ranks) <= members]
+        group = dist.split_group(parent_pg=like, split_ranks=inside, group_desc=f"fsdp_{purpose}")
+        if group is None:
+            raise RuntimeError(f"fully_shard: splitting process group {like.group_name} returned no group")
+        return group
+    return dist.new_group(
+        mine, backend=dist.get_backend_config(like), use_local_synchronization=True, group_desc=f"fsdp_{purpose}"
+    )
 
 
 def _check_spans_or_slices_world(mesh: DeviceMesh) -> None:

@@ -58,23 +58,29 @@ def is_gloo(group: dist.ProcessGroup) -> bool:
 
 
 def single_thread_gloo_group(
-    rank_lists: Sequence[Sequence[int]], purpose: str, timeout: timedelta | None = None
+    rank_lists: Sequence[Sequence[int]], purpose: str, timeout: timedelta | None = None, *, members_only: bool = False
 ) -> dist.ProcessGroup:
     """This rank's group among `rank_lists` (every group of one mesh dimension), as a single-thread gloo group.
 
     Collective like `dist.new_group`: every rank of the world calls it with the same `rank_lists` and `purpose`, in
     the same order. Each (ranks, purpose) is created once per default group and then reused, so sharding many
     models does not open new connections each time. `purpose` keeps groups that must stay distinct apart (the
-    gradient-reduction duplicate of a shard group). `timeout` (default: the world group's) bounds each collective."""
+    gradient-reduction duplicate of a shard group). `timeout` (default: the world group's) bounds each collective.
+    `members_only`: only this rank's group is made, and only its members call this (`use_local_synchronization`:
+    torch's world-wide group counter does not move, so ranks that make different groups stay in step)."""
     _register()
     world = dist.group.WORLD
     if timeout is None:
         timeout = gloo_timeout(world)
+    if members_only:
+        rank_lists = [ranks for ranks in rank_lists if dist.get_rank() in ranks]
     mine = None
     for ranks in rank_lists:
         key = (world, purpose, tuple(int(r) for r in ranks), timeout)
         if key not in _groups:
-            _groups[key] = dist.new_group(list(key[2]), backend=SINGLE_THREAD_GLOO, timeout=timeout)
+            _groups[key] = dist.new_group(
+                list(key[2]), backend=SINGLE_THREAD_GLOO, timeout=timeout, use_local_synchronization=members_only
+            )
         if dist.get_rank() in key[2]:
             mine = _groups[key]
     if mine is None:

@@ -215,3 +215,29 @@ def test_bad_int_values_are_refused(fake_pg, value, error, match):
 def test_no_shard_refuses_an_int(fake_pg):
     with pytest.raises(ValueError, match="NO_SHARD has nothing to reshard"):
         fsdp_graph.fully_shard(TwoBlock(), strategy=fsdp_graph.ShardingStrategy.NO_SHARD, reshard_after_forward=2)
+
+
+def test_int_groups_are_made_once_by_their_members_and_move_no_world_counter(fake_pg, monkeypatch):
+    """Issue 27 item 7: each call made 2k world-wide groups anew (a leak), and a world-wide `new_group` advances
+    torch's counter that names the next one, so pipeline stages with different settings would name later groups
+    differently and hang. Now: this rank's two groups, once, and the counter moves as for `True`."""
+    made = []
+    real_new_group = dist.new_group
+
+    def new_group(*args, **kwargs):
+        made.append(kwargs.get("use_local_synchronization", False))
+        return real_new_group(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "new_group", new_group)
+    world = dist.distributed_c10d._world
+
+    def counter_moves(reshard) -> int:
+        before = world.group_count
+        fsdp_graph.fully_shard(TwoBlock(), reshard_after_forward=reshard)
+        return world.group_count - before
+
+    assert counter_moves(True) == 0 and made == []
+    assert counter_moves(2) == 0 and made == [True, True]  # the piece and node group of rank 0, members only
+    state = flat_params(fsdp_graph.fully_shard(TwoBlock(), reshard_after_forward=2))[0]
+    assert made == [True, True]  # reused
+    assert (_ranks(state.piece_group), _ranks(state.post_forward_group)) == ([0, 2], [0, 1])

@@ -16,6 +16,8 @@ def test_reshard_after_forward_int_parity_and_groups():
         Case("gpt", "sgd", reshard="int2_root", steps=3),
     ]
     results = spawn(reshard_int, 4, (cases,))
+    # The shard group is made once (world-wide); the piece and node groups by their members only, on real gloo.
+    assert [r["counter_moves"] for r in results] == [[1, 0, 0]] * 4, results[0]["counter_moves"]
     for rank_result in results:
         for r in rank_result["cases"]:
             loss_gap = max(abs(a - b) for a, b in zip(r.losses, r.ref_losses))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 
 import fsdp_graph
 from fsdp_graph.planning.measure import collectives_per_group, executed_collectives, wire_bytes_per_group
@@ -58,10 +59,23 @@ def per_phase(rank: int, mode: str, reshard: bool | int = 2) -> dict:
     return out
 
 
+def world_group_counter_moves() -> list[int]:
+    """How far torch's world-wide group counter (it names the next world-wide group) moves in `fully_shard` with
+    reshard_after_forward True, 2, 2: the first makes the shard group; k must move it no further (issue 27 item 7)."""
+    counter = dist.distributed_c10d._world
+    moves = []
+    for reshard in (True, 2, 2):
+        before = counter.group_count
+        fsdp_graph.fully_shard(torch.nn.Linear(4, 4), reshard_after_forward=reshard)
+        moves.append(counter.group_count - before)
+    return moves
+
+
 def reshard_int(rank: int, world: int, cases: list[Case]) -> dict:
     """Parity of `cases` with single-process training, and per-group collective counts, eager and compiled (eager:
     bytes per group too, with `reshard_after_forward=True` beside for comparison)."""
     return {
+        "counter_moves": world_group_counter_moves(),
         "cases": [run_case(case, rank, world) for case in cases],
         "groups": {mode: per_phase(rank, mode) for mode in ("aot", "eager")},
         "whole": per_phase(rank, "eager", True),
