@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_graph.ir.ops import REDUCE_SIGNATURE, UNSHARD_SIGNATURE, reduce_args
+from fsdp_graph.runtime import offload
 from fsdp_graph.runtime.unit import FlatParamState
 
 
@@ -56,7 +57,7 @@ def reduce_accumulated(model: nn.Module) -> int:
     use (`ops.reduce_args`), then through autograd into the flat shard, so its hook hands `.grad` out (added to an
     existing one) and runs the `after_grad` callbacks exactly as after a backward."""
     root = _root(model, "reduce_accumulated")
-    shards, reduced = [], []
+    shards, reduced, copied_from = [], [], set()
     for state in root.flat_params:
         leaf = state.unsynced
         if leaf is None or leaf.grad is None:
@@ -71,6 +72,11 @@ def reduce_accumulated(model: nn.Module) -> int:
         grad, leaf.grad = leaf.grad, None
         reduced.append(torch.ops.fsdp.reduce_grad(*REDUCE_SIGNATURE.call_args({"full_grad": grad, **args})))
         shards.append(shard)
+        copied_from.add(state.compute_device)
+    # CPU offload: each reduced gradient is the target of an asynchronous device-to-host copy, and autograd cannot
+    # take a gradient this list still holds, so it copies it on the host at once; wait for the copies first.
+    for device in {device for device in copied_from if offload.is_accelerator(device)}:
+        offload.recorded_event(device).synchronize()
     if shards:
         torch.autograd.backward(shards, reduced)
     return len(shards)

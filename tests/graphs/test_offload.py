@@ -8,8 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import fsdp_graph
+from fsdp_graph.api.sync import reduce_accumulated
 from fsdp_graph.runtime import offload
 from fsdp_graph.runtime.flat_param import FlatParamLayout
 from fsdp_graph.runtime.grads import install_grad_hook
@@ -129,3 +132,41 @@ def test_shards_without_offload_are_not_pinned(fake_pg, fake_pinning):
     model = fsdp_graph.fully_shard(TwoBlock(), device="cpu")
     model.double()
     assert not any(state.flat_shard.is_pinned() for state in flat_params(model))
+
+
+class _HostReadsOfReduced(TorchDispatchMode):
+    """Logs each `fsdp.reduce_grad` output (under offload: the target of an asynchronous device-to-host copy) and
+    every later op that reads one (on a GPU such a read must wait for the copy)."""
+
+    def __init__(self, log: list):
+        super().__init__()
+        self.log, self.reduced = log, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(t.untyped_storage().data_ptr() in self.reduced for t in tensors):
+            self.log.append(("read", func.__name__))
+        out = func(*args, **kwargs)
+        if func is torch.ops.fsdp.reduce_grad.default:
+            self.reduced.add(out.untyped_storage().data_ptr())
+            self.log.append("reduced")
+        return out
+
+
+def test_stage_end_reduction_reads_no_offloaded_gradient_before_its_copy(fake_pg, monkeypatch):
+    """Issue 27 item 1: `reduce_accumulated` (pipeline stages) handed autograd gradients its own list still held, so
+    autograd copied them on the host at once, before their asynchronous device-to-host copies had landed (the
+    GradFence only delays the hook). Every read of a reduced gradient must follow a wait on the compute device."""
+    log = _Log()
+    monkeypatch.setattr(offload, "is_accelerator", lambda device: device is not None)  # the CPU plays the GPU
+    monkeypatch.setattr(offload, "recorded_event", log.event)
+    model = fsdp_graph.fully_shard(TwoBlock(), cpu_offload=fsdp_graph.CPUOffload(offload_params=True), device="cpu")
+    fsdp_graph.set_requires_gradient_sync(model, False)
+    model(torch.randn(2, 4)).sum().backward()
+    log.clear()
+    with _HostReadsOfReduced(log):
+        assert reduce_accumulated(model) == len(flat_params(model))
+    first_read = next(i for i, entry in enumerate(log) if entry[0] == "read")
+    assert "synchronize" in log[:first_read], log
+    assert all(p.grad is not None for p in model.parameters())
