@@ -100,7 +100,8 @@ class FSDPModule:
         """HYBRID strategies: False skips the all-reduce across replicas in the next backwards; each adds its
         reduce-scattered sum to a shard-size partial sum instead (`.grad` is untouched). The first backward with it
         True again adds the partial sum before its all-reduce, so the gradients equal reducing every backward
-        (FSDP2's semantics). No effect without replicas. Compiled: one graph per setting, compiled once."""
+        (FSDP2's semantics). No effect without replicas. Compiled: one graph per setting, compiled once. Under CPU
+        offload the partial sum lives on the compute device (one shard per unit)."""
         for state in _states(self, "set_requires_all_reduce"):
             if not requires_all_reduce and state.partial is None and state.flat_shard.requires_grad:
                 _add_partial(state)
@@ -109,8 +110,11 @@ class FSDPModule:
 
 def _add_partial(state) -> None:
     shard = state.flat_shard
-    # An expanded scalar (as no_sync's accumulator): only its `.grad` takes memory, one shard's worth.
-    leaf = torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.numel())
+    # An expanded scalar (as no_sync's accumulator): only its `.grad` takes memory, one shard's worth. On the device
+    # the gradients are reduced on (CPU offload: the compute device, as no_sync's): a host partial sum would take
+    # asynchronous copies autograd adds into at once, and the all-reduce graph would add a host tensor on the device.
+    device = state.compute_device or shard.device
+    leaf = torch.zeros((), dtype=shard.dtype, device=device).expand(shard.numel())
     state.partial = leaf.requires_grad_()
     torch._dynamo.mark_static(leaf)
 

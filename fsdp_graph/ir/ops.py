@@ -135,8 +135,9 @@ def unshard(
     - `sync=True` with `unsynced` (the accumulated gradient): it is added before the one reduction.
 
     Replica all-reduce (`set_requires_all_reduce`, HYBRID) likewise, through `all_reduce` and `partial`:
-    - `all_reduce=False`: `partial` is a shard-size leaf; the reduce-scattered, not yet all-reduced sum becomes ITS
-      gradient (accumulated by autograd) and the shard gets none.
+    - `all_reduce=False`: `partial` is a shard-size leaf on the device gradients are reduced on (`compute_device`
+      under CPU offload); the reduce-scattered, not yet all-reduced sum becomes ITS gradient (accumulated by
+      autograd, no copy) and the shard gets none.
     - `all_reduce=True` with `partial` (the accumulated partial sum): it is added before the all-reduce.
 
     `gathered` (`set_reshard_after_backward(False)` in a compiled step): this flat parameter as gathered by an
@@ -298,7 +299,9 @@ def _unshard_backward(ctx, grad: torch.Tensor):
     if unsynced is not None:  # the last microbatch after no_sync: one reduction of everything accumulated
         grad = grad.to(unsynced.dtype) + unsynced
     if not ctx.reduce_args["all_reduce"]:  # the partial sum goes to the partial leaf, nothing to the shard
-        reduced = reduce_grad(*REDUCE_SIGNATURE.call_args({"full_grad": grad, **ctx.reduce_args}))
+        # The leaf lives where gradients are reduced (CPU offload included): no copy to the shard's device.
+        args = {"full_grad": grad, **ctx.reduce_args, "out_device": None}
+        reduced = reduce_grad(*REDUCE_SIGNATURE.call_args(args))
         return UNSHARD_SIGNATURE.gradients(partial=reduced.to(partial.dtype))
     reduced = reduce_grad(*REDUCE_SIGNATURE.call_args({"full_grad": grad, **ctx.reduce_args, "partial": partial}))
     return UNSHARD_SIGNATURE.gradients(shard=reduced)

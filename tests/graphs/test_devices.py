@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 import fsdp_graph
 from fsdp_graph.api import placement
 from fsdp_graph.runtime import devices
 from fsdp_graph.runtime.devices import backend_for, choose_device, collective_device
 from fsdp_graph.runtime.unit import flat_params
-from torch.distributed.device_mesh import DeviceMesh
-
 from tests.graphs.capture import TwoBlock
 
 CPU, META = torch.device("cpu"), torch.device("meta")

@@ -20,7 +20,7 @@ from fsdp_graph.runtime.offload import GradFence
 from fsdp_graph.runtime.unit import flat_params
 from tests.graphs.capture import TwoBlock
 
-CPU = torch.device("cpu")
+CPU, META = torch.device("cpu"), torch.device("meta")
 
 
 class _Log(list):
@@ -170,3 +170,57 @@ def test_stage_end_reduction_reads_no_offloaded_gradient_before_its_copy(fake_pg
     first_read = next(i for i, entry in enumerate(log) if entry[0] == "read")
     assert "synchronize" in log[:first_read], log
     assert all(p.grad is not None for p in model.parameters())
+
+
+_DEVICE_MOVES = (torch.ops.prims.device_put.default, torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+
+
+def _mixed_device_nodes(gm: torch.fx.GraphModule) -> list[str]:
+    """Nodes (other than device moves) whose tensor inputs live on more than one device (0-dim CPU scalars aside,
+    which torch lets mix): under eager kernels a device mismatch, under Inductor a mixed-device kernel."""
+    mixed = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target in _DEVICE_MOVES:
+            continue
+        values = [a.meta.get("val") for a in node.all_input_nodes]
+        devices = {v.device for v in values if isinstance(v, torch.Tensor) and v.ndim > 0}
+        if len(devices) > 1:
+            mixed.append(f"{node.format_node()} {sorted(map(str, devices))}")
+    return mixed
+
+
+def test_partial_sums_of_offloaded_units_stay_on_the_compute_device(fake_pg):
+    """Issue 27 item 2: with set_requires_all_reduce(False) under CPU offload the partial sum lived on the host, so
+    the lowering added the device gradient into a host tensor (and eagerly, autograd accumulated into it while
+    the asynchronous copy was in flight). Meta is the compute device: eagerly the partial sums accumulate there;
+    compiled, the forward compiles the graphs that add them before the all-reduce, and neither mixes devices (the
+    graph without all-reduce has no such add; the eager run shows its partial sums' device)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def sharded() -> tuple[nn.Module, list]:
+        model = fsdp_graph.fully_shard(
+            TwoBlock(),
+            init_device_mesh("cpu", (2, 2)),
+            strategy=fsdp_graph.ShardingStrategy.HYBRID_SHARD,
+            cpu_offload=fsdp_graph.CPUOffload(offload_params=True),
+            device="meta",
+        )
+        return model, [m for m in model.modules() if isinstance(m, fsdp_graph.FSDPModule)]
+
+    model, units = sharded()
+    for unit in units:
+        unit.set_requires_all_reduce(False)
+    for _ in range(2):  # the second adds into the first's partial sums
+        model(torch.randn(2, 4, device="meta")).sum().backward()
+    assert [state.partial.grad.device for state in flat_params(model)] == [META] * len(units)
+
+    model, units = sharded()
+    for unit in units:  # the graph that adds the partial sums before the all-reduce, as after the loop above
+        unit.set_requires_all_reduce(False)
+        unit.set_requires_all_reduce(True)
+    for state in flat_params(model):
+        state.partial.grad = torch.zeros_like(state.partial)
+    backend = fsdp_graph.make_backend(inductor=False, keep_graphs=True)
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 4, device="meta"))
+    assert [r.stage for r in backend.reports] == ["fw", "bw"]
+    assert [_mixed_device_nodes(r.graph) for r in backend.reports] == [[], []]
