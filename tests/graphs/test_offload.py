@@ -134,9 +134,13 @@ def test_shards_without_offload_are_not_pinned(fake_pg, fake_pinning):
     assert not any(state.flat_shard.is_pinned() for state in flat_params(model))
 
 
+_READS_NO_DATA = (torch.ops.aten.new_empty_strided.default, torch.ops.aten.new_empty.default)
+
+
 class _HostReadsOfReduced(TorchDispatchMode):
     """Logs each `fsdp.reduce_grad` output (under offload: the target of an asynchronous device-to-host copy) and
-    every later op that reads one (on a GPU such a read must wait for the copy)."""
+    every later op that reads one's data (on a GPU such a read must wait for the copy; views and allocations like
+    it do not read)."""
 
     def __init__(self, log: list):
         super().__init__()
@@ -145,7 +149,8 @@ class _HostReadsOfReduced(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if any(t.untyped_storage().data_ptr() in self.reduced for t in tensors):
+        reads = not func.is_view and func not in _READS_NO_DATA
+        if reads and any(t.untyped_storage().data_ptr() in self.reduced for t in tensors):
             self.log.append(("read", func.__name__))
         out = func(*args, **kwargs)
         if func is torch.ops.fsdp.reduce_grad.default:
