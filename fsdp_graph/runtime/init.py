@@ -83,17 +83,34 @@ def materialize_buffers(
                 reset()
 
 
+SYNC_BUCKET_BYTES = 250 * 2**20  # one broadcast carries up to this much (as FSDP1's parameter broadcasts)
+
+
 @torch.no_grad()
 def sync_module_states_from_rank0(model: nn.Module, ignored: set[int]) -> None:
-    """Broadcast rank 0's parameters and buffers to every rank (before sharding), as FSDP1's sync_module_states."""
+    """Broadcast rank 0's parameters and buffers to every rank (before sharding), as FSDP1's sync_module_states:
+    one broadcast per bucket of tensors of one dtype and device (up to SYNC_BUCKET_BYTES each), not one per
+    tensor, each on the group's collective device (e.g. a model built on the CPU, synced over NCCL)."""
     tensors = [p for p in model.parameters() if id(p) not in ignored] + [b for b in model.buffers()]
     if any(_is_meta(t) for t in tensors):
         raise ValueError("fully_shard: sync_module_states=True needs materialised parameters, not meta ones.")
+    for bucket in _buckets(tensors, SYNC_BUCKET_BYTES):
+        flat = torch.cat([t.data.reshape(-1) for t in bucket]).to(collective_device(None, bucket[0].device))
+        dist.broadcast(flat, src=0)
+        for t, piece in zip(bucket, flat.split([t.numel() for t in bucket])):
+            t.data.copy_(piece.view(t.shape))
+
+
+def _buckets(tensors: list[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:
+    """`tensors` by (dtype, device), in first-seen order (the same on every rank), cut at `max_bytes`."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+    filled: dict[tuple[torch.dtype, torch.device], int] = {}  # bytes in each kind's last bucket
     for t in tensors:
-        device = collective_device(None, t.device)
-        if device == t.device:
-            dist.broadcast(t.data, src=0)
-        else:  # e.g. a model built on the CPU, synced over NCCL
-            moved = t.data.to(device)
-            dist.broadcast(moved, src=0)
-            t.data.copy_(moved)
+        kind, size = (t.dtype, t.device), t.numel() * t.element_size()
+        buckets = by_kind.setdefault(kind, [[]])
+        if buckets[-1] and filled[kind] + size > max_bytes:
+            buckets.append([])
+            filled[kind] = 0
+        buckets[-1].append(t)
+        filled[kind] = filled.get(kind, 0) + size
+    return [bucket for buckets in by_kind.values() for bucket in buckets]

@@ -128,3 +128,29 @@ def test_state_dict_mesh_of_an_accelerator_resident_model(fake_pg):
     fsdp_graph.fully_shard(model, device="meta")
     weight = model.state_dict()["head.weight"]
     assert weight.device_mesh.device_type == "meta" and weight.to_local().device == META
+
+
+def test_sync_module_states_broadcasts_one_bucket_per_dtype(fake_pg, monkeypatch):
+    """Issue 27 (minor): one broadcast per tensor became one per bucket of a dtype and device; each tensor gets its
+    own slice of rank 0's bucket back (the fake broadcast plays rank 0 by adding 1), and buckets are cut at the
+    byte limit."""
+    from fsdp_graph.runtime import init
+
+    model = TwoBlock()
+    model.blocks[0].register_buffer("steps", torch.arange(3))
+    before = [t.clone() for t in [*model.parameters(), *model.buffers()]]
+    sent = []
+
+    def broadcast(tensor, src, **kwargs):
+        sent.append((tensor.dtype, tensor.numel()))
+        tensor.add_(1)
+
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+    init.sync_module_states_from_rank0(model, set())
+    numel = sum(p.numel() for p in model.parameters())
+    assert sent == [(torch.float32, numel), (torch.int64, 3)]
+    assert all(torch.equal(t, old + 1) for t, old in zip([*model.parameters(), *model.buffers()], before))
+    monkeypatch.setattr(init, "SYNC_BUCKET_BYTES", 4 * 20)  # 20 floats: the 16-element weight, then the rest
+    sent.clear()
+    init.sync_module_states_from_rank0(model, set())
+    assert sent == [(torch.float32, 20), (torch.float32, 20), (torch.float32, numel - 40), (torch.int64, 3)]
