@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from fsdp_graph.ir import (
     ALL_GATHER,
+    ALL_REDUCE,
     ALL_TO_ALL,
     META_ROLE,
     REDUCE_SCATTER,
@@ -175,27 +176,24 @@ def _wait_chain(wait: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node] | Non
     return sorted(chain, key=order.__getitem__)
 
 
-def _sink_reduce_waits(graph: fx.Graph, serial_groups: frozenset[str]) -> bool:
-    """Each reduce-scatter's wait (and the reduction's tail) moves down to just before the next reduce-scatter is
-    issued, so one reduction is in flight while the next unit's backward computes; the last one waits just before
-    the output. At most two full-size gradients are held by reductions at any time. On a serial group the wait
-    stops before the next collective of any kind on that group."""
-    scatters = [
-        n for n in graph.nodes if n.target in (REDUCE_SCATTER, ALL_TO_ALL) and n.meta.get(META_ROLE) == ROLE_REDUCE
-    ]
+def _sink_waits(graph: fx.Graph, targets: tuple, serial_groups: frozenset[str]) -> bool:
+    """Each reduction collective of `targets` has its wait (and the reduction's tail after it) moved down to just
+    before the next such collective is issued; the last one waits just before the output. On a serial group the
+    wait stops before the next collective of any kind on that group."""
+    issues = [n for n in graph.nodes if n.target in targets and n.meta.get(META_ROLE) == ROLE_REDUCE]
     output = next(n for n in graph.nodes if n.op == "output")
     order = {n: k for k, n in enumerate(graph.nodes)}  # original order: chains only move down, anchors stay
     _, next_on_group = _same_group_neighbours(list(graph.nodes), serial_groups)
     changed = False
-    for i, scatter in enumerate(scatters):
-        waits = [u for u in scatter.users if u.target is WAIT]
+    for i, issue in enumerate(issues):
+        waits = [u for u in issue.users if u.target is WAIT]
         if len(waits) != 1:
             continue
         chain = _wait_chain(waits[0], order)
         if chain is None:
             continue
-        anchor = scatters[i + 1] if i + 1 < len(scatters) else output
-        following = next_on_group.get(scatter)
+        anchor = issues[i + 1] if i + 1 < len(issues) else output
+        following = next_on_group.get(issue)
         if following is not None and order[following] < order[anchor]:
             anchor = following
         if order[anchor] > order[chain[-1]]:
@@ -203,6 +201,17 @@ def _sink_reduce_waits(graph: fx.Graph, serial_groups: frozenset[str]) -> bool:
             _move_before(chain, anchor)
             changed = True
     return changed
+
+
+def _sink_reduce_waits(graph: fx.Graph, serial_groups: frozenset[str]) -> bool:
+    """Two sweeps of `_sink_waits`. First each reduce-scatter's wait, with everything after it (a replica
+    all-reduce's issue included), sinks to the next reduce-scatter's issue, so one reduction is in flight while the
+    next unit's backward computes: at most two full-size gradients are held by reductions at any time. Then each
+    gradient all-reduce's wait (NO_SHARD's, HYBRID's replica one) sinks to the next all-reduce's issue: HYBRID's
+    replica all-reduce of unit k then runs while unit k-1's reduce-scatter waits and unit k-2 computes, NO_SHARD's
+    while unit k-1 computes; each holds one reduced shard (HYBRID) or one gradient (NO_SHARD) more."""
+    changed = _sink_waits(graph, (REDUCE_SCATTER, ALL_TO_ALL), serial_groups)
+    return _sink_waits(graph, (ALL_REDUCE,), serial_groups) | changed
 
 
 def _serialize_groups(graph: fx.Graph, serial_groups: frozenset[str]) -> bool:
@@ -243,13 +252,16 @@ def schedule_collectives(
     """In place on a lowered forward or backward graph.
 
     Matches: `all_gather_into_tensor` nodes of role "unshard" (`fsdp_role` meta) and `reduce_scatter_tensor` (or
-    its `all_to_all_single` form) nodes of role "reduce_grad" with their `wait_tensor`. With `prefetch`:
+    its `all_to_all_single` form) and `all_reduce` nodes of role "reduce_grad" with their `wait_tensor`. With
+    `prefetch`:
     - every gather after the first is issued right after the previous gather's issue (gather k+1 in flight while
       unit k computes), unless the bytes of gathered buffers alive there plus its own would exceed
       `max_inflight_bytes` (None: the unscheduled graph's peak plus its median gather, i.e. one typical unit more
       in flight than without scheduling); then at the first later point where they fit;
     - every reduce-scatter's wait, with the scale/cast/copy nodes after it, moves to just before the next
-      reduce-scatter's issue (the last one: before the output).
+      reduce-scatter's issue (the last one: before the output);
+    - then every gradient all-reduce's wait (NO_SHARD; HYBRID's replica all-reduce, issued where its
+      reduce-scatter was waited), with the nodes after it, moves to just before the next all-reduce's issue.
     `serial_groups` are process groups that must never run two collectives at once (gloo: torch's
     ProcessGroupGloo corrupts its heap when two collectives finish together on its two worker threads; see
     docs/design-notes.md). On them a gather is prefetched no earlier than the previous collective's wait (or, when

@@ -241,8 +241,6 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_11 = torch.ops.aten.view.default(view_10, [8]);  view_10 = None
     div_tensor = torch.ops.aten.div.Tensor(view_11, 2);  view_11 = None
     all_reduce_default = torch.ops._c10d_functional.all_reduce.default(div_tensor, 'sum', '0');  div_tensor = None
-    wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default, 2);  wait_tensor_default = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
@@ -263,9 +261,9 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     cat_default_1 = torch.ops.aten.cat.default([view_15, view_13], 1);  view_15 = view_13 = None
     view_default_1 = torch.ops.aten.view.default(cat_default_1, [20]);  cat_default_1 = None
     div_tensor_2 = torch.ops.aten.div.Tensor(view_default_1, 2);  view_default_1 = None
+    wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default, 2);  wait_tensor_default = None
     all_reduce_default_1 = torch.ops._c10d_functional.all_reduce.default(div_tensor_2, 'sum', '0');  div_tensor_2 = None
-    wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_1);  all_reduce_default_1 = None
-    div_tensor_3 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 2);  wait_tensor_default_1 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -286,6 +284,8 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     cat_default = torch.ops.aten.cat.default([view_20, view_18], 1);  view_20 = view_18 = None
     view_default = torch.ops.aten.view.default(cat_default, [20]);  cat_default = None
     div_tensor_4 = torch.ops.aten.div.Tensor(view_default, 2);  view_default = None
+    wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_1);  all_reduce_default_1 = None
+    div_tensor_3 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 2);  wait_tensor_default_1 = None
     all_reduce_default_2 = torch.ops._c10d_functional.all_reduce.default(div_tensor_4, 'sum', '0');  div_tensor_4 = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_2);  all_reduce_default_2 = None
     div_tensor_5 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 2);  wait_tensor_default_2 = None
@@ -346,8 +346,6 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     div_tensor_2 = torch.ops.aten.div.Tensor(view_default_1, 2);  view_default_1 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
     all_reduce_default = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_1, 'sum', '1');  wait_tensor_default_1 = None
-    wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 2);  wait_tensor_default_2 = None
     reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_2, 'sum', 2, '3');  div_tensor_2 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
@@ -372,11 +370,13 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_default = torch.ops.aten.view.default(cat_default, [20]);  cat_default = None
     div_tensor_4 = torch.ops.aten.div.Tensor(view_default, 2);  view_default = None
     wait_tensor_default_4 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
+    wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 2);  wait_tensor_default_2 = None
     all_reduce_default_1 = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_4, 'sum', '1');  wait_tensor_default_4 = None
-    wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_1);  all_reduce_default_1 = None
-    div_tensor_3 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 2);  wait_tensor_default_5 = None
     reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_4, 'sum', 2, '3');  div_tensor_4 = None
     wait_tensor_default_7 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
+    wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_1);  all_reduce_default_1 = None
+    div_tensor_3 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 2);  wait_tensor_default_5 = None
     all_reduce_default_2 = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_7, 'sum', '1');  wait_tensor_default_7 = None
     wait_tensor_default_8 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_2);  all_reduce_default_2 = None
     div_tensor_5 = torch.ops.aten.div.Tensor(wait_tensor_default_8, 2);  wait_tensor_default_8 = None

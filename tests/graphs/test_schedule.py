@@ -6,14 +6,14 @@ from expecttest import assert_expected_inline
 
 import fsdp_graph
 import passes
-from fsdp_graph.ir import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER, WAIT
+from fsdp_graph.ir import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVES, META_ROLE, REDUCE_SCATTER, WAIT
 from passes import lower_fsdp_ops, reduce_scatter_as_all_to_all, schedule_collectives, tag_reshard
 from tests.graphs.capture import TwoBlock, aot_stages, code
 
 
-def _lowered(strategy=fsdp_graph.ShardingStrategy.FULL_SHARD):
+def _lowered(strategy=fsdp_graph.ShardingStrategy.FULL_SHARD, **shard_kwargs):
     torch.manual_seed(0)
-    model = fsdp_graph.fully_shard(TwoBlock(), strategy=strategy)
+    model = fsdp_graph.fully_shard(TwoBlock(), strategy=strategy, **shard_kwargs)
     stages = aot_stages(model, torch.randn(2, 4), tag=tag_reshard)
     return lower_fsdp_ops(stages.forward), lower_fsdp_ops(stages.backward)
 
@@ -227,3 +227,51 @@ def test_serialize_repairs_any_overlap_even_without_prefetch(fake_pg):
     schedule_collectives(fw, prefetch=False, serial_groups={group})
     passes.check_collectives(fw, {group})
     assert _collective_order(fw).splitlines()[:3] == ["gather(blocks.0)", "  wait(blocks.0)", "gather(blocks.1)"]
+
+
+def _all_reduces_waited_before_compute(gm) -> list[str]:
+    """The gradient all-reduces waited for with no compute node (not a collective, a wait, a view or a node of a
+    reduction) between issue and wait although compute follows their issue."""
+    nodes = list(gm.graph.nodes)
+    computes = [
+        k
+        for k, n in enumerate(nodes)
+        if n.op == "call_function"
+        and n.target not in COLLECTIVES
+        and n.meta.get(META_ROLE) is None
+        and not getattr(n.target, "is_view", False)
+    ]
+    exposed = []
+    for k, issue in enumerate(nodes):
+        if issue.target is not ALL_REDUCE:
+            continue
+        (wait,) = issue.users
+        w = nodes.index(wait)
+        if any(k < c for c in computes) and not any(k < c < w for c in computes):
+            exposed.append(issue.name)
+    return exposed
+
+
+@pytest.mark.parametrize("serial", [False, True])
+@pytest.mark.parametrize("strategy", ["NO_SHARD", "HYBRID_SHARD"])
+def test_gradient_all_reduces_overlap_compute(fake_pg, strategy, serial):
+    """Issue 27 item 3: NO_SHARD's all-reduce and HYBRID's replica all-reduce were waited right after their issue.
+    Each one with compute after it now has compute between issue and wait (the next unit's backward; HYBRID's
+    last two follow all compute, the second last overlaps the last reduce-scatter), also when every group is
+    serial (gloo): one collective in flight per group, which `check_collectives` verifies."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kwargs = {}
+    if strategy == "HYBRID_SHARD":
+        kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    _, bw = _lowered(fsdp_graph.ShardingStrategy[strategy], **kwargs)
+    groups = {g for n in bw.graph.nodes if (g := passes.fx_nodes.collective_group(n)) is not None}
+    serial_groups = groups if serial else set()
+    if serial:
+        reduce_scatter_as_all_to_all(bw, groups)
+    assert _all_reduces_waited_before_compute(bw)  # the lowering waits each at once
+    schedule_collectives(bw, serial_groups=serial_groups)
+    passes.check_collectives(bw, serial_groups)
+    bw.graph.lint()
+    assert sum(n.target is ALL_REDUCE for n in bw.graph.nodes) == 3
+    assert _all_reduces_waited_before_compute(bw) == []
