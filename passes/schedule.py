@@ -11,12 +11,14 @@ from __future__ import annotations
 import itertools
 import statistics
 
+import torch
 import torch.fx as fx
 
 from fsdp_graph.ir import (
     ALL_GATHER,
     ALL_REDUCE,
     ALL_TO_ALL,
+    COLLECTIVES,
     META_ROLE,
     REDUCE_SCATTER,
     ROLE_REDUCE,
@@ -24,6 +26,8 @@ from fsdp_graph.ir import (
     WAIT,
 )
 from passes.fx_nodes import alias_source, collective_group, finish, node_bytes
+
+DEVICE_PUT = torch.ops.prims.device_put.default
 
 
 def _live_spans(nodes: list[fx.Node], order: dict[fx.Node, int]) -> dict[fx.Node, tuple[int, int, int]]:
@@ -214,6 +218,32 @@ def _sink_reduce_waits(graph: fx.Graph, serial_groups: frozenset[str]) -> bool:
     return _sink_waits(graph, (ALL_REDUCE,), serial_groups) | changed
 
 
+def _copy_out_after_last_reduction(graph: fx.Graph) -> bool:
+    """The reduction's copies to `out_device` (CPU offload's device-to-host copies of reduced gradients) that feed
+    only the output move to just after the last reduction collective's issue, in their order. Inductor follows a
+    copy into pinned memory with `event.record(); event.synchronize()`: once per unit mid-backward, each such stall
+    drained the device's queue while the host had the rest of the backward still to enqueue. Grouped, they stall
+    the host once while the last reduction is in flight (and once more at the end for the copies after it), at the
+    cost of holding every earlier unit's reduced shard on the device until then."""
+    nodes = list(graph.nodes)
+    last_issue = max(
+        (k for k, n in enumerate(nodes) if n.target in COLLECTIVES and n.meta.get(META_ROLE) == ROLE_REDUCE),
+        default=None,
+    )
+    if last_issue is None or last_issue + 1 >= len(nodes):
+        return False
+    anchor = nodes[last_issue + 1]
+    copies = [
+        n
+        for n in nodes[:last_issue]
+        if n.target is DEVICE_PUT
+        and n.meta.get(META_ROLE) == ROLE_REDUCE
+        and all(user.op == "output" for user in n.users)
+    ]
+    _move_before(copies, anchor)
+    return bool(copies)
+
+
 def _serialize_groups(graph: fx.Graph, serial_groups: frozenset[str]) -> bool:
     """On each serial group, a collective issued while another one is in flight gets the earlier one's wait moved
     up to just before it (always legal: a wait reads only its issue). Afterwards at most one collective per serial
@@ -261,7 +291,9 @@ def schedule_collectives(
     - every reduce-scatter's wait, with the scale/cast/copy nodes after it, moves to just before the next
       reduce-scatter's issue (the last one: before the output);
     - then every gradient all-reduce's wait (NO_SHARD; HYBRID's replica all-reduce, issued where its
-      reduce-scatter was waited), with the nodes after it, moves to just before the next all-reduce's issue.
+      reduce-scatter was waited), with the nodes after it, moves to just before the next all-reduce's issue;
+    - the reductions' copies to their out_device (CPU offload's device-to-host copies) move to just after the last
+      reduction's issue: Inductor syncs the host after each copy into pinned memory.
     `serial_groups` are process groups that must never run two collectives at once (gloo: torch's
     ProcessGroupGloo corrupts its heap when two collectives finish together on its two worker threads; see
     docs/design-notes.md). On them a gather is prefetched no earlier than the previous collective's wait (or, when
@@ -278,5 +310,6 @@ def schedule_collectives(
     if prefetch:
         changed |= _prefetch_gathers(gm.graph, max_inflight_bytes, serial)
         changed |= _sink_reduce_waits(gm.graph, serial)
+        changed |= _copy_out_after_last_reduction(gm.graph)
     changed |= _serialize_groups(gm.graph, serial)
     return finish(gm, changed)

@@ -229,3 +229,24 @@ def test_partial_sums_of_offloaded_units_stay_on_the_compute_device(fake_pg):
     torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 4, device="meta"))
     assert [r.stage for r in backend.reports] == ["fw", "bw"]
     assert [_mixed_device_nodes(r.graph) for r in backend.reports] == [[], []]
+
+
+def test_backward_copies_gradients_to_the_host_after_the_last_reduction_issue(fake_pg):
+    """Issue 27 item 4: Inductor follows each copy into pinned memory with `event.synchronize()`, and each unit's
+    device-to-host copy sat in its reduction's tail, mid-backward: one host stall per unit. The schedule groups
+    them after the last reduction's issue (the CPU plays the compute device: the copies are kept)."""
+    from fsdp_graph.ir import COLLECTIVES, META_ROLE, ROLE_REDUCE
+
+    model = fsdp_graph.fully_shard(TwoBlock(), cpu_offload=fsdp_graph.CPUOffload(offload_params=True), device="cpu")
+    backend = fsdp_graph.make_backend(inductor=False, keep_graphs=True)
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 4)).sum().backward()
+    (bw,) = [r.graph for r in backend.reports if r.stage == "bw"]
+    nodes = list(bw.graph.nodes)
+    reductions = [k for k, n in enumerate(nodes) if n.target in COLLECTIVES and n.meta.get(META_ROLE) == ROLE_REDUCE]
+    copies = [
+        k
+        for k, n in enumerate(nodes)
+        if n.target is torch.ops.prims.device_put.default and n.meta.get(META_ROLE) == ROLE_REDUCE
+    ]
+    assert len(reductions) == len(copies) == 3
+    assert min(copies) > max(reductions), (reductions, copies)
