@@ -1,4 +1,4 @@
-"""Forward/backward-graph pass: issue gathers early (prefetch) and wait for reduce-scatters late.
+"""Forward/backward-graph pass: issue gathers early (prefetch) and wait for gradient reductions late.
 
 Runs after lowering (and bucketing): a collective is an issue node (`all_gather_into_tensor`, `reduce_scatter_tensor`,
 ...) whose result is read through `wait_tensor`. Reordering FX nodes is the whole mechanism: the eager-kernel
@@ -220,28 +220,28 @@ def _sink_reduce_waits(graph: fx.Graph, serial_groups: frozenset[str]) -> bool:
 
 def _copy_out_after_last_reduction(graph: fx.Graph) -> bool:
     """The reduction's copies to `out_device` (CPU offload's device-to-host copies of reduced gradients) that feed
-    only the output move to just after the last reduction collective's issue, in their order. Inductor follows a
-    copy into pinned memory with `event.record(); event.synchronize()`: once per unit mid-backward, each such stall
-    drained the device's queue while the host had the rest of the backward still to enqueue. Grouped, they stall
-    the host once while the last reduction is in flight (and once more at the end for the copies after it), at the
-    cost of holding every earlier unit's reduced shard on the device until then."""
+    only the output move to just after the last reduction collective's issue (none, world 1: to the end), in their
+    order. Inductor follows a copy into pinned memory with `event.record(); event.synchronize()`: once per unit
+    mid-backward, each such stall drained the device's queue while the host had the rest of the backward still to
+    enqueue. Grouped, they stall the host once while the last reduction is in flight (and once more at the end for
+    the copies after it), at the cost of holding every earlier unit's reduced shard on the device until then."""
     nodes = list(graph.nodes)
     last_issue = max(
         (k for k, n in enumerate(nodes) if n.target in COLLECTIVES and n.meta.get(META_ROLE) == ROLE_REDUCE),
-        default=None,
+        default=len(nodes) - 2,  # no reduction: the node before the output
     )
-    if last_issue is None or last_issue + 1 >= len(nodes):
-        return False
-    anchor = nodes[last_issue + 1]
     copies = [
         n
-        for n in nodes[:last_issue]
+        for n in nodes[: last_issue + 1]
         if n.target is DEVICE_PUT
         and n.meta.get(META_ROLE) == ROLE_REDUCE
         and all(user.op == "output" for user in n.users)
     ]
-    _move_before(copies, anchor)
-    return bool(copies)
+    moved = [n for n in nodes[: last_issue + 1] if n not in copies] + copies
+    if not copies or moved == nodes[: last_issue + 1]:
+        return False
+    _move_before(copies, nodes[last_issue + 1])
+    return True
 
 
 def _serialize_groups(graph: fx.Graph, serial_groups: frozenset[str]) -> bool:

@@ -334,7 +334,7 @@ def make_backend(
 ) -> FSDPBackend:
     """A new backend. `inductor=False` runs the same passes and executes with eager kernels (fast compile).
     `dump_dir` (or env FSDP_GRAPH_DUMP) writes each stage's graph as code plus a collective summary.
-    `prefetch`: issue each gather early and sink reduce-scatter waits (`passes.schedule`), keeping the bytes of
+    `prefetch`: issue each gather early and sink reduction waits (`passes.schedule`), keeping the bytes of
     gathered-but-unfreed parameters under `max_inflight_bytes` (None: one unit more than the unscheduled graph).
     `bucket_bytes`: merge consecutive units' collectives up to this many bytes each (`passes.bucket`; 0: off).
     `reduce_scatter`: "auto" reduces gradients over gloo groups with an all-to-all and a local sum (gloo runs a

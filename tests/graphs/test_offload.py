@@ -231,13 +231,19 @@ def test_partial_sums_of_offloaded_units_stay_on_the_compute_device(fake_pg):
     assert [_mixed_device_nodes(r.graph) for r in backend.reports] == [[], []]
 
 
-def test_backward_copies_gradients_to_the_host_after_the_last_reduction_issue(fake_pg):
+@pytest.mark.parametrize("shard_world", [4, 1])
+def test_backward_copies_gradients_to_the_host_after_the_last_reduction_issue(fake_pg, shard_world):
     """Issue 27 item 4: Inductor follows each copy into pinned memory with `event.synchronize()`, and each unit's
     device-to-host copy sat in its reduction's tail, mid-backward: one host stall per unit. The schedule groups
-    them after the last reduction's issue (the CPU plays the compute device: the copies are kept)."""
+    them after the last reduction's issue, with no compute after them (world 1, no reduction: at the end). The CPU
+    plays the compute device: the copies are kept."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from fsdp_graph.ir import COLLECTIVES, META_ROLE, ROLE_REDUCE
 
-    model = fsdp_graph.fully_shard(TwoBlock(), cpu_offload=fsdp_graph.CPUOffload(offload_params=True), device="cpu")
+    mesh = None if shard_world == 4 else init_device_mesh("cpu", (4, 1), mesh_dim_names=("other", "dp"))["dp"]
+    offload = fsdp_graph.CPUOffload(offload_params=True)
+    model = fsdp_graph.fully_shard(TwoBlock(), mesh, cpu_offload=offload, device="cpu")
     backend = fsdp_graph.make_backend(inductor=False, keep_graphs=True)
     torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 4)).sum().backward()
     (bw,) = [r.graph for r in backend.reports if r.stage == "bw"]
@@ -248,5 +254,10 @@ def test_backward_copies_gradients_to_the_host_after_the_last_reduction_issue(fa
         for k, n in enumerate(nodes)
         if n.target is torch.ops.prims.device_put.default and n.meta.get(META_ROLE) == ROLE_REDUCE
     ]
-    assert len(reductions) == len(copies) == 3
-    assert min(copies) > max(reductions), (reductions, copies)
+    computes = [
+        k
+        for k, n in enumerate(nodes)
+        if n.op == "call_function" and n.meta.get(META_ROLE) is None and not getattr(n.target, "is_view", False)
+    ]
+    assert len(copies) == 3 and len(reductions) == (3 if shard_world == 4 else 0)
+    assert min(copies) > max(reductions + computes), (reductions, computes, copies)
