@@ -92,9 +92,9 @@ _TAIL = (
     "only?); fsdp_graph.make_backend(verify_collectives=False) turns this check off."
 )
 _AGREED = "ok"
-_SCOPES = (
-    itertools.count()
-)  # one number per backend and process group, taken at its first check (the same on every rank)
+# One number per backend and process group, taken at the backend's first check: the same on every rank, which
+# create and first run their backends in the same order.
+_SCOPES = itertools.count()
 
 
 class RankAgreement:
@@ -122,13 +122,16 @@ class RankAgreement:
         if not groups:
             return
         store = self._store()
-        self._raise_recorded(store)
+        recorded = self._recorded(store)
+        if recorded is not None:
+            raise CollectiveMismatchError(recorded)
         lists = [_rank_independent(graph) for graph in graphs]
         mine, rank = digest(lists).hex(), dist.get_rank()
-        new = [
-            (ranks, f"{self._scope}/{_ranks_key(ranks)}/{len(self._agreed.setdefault(ranks, {}))}") for ranks in groups
-        ]
-        new = [(ranks, base) for ranks, base in new if mine not in self._agreed[ranks]]
+        new = []  # (ranks, store key of the variant) for each group that has not agreed on `mine` yet
+        for ranks in groups:
+            agreed = self._agreed.setdefault(ranks, {})
+            if mine not in agreed:
+                new.append((ranks, f"{self._scope}/{_ranks_key(ranks)}/{len(agreed)}"))
         # Publish or compare in every group before waiting in any: a rank waiting in one group while a peer waits
         # for it in another would stall both until the timeout.
         difference = None
@@ -158,14 +161,13 @@ class RankAgreement:
     def raise_recorded(self, error: BaseException) -> None:
         """After a compiled graph failed (a collective a peer never joined): raises the run's recorded mismatch
         from `error`, if a rank recorded one."""
-        if not self._scope or self._world is None or self._world() is not _default_group():
-            return
         try:
-            self._raise_recorded(_default_store())
-        except CollectiveMismatchError as mismatch:
-            raise mismatch from error
-        except RuntimeError:
-            return  # the store is gone too (its host ended): `error` is all there is
+            current = self._world is not None and self._world() is _default_group()
+            recorded = self._recorded(_default_store()) if current else None
+        except Exception:  # the group or its store is gone too (its host ended): `error` is all there is
+            return
+        if recorded is not None:
+            raise CollectiveMismatchError(recorded) from error
 
     def _store(self) -> dist.Store:
         """The default group's store; a new process group (or the first check) takes a new scope."""
@@ -174,10 +176,10 @@ class RankAgreement:
             self._world, self._scope, self._agreed = weakref.ref(world), f"fsdp_graph/rank_check/{next(_SCOPES)}", {}
         return _default_store()
 
-    def _raise_recorded(self, store: dist.Store) -> None:
+    def _recorded(self, store: dist.Store) -> str | None:
+        """The mismatch a rank of this scope recorded, if any (one store op when there is none)."""
         key = f"{self._scope}/mismatch"
-        if store.check([key]):
-            raise CollectiveMismatchError(store.get(key).decode())
+        return store.get(key).decode() if store.check([key]) else None
 
     def _fail(self, store: dist.Store, text: str, new: list[tuple[tuple[int, ...], str]]) -> None:
         """Records `text` (the first rank's text wins), wakes the ranks waiting in this rank's new variants, raises."""
