@@ -69,7 +69,7 @@ def test_lone_recompile_with_the_same_collectives_trains_like_one_process():
     without waiting for rank 0 (which compiles nothing then); training matches one process, and bit for bit the
     same run unchecked. The check talks to the store, never through a collective rank 0 would have to join (it
     did: gloo aborted rank 1)."""
-    case = Case("gpt", "sgd", lone_recompile="shorter")
+    case = Case("gpt", "sgd", steps=4, lone_recompile="shorter")
     unchecked = dataclasses.replace(case, verify_collectives=False)
     ([first, first_unchecked], first_ops), ([lone, lone_unchecked], lone_ops) = spawn(
         train_counting_store_ops, 2, ([case, unchecked],)
@@ -92,7 +92,7 @@ def test_lone_recompile_with_other_collectives_fails_every_rank_clearly():
     `verify_timeout_s`; rank 0's gather fails when rank 1's process ends, and it raises the mismatch rank 1
     recorded in the store: the same text, no native abort, no hang. (The launcher may still end rank 0 after it
     raised: its teardown can outlast the launcher's 2 s grace on a loaded machine.)"""
-    case = Case("gpt", "sgd", lone_recompile="no_sync", verify_timeout_s=LONE_TIMEOUT_S)
+    case = Case("gpt", "sgd", steps=4, lone_recompile="no_sync", verify_timeout_s=LONE_TIMEOUT_S)
     start = time.monotonic()
     with pytest.raises(RankFailedError) as failed:
         spawn(run_cases, 2, ([case],), timeout_s=300)

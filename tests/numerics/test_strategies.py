@@ -55,7 +55,7 @@ def test_hybrid_shard_world_4():
             Case("gpt", "adamw", "HYBRID_SHARD"),
             Case("mlp", "sgd", "_HYBRID_SHARD_ZERO2"),
             Case("gpt", "sgd", "HYBRID_SHARD", mode="eager"),
-            Case("gpt", "sgd", "HYBRID_SHARD", lone_recompile="shorter"),
+            Case("gpt", "sgd", "HYBRID_SHARD", steps=4, lone_recompile="shorter"),
         ],
         world=4,
     )
