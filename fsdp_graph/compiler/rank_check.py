@@ -134,15 +134,15 @@ class RankAgreement:
                 new.append((ranks, f"{self._scope}/{_ranks_key(ranks)}/{len(agreed)}"))
         # Publish or compare in every group before waiting in any: a rank waiting in one group while a peer waits
         # for it in another would stall both until the timeout.
-        difference = None
+        references = []
         for _, base in new:
             reference, publisher = store.compare_set(f"{base}/digest", "", f"{mine} {rank}").decode().split()
-            if reference != mine:
-                difference = difference or self._difference(store, base, int(publisher), lists)
-            elif int(publisher) == rank:
+            references.append((base, reference, int(publisher)))
+            if reference == mine and int(publisher) == rank:
                 store.set(f"{base}/lists", _to_json(lists))
-        if difference is not None:
-            self._fail(store, _HEAD + difference + _TAIL, new)
+        for base, reference, publisher in references:
+            if reference != mine:
+                self._fail(store, _HEAD + self._difference(store, base, publisher, lists) + _TAIL, new)
         for ranks, base in new:
             if store.add(f"{base}/arrived", 1) == len(ranks):
                 store.set(f"{base}/result", _AGREED)
