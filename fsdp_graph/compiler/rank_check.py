@@ -19,8 +19,8 @@ ranks), every rank keeps the digests the group has agreed on, in the order it ag
 A mismatch is recorded under the backend's scope (first text wins), and every rank raises that text: the ranks at a
 check raise it there; a rank that never compiles a new graph is caught inside a compiled forward, in the collective
 the missing rank never joins, and raises it when that collective fails (as soon as the raising rank's process ends,
-else at the process group's timeout). A store op per new graph costs the same at any world size: no op goes to each
-peer. docs/design-notes.md has the guarantees and their limits (NCCL, a failure outside a compiled forward).
+else at the process group's timeout). The store ops per new graph do not grow with the world size (none per
+peer). docs/design-notes.md has the guarantees and their limits (NCCL, a failure outside a compiled forward).
 """
 
 from __future__ import annotations
