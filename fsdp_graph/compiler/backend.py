@@ -25,7 +25,7 @@ import passes
 from fsdp_graph import ir
 from fsdp_graph.compiler.dump import GraphDumper, no_caches_when_dumping
 from fsdp_graph.compiler.options import OWNED_VALUES, inductor_config_patches, patches_key
-from fsdp_graph.compiler.rank_check import STORE, GraphCollectives, check_first_call
+from fsdp_graph.compiler.rank_check import STORE, GraphCollectives, RankAgreement, check_first_call
 from fsdp_graph.compiler.region_schema import cached_region_schemas
 from fsdp_graph.ir import ops
 from passes.collective_counts import CollectiveSummary
@@ -155,6 +155,7 @@ class FSDPBackend:
     ):
         self.inductor = inductor
         self.verify_collectives, self.verify_timeout_s = verify_collectives, verify_timeout_s
+        self.agreement = RankAgreement(verify_timeout_s)  # the lists this backend's ranks agreed on, per group
         self.dump_dir = dump_dir
         self.keep_graphs = keep_graphs
         self.schedule = schedule
@@ -225,7 +226,7 @@ class FSDPBackend:
             return [GraphCollectives(f"{g.stage} {index}", g.lines, g.groups) for g in stored or []]
 
         graphs()  # stores the lists now: a later compile of the same graph may hit the cache before this one runs
-        return check_first_call(compiled, graphs, self.verify_timeout_s)
+        return check_first_call(compiled, graphs, self.agreement)
 
     def _cache_key(self) -> str:
         """The passes' code and this backend's options: what every compiled graph's cache key includes."""
@@ -342,9 +343,10 @@ def make_backend(
     `activation_memory_budget`: the share (0-1] of the activations the partitioner may save for backward; below 1 it
     recomputes the cheapest others (torch._functorch's solver), trading compute for peak memory. None: 1.0.
     `keep_graphs`: each report keeps a copy of its lowered graph (for `explain`).
-    `verify_collectives`: on each compiled graph's first call, the ranks all-gather a 32-byte digest of its forward
-    and backward collectives and raise on every rank, naming the graph and the first difference, if they differ
-    (instead of hanging); `verify_timeout_s` bounds the wait for the other ranks."""
+    `verify_collectives`: on each compiled graph's first call, the rank compares its forward and backward
+    collectives with those the other ranks compiled, through the default group's store (no collective: a
+    recompile on one rank with the same collectives passes), and every rank raises, naming the graph and the first
+    difference, if they differ (instead of hanging); `verify_timeout_s` bounds the wait for the other ranks."""
     if reduce_scatter not in ("auto", "native"):
         raise ValueError(f"make_backend: reduce_scatter must be 'auto' or 'native', got {reduce_scatter!r}")
     if activation_memory_budget is not None and not 0 < activation_memory_budget <= 1:

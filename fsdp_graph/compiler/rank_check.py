@@ -1,20 +1,39 @@
-"""Ranks agree on each compiled graph's collectives before its first run (issue 11).
+"""Ranks agree on each compiled graph's collectives before its first run, out of band (issues 11 and 24).
 
 A rank that compiled a different graph (a recompile, a graph break or an option on that rank only) would issue a
-different collective sequence: a hang, or buffers of different sizes summed together. On the first call of each
-compiled Dynamo graph, every rank all-gathers a 32-byte digest of its forward and backward graphs' collective lists
-(`passes.collective_fingerprint`); only when the digests differ do they exchange the lists, and every rank raises
-the same error naming the graph and the first difference.
+different collective sequence: a hang, or buffers of different sizes summed together. So on the first call of each
+compiled Dynamo graph, the rank compares the SHA-256 digest of its forward and backward graphs' collective lists
+(`passes.collective_fingerprint`, group names replaced by group shapes) with the lists the other ranks of each group
+it communicates on have compiled, through the default group's c10d store: no collective, so a graph that only some
+ranks compile (one rank recompiling alone for a shorter last batch) cannot pair with a peer's collective.
+
+Per backend (`RankAgreement`, keys scoped by a per-process number taken at the backend's first check) and group (its
+ranks), every rank keeps the digests the group has agreed on, in the order it agreed on them:
+- a digest already agreed on passes after one store op (the published-mismatch check): a recompile with the same
+  collectives, on any subset of the ranks;
+- a new digest is the group's next variant: the first rank to publish it (`compare_set`) is the reference; a rank
+  whose digest differs raises at once, and every rank waiting there raises with it; a rank whose digest matches
+  counts itself in (`add`) and waits, at most `timeout_s`, until every rank of the group has (a new variant is only
+  legitimate when every rank compiles it: no_sync, a data-dependent branch, the first compile). A new variant that
+  the other ranks never compile ends in the timeout, with an error naming the nearest agreed graph's difference.
+A mismatch is recorded under the backend's scope (first text wins), and every rank raises that text: the ranks at a
+check raise it there; a rank that never compiles a new graph is caught inside a compiled forward, in the collective
+the missing rank never joins, and raises it when that collective fails (as soon as the raising rank's process ends,
+else at the process group's timeout). The store ops per new graph do not grow with the world size (none per
+peer). docs/design-notes.md has the guarantees and their limits (NCCL, a failure outside a compiled forward).
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
+import itertools
 import json
 import os
 import re
 import tempfile
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +41,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-
-from fsdp_graph.runtime.devices import collective_device
 
 
 @dataclass(frozen=True)
@@ -43,7 +60,7 @@ class GraphCollectives:
 
 
 class CollectiveMismatchError(RuntimeError):
-    """Ranks compiled graphs whose collectives differ; raised on every rank of the exchange."""
+    """Ranks compiled graphs whose collectives differ; every rank of the run raises the same text."""
 
 
 def digest(graphs: Sequence[GraphCollectives]) -> bytes:
@@ -69,43 +86,173 @@ def first_difference(ranks: tuple[int, int], lists: tuple[Sequence[GraphCollecti
     return None
 
 
-def _gather_digests(mine: bytes, group: dist.ProcessGroup | None, timeout_s: float, label: str) -> list[bytes]:
-    device = collective_device(group)
-    local = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    work = dist.all_gather(gathered, local, group=group, async_op=True)
-    try:
-        work.wait(datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as error:
-        raise CollectiveMismatchError(
-            f"fsdp_graph: rank {dist.get_rank()} waited {timeout_s:.0f} s for the other ranks to check the "
-            f"collectives of {label}: a rank compiled a different graph (or none), or is stuck. "
-            "make_backend(verify_timeout_s=...) sets the wait."
-        ) from error
-    return [bytes(t.cpu().tolist()) for t in gathered]
+_HEAD = "fsdp_graph: ranks compiled different collectives, running them would hang or mix up buffers: "
+_TAIL = (
+    ". Every rank must compile the same model with the same backend options (a recompile or graph break on one rank "
+    "only?); fsdp_graph.make_backend(verify_collectives=False) turns this check off."
+)
+_AGREED = "ok"
+# One number per backend and process group, taken at the backend's first check: the same on every rank, which
+# create and first run their backends in the same order.
+_SCOPES = itertools.count()
 
 
-def verify_ranks_agree(graphs: Sequence[GraphCollectives], timeout_s: float) -> None:
-    """Raises CollectiveMismatchError on every rank if the ranks sharing these graphs' groups compiled other
-    collectives. One 32-byte all-gather per group the graphs communicate on (groups of the same ranks once); the
-    full lists travel only on a mismatch."""
-    names = {group for graph in graphs for group in graph.groups}
-    if not names or not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
-        return  # nothing to agree on; or the fake group of graph tests, whose collectives move nothing
-    label = " and ".join(f"graph '{g.name}'" for g in graphs)
-    mine = digest([_rank_independent(graph) for graph in graphs])
-    # Over the groups the graphs use, not the world: ranks outside them may run other graphs (another pipeline
-    # stage's) or be blocked on this rank (a pipeline receive), and need not agree. HYBRID's shard and replicate
-    # groups are checked one after the other, in the order the graphs first use them (the same on every rank that
-    # compiled the same graphs); equality is transitive, so the whole mesh agrees. A rank finishes its exchanges
-    # before raising, so the members of its later groups are not left waiting for it.
-    error = None
-    for group in exchange_groups(graphs):
-        digests = _gather_digests(mine, group, timeout_s, label)
-        if len(set(digests)) > 1:
-            error = error or _mismatch(graphs, group, digests)
-    if error is not None:
-        raise error
+class RankAgreement:
+    """One backend's side of the check on this rank: the store keys it uses and, per group (its sorted ranks), the
+    digests the group agreed on, in order (the next new digest is the group's variant number len(...))."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._world: weakref.ref | None = None
+        self._scope = ""
+        self._agreed: dict[tuple[int, ...], dict[str, list[GraphCollectives]]] = {}
+
+    def verify(self, graphs: Sequence[GraphCollectives]) -> None:
+        """Raises CollectiveMismatchError if the ranks sharing these graphs' groups compiled other collectives.
+        Store ops: one when every group agreed on this digest before, else about four per group (six for the rank
+        that publishes or completes a variant), whatever the group's size."""
+        if not any(g.groups for g in graphs) or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        if dist.get_backend() == "fake":
+            return  # the fake group of graph tests, whose collectives move nothing
+        # Over the groups the graphs use, not the world: ranks outside them run other graphs (another pipeline
+        # stage's) and need not agree. Equality is transitive: agreeing in every shard and replicate group of a
+        # HYBRID mesh means the whole mesh agrees.
+        groups = [tuple(sorted(dist.get_process_group_ranks(g))) for g in exchange_groups(graphs)]
+        if not groups:
+            return
+        store = self._store()
+        recorded = self._recorded(store)
+        if recorded is not None:
+            raise CollectiveMismatchError(recorded)
+        lists = [_rank_independent(graph) for graph in graphs]
+        mine, rank = digest(lists).hex(), dist.get_rank()
+        new = []  # (ranks, store key of the variant) for each group that has not agreed on `mine` yet
+        for ranks in groups:
+            agreed = self._agreed.setdefault(ranks, {})
+            if mine not in agreed:
+                new.append((ranks, f"{self._scope}/{_ranks_key(ranks)}/{len(agreed)}"))
+        # Publish or compare in every group before waiting in any: a rank waiting in one group while a peer waits
+        # for it in another would stall both until the timeout.
+        references = []
+        for _, base in new:
+            reference, publisher = store.compare_set(f"{base}/digest", "", f"{mine} {rank}").decode().split()
+            references.append((base, reference, int(publisher)))
+            if reference == mine and int(publisher) == rank:
+                store.set(f"{base}/lists", _to_json(lists))
+        for base, reference, publisher in references:
+            if reference != mine:
+                self._fail(store, _HEAD + self._difference(store, base, publisher, lists) + _TAIL, new)
+        for ranks, base in new:
+            if store.add(f"{base}/arrived", 1) == len(ranks):
+                store.set(f"{base}/result", _AGREED)
+        deadline = time.monotonic() + self.timeout_s
+        for ranks, base in new:
+            left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+            try:
+                store.wait([f"{base}/result"], left)
+            except dist.DistStoreError:
+                self._fail(store, self._timeout_text(store, ranks, base, lists), new)
+            result = store.get(f"{base}/result").decode()
+            if result != _AGREED:
+                raise CollectiveMismatchError(result)
+            self._agreed[ranks][mine] = lists
+
+    def raise_recorded(self, error: BaseException) -> None:
+        """After a compiled graph failed (a collective a peer never joined): raises the run's recorded mismatch
+        from `error`, if a rank recorded one."""
+        try:
+            current = self._world is not None and self._world() is _default_group()
+            recorded = self._recorded(_default_store()) if current else None
+        except Exception:  # the group or its store is gone too (its host ended): `error` is all there is
+            return
+        if recorded is not None:
+            raise CollectiveMismatchError(recorded) from error
+
+    def _store(self) -> dist.Store:
+        """The default group's store; a new process group (or the first check) takes a new scope."""
+        world = _default_group()
+        if self._world is None or self._world() is not world:
+            self._world, self._scope, self._agreed = weakref.ref(world), f"fsdp_graph/rank_check/{next(_SCOPES)}", {}
+        return _default_store()
+
+    def _recorded(self, store: dist.Store) -> str | None:
+        """The mismatch a rank of this scope recorded, if any (one store op when there is none)."""
+        key = f"{self._scope}/mismatch"
+        return store.get(key).decode() if store.check([key]) else None
+
+    def _fail(self, store: dist.Store, text: str, new: list[tuple[tuple[int, ...], str]]) -> None:
+        """Records `text` (the first rank's text wins), wakes the ranks waiting in this rank's new variants, raises."""
+        recorded = store.compare_set(f"{self._scope}/mismatch", "", text).decode()
+        for _, base in new:
+            store.compare_set(f"{base}/result", "", recorded)
+        raise CollectiveMismatchError(recorded)
+
+    def _difference(self, store: dist.Store, base: str, publisher: int, lists: list[GraphCollectives]) -> str:
+        """The first difference between the variant's reference (the publisher's lists) and this rank's, the
+        lower rank first (the same text whichever rank published)."""
+        store.wait([f"{base}/lists"], datetime.timedelta(seconds=self.timeout_s))
+        pair = sorted([(publisher, _from_json(store.get(f"{base}/lists"))), (dist.get_rank(), lists)])
+        return first_difference((pair[0][0], pair[1][0]), (pair[0][1], pair[1][1])) or "(equal lists, other digests)"
+
+    def _timeout_text(self, store: dist.Store, ranks: tuple[int, ...], base: str, lists: list[GraphCollectives]) -> str:
+        """Why this rank's new variant found too few takers: the difference from the group's last agreed graph."""
+        rank, arrived = dist.get_rank(), store.add(f"{base}/arrived", 0)
+        names = " and ".join(f"'{g.name}'" for g in lists)
+        text = (
+            f"rank {rank} compiled {names}, whose collectives only {arrived} of the {len(ranks)} ranks of its group "
+            f"({group_shape(ranks)} from rank {ranks[0]}) compiled within {self.timeout_s:g} s"
+        )
+        agreed = list(self._agreed[ranks].values())
+        if agreed:
+            peer = next(r for r in ranks if r != rank)
+            text += f"; against the last graph they agreed on, {first_difference((peer, rank), (agreed[-1], lists))}"
+        else:
+            text += ": a rank compiled a different graph (or none), or is stuck"
+        return f"{_HEAD}{text}{_TAIL} make_backend(verify_timeout_s=...) sets the wait."
+
+
+def check_first_call(
+    compiled: Callable, graphs: Callable[[], list[GraphCollectives]], agreement: RankAgreement
+) -> Callable:
+    """`compiled`, checking `graphs()` across ranks on its first call (Dynamo's boxed calling convention kept); a
+    failure of any call raises the run's recorded mismatch instead, if there is one."""
+    checked = False
+
+    def run(*args):
+        nonlocal checked
+        if not checked:
+            agreement.verify(graphs())
+            checked = True
+        try:
+            return compiled(*args)
+        except Exception as error:
+            agreement.raise_recorded(error)
+            raise
+
+    if getattr(compiled, "_boxed_call", False):
+        run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _default_group() -> dist.ProcessGroup:
+    return dist.distributed_c10d._get_default_group()
+
+
+def _default_store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _ranks_key(ranks: tuple[int, ...]) -> str:
+    return hashlib.sha256(repr(ranks).encode()).hexdigest()[:16]
+
+
+def _to_json(graphs: Sequence[GraphCollectives]) -> str:
+    return json.dumps([[g.name, list(g.lines), list(g.groups)] for g in graphs])
+
+
+def _from_json(text: bytes) -> list[GraphCollectives]:
+    return [GraphCollectives(name, tuple(lines), tuple(groups)) for name, lines, groups in json.loads(text)]
 
 
 def exchange_groups(graphs: Sequence[GraphCollectives]) -> list[dist.ProcessGroup]:
@@ -122,25 +269,6 @@ def exchange_groups(graphs: Sequence[GraphCollectives]) -> list[dist.ProcessGrou
             seen.add(ranks)
             groups.append(group)
     return groups
-
-
-def _mismatch(
-    graphs: Sequence[GraphCollectives], group: dist.ProcessGroup, digests: list[bytes]
-) -> CollectiveMismatchError:
-    """The error every member of `group` raises (the same text): the lists travel, from the lowest group member
-    and the first member that differs from it."""
-    graphs = [_rank_independent(graph) for graph in graphs]
-    lists: list = [None] * len(digests)
-    dist.all_gather_object(lists, [(g.name, g.lines, g.groups) for g in graphs], group=group)
-    other = next(i for i, d in enumerate(digests) if d != digests[0])
-    a, b = ([GraphCollectives(*item) for item in lists[i]] for i in (0, other))
-    ranks = (dist.get_global_rank(group, 0), dist.get_global_rank(group, other))
-    difference = first_difference(ranks, (a, b)) or "(lists equal, digests differ)"
-    return CollectiveMismatchError(
-        f"fsdp_graph: ranks compiled different collectives, running them would hang or mix up buffers: "
-        f"{difference}. Every rank must compile the same model with the same backend options (a recompile or "
-        "graph break on one rank only?); fsdp_graph.make_backend(verify_collectives=False) turns this check off."
-    )
 
 
 _GROUP_ARGUMENT = re.compile(r"\bgroup=([^,)]+)")
@@ -173,22 +301,6 @@ def _resolve(name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(name)
-
-
-def check_first_call(compiled: Callable, graphs: Callable[[], list[GraphCollectives]], timeout_s: float) -> Callable:
-    """`compiled`, checking `graphs()` across ranks on its first call (Dynamo's boxed calling convention kept)."""
-    checked = False
-
-    def run(*args):
-        nonlocal checked
-        if not checked:
-            verify_ranks_agree(graphs(), timeout_s)
-            checked = True
-        return compiled(*args)
-
-    if getattr(compiled, "_boxed_call", False):
-        run._boxed_call = True  # type: ignore[attr-defined]
-    return run
 
 
 class FingerprintStore:

@@ -89,7 +89,7 @@ def test_first_difference_names_graph_and_collective():
 @pytest.mark.parametrize("verify", [True, False])
 def test_check_runs_once_per_compiled_graph(fake_pg, monkeypatch, verify):
     calls = []
-    monkeypatch.setattr(rank_check, "verify_ranks_agree", lambda graphs, timeout_s: calls.append(list(graphs)))
+    monkeypatch.setattr(rank_check.RankAgreement, "verify", lambda self, graphs: calls.append(list(graphs)))
     backend = fsdp_graph.make_backend(inductor=False, verify_collectives=verify)
     _compile_two_block(backend, steps=3)
     if not verify:
@@ -114,7 +114,7 @@ def test_cache_hit_takes_the_lists_from_the_store(fake_pg, monkeypatch, tmp_path
     monkeypatch.setattr(rank_check, "STORE", rank_check.FingerprintStore())
     monkeypatch.setattr(fsdp_graph.compiler.backend, "STORE", rank_check.STORE)
     calls = []
-    monkeypatch.setattr(rank_check, "verify_ranks_agree", lambda graphs, timeout_s: calls.append(list(graphs)))
+    monkeypatch.setattr(rank_check.RankAgreement, "verify", lambda self, graphs: calls.append(list(graphs)))
     first = fsdp_graph.make_backend()
     _compile_two_block(first)
     assert [r.stage for r in first.reports] == ["fw", "bw"]

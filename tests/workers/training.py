@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,7 +49,14 @@ class Case:
     bucket_bytes: int = 0  # make_backend(bucket_bytes=...): merge consecutive units' collectives
     verify_collectives: bool = True  # make_backend's option: ranks compare each graph's collectives at its first call
     layout: str | None = None  # fully_shard's layout ("flat" / "rows"); None: its default
+    verify_timeout_s: float = 600.0  # make_backend's option
+    # At step LONE_STEP the last rank alone recompiles: "shorter" (gpt: a shorter sequence, the same collectives;
+    # the reference averages the ranks' mean losses, every step), "no_sync" (its backward without reduction: other
+    # collectives, which the rank check refuses).
+    lone_recompile: str = ""
 
+
+LONE_STEP = 3
 
 RESHARD = {
     "default": None,
@@ -181,6 +189,7 @@ def shard_and_compile(model: nn.Module, case: Case):
         bucket_bytes=case.bucket_bytes,
         activation_memory_budget=case.activation_memory_budget,
         verify_collectives=case.verify_collectives,
+        verify_timeout_s=case.verify_timeout_s,
     )
     return torch.compile(model, backend=backend, fullgraph=True), backend
 
@@ -224,6 +233,13 @@ def max_param_diff(model: nn.Module, ref: nn.Module) -> float:
     return max((full[k] - ref_sd[k]).abs().max().item() for k in ref_sd if ref_sd[k].is_floating_point())
 
 
+def _mean_over_ranks_step(ref: nn.Module, loss_fn, rank_batches: list[tuple]) -> float:
+    """The reference for ranks with batches of different shapes: the mean of the ranks' mean losses."""
+    loss = sum(loss_fn(ref, batch) for batch in rank_batches) / len(rank_batches)
+    loss.backward()
+    return loss.item()
+
+
 def _reference_step(case: Case, ref: nn.Module, loss_fn, full_batch, local_batch) -> float:
     if case.mp:
         return _bf16_reference_loss(ref, loss_fn, full_batch).item()
@@ -258,14 +274,26 @@ def run_case(case: Case, rank: int, world: int, per_rank_batch: int = 4) -> Case
         if case.dynamic and case.model == "gpt":  # the sequence length changes too
             full_batch = tuple(t[:, : t.shape[1] - 4 * (step % 3)] for t in full_batch)
         local = tuple(t.chunk(world)[rank] if isinstance(t, torch.Tensor) else t for t in full_batch)
-        loss = loss_fn(compiled, local)
-        loss.backward()
+        lone = bool(case.lone_recompile) and step == LONE_STEP
+        rank_batches = None
+        if case.lone_recompile == "shorter":
+            rank_batches = [tuple(t.chunk(world)[r] for t in full_batch) for r in range(world)]
+            if lone:  # an epoch's last batch, shorter on one rank
+                rank_batches[-1] = tuple(t[:, :-4] for t in rank_batches[-1])
+            local = rank_batches[rank]
+        alone = lone and rank == world - 1 and case.lone_recompile == "no_sync"
+        with fsdp_graph.no_sync(model) if alone else contextlib.nullcontext():
+            loss = loss_fn(compiled, local)
+            loss.backward()
         opt.step()
         opt.zero_grad()
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         losses.append(global_loss.item() / world)
-        ref_losses.append(_reference_step(case, ref, loss_fn, full_batch, local))
+        if rank_batches is None:
+            ref_losses.append(_reference_step(case, ref, loss_fn, full_batch, local))
+        else:
+            ref_losses.append(_mean_over_ranks_step(ref, loss_fn, rank_batches))
         ref_opt.step()
         ref_opt.zero_grad()
     return CaseResult(
