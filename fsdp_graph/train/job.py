@@ -8,7 +8,9 @@ summary table at the end; the loss curve goes to a PNG. A rank that fails (raise
 `--timeout`) ends every rank, and the error names it.
 
 Test hook: FSDP_GRAPH_FAIL_AT_STEP="RANK:STEP" makes that rank raise before step STEP (0-based);
-"RANK:STEP:kill" makes it SIGKILL itself instead, "RANK:STEP:hang" makes it stop (its peers then time out).
+"RANK:STEP:kill" makes it SIGKILL itself instead, "RANK:STEP:hang" makes it stop (its peers then time out), and
+"RANK:STEP:save" makes it SIGKILL itself in the middle of saving the checkpoint of step STEP (its shard files written,
+the checkpoint's .metadata not yet).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 import fsdp_graph
 from fsdp_graph.planning.measure import executed_collectives
@@ -242,14 +245,30 @@ def _torchrun_rank(args: argparse.Namespace) -> dict | None:
         dist.destroy_process_group()
 
 
-def _fail_if_asked(rank: int, step: int) -> None:
-    """The test hook (see the module docstring)."""
+def _failure_asked(rank: int, step: int) -> list[str] | None:
+    """The test hook's mode for this rank and step ([] to raise), or None (see the module docstring)."""
     spec = os.environ.get(_FAIL_ENV)
     if not spec:
-        return
+        return None
     target_rank, target_step, *how = spec.split(":")
-    if (int(target_rank), int(target_step)) != (rank, step):
+    return how if (int(target_rank), int(target_step)) == (rank, step) else None
+
+
+class _KilledWhileSaving(dcp.FileSystemWriter):
+    """The test hook's ":save" point: DCP has written this rank's shard files; the coordinator has not yet
+    written .metadata (it waits for this rank's write results), so the checkpoint is half written."""
+
+    def write_data(self, plan, planner):
+        super().write_data(plan, planner).wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fail_if_asked(rank: int, step: int) -> None:
+    """The test hook before a step (see the module docstring)."""
+    how = _failure_asked(rank, step)
+    if how is None or how == ["save"]:
         return
+    spec = os.environ[_FAIL_ENV]
     if how == ["kill"]:
         os.kill(os.getpid(), signal.SIGKILL)
     if how == ["hang"]:
@@ -292,13 +311,42 @@ def _checkpoints(directory: str) -> list[str]:
     return [p for p in glob.glob(os.path.join(directory, "step_*")) if _step_of(p) is not None]
 
 
-def _resume_point(args: argparse.Namespace) -> tuple[str, int] | None:
+def _resume_candidates(args: argparse.Namespace) -> list[str]:
+    """The checkpoints --resume may load, the preferred first: PATH alone, or the directory's newest to oldest.
+    Rank 0's listing, so that every rank tries the same ones in the same order."""
     if args.resume is None:
-        return None
+        return []
     if args.resume != "latest":
-        return args.resume, _step_of(args.resume)
-    found = sorted((_step_of(p), p) for p in _checkpoints(args.checkpoint_dir))
-    return (found[-1][1], found[-1][0]) if found else None
+        return [args.resume]
+    listing = [sorted(_checkpoints(args.checkpoint_dir), key=_step_of, reverse=True) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(listing, src=0, device=collective_device(None, torch.device("cpu")))
+    return listing[0]
+
+
+def _resume(args: argparse.Namespace, model, opt, rank: int) -> tuple[str, int] | None:
+    """Load the newest checkpoint that is intact; returns (its path, its step), or None when there is none yet.
+    A damaged one (`DamagedCheckpointError`, raised on every rank alike) is reported and the next older one tried;
+    an explicit --resume PATH is not replaced by another."""
+    candidates = _resume_candidates(args)
+    damaged = []
+    for path in candidates:
+        try:
+            fsdp_graph.load_checkpoint(path, model, opt)
+        except fsdp_graph.DamagedCheckpointError as e:
+            if args.resume != "latest":
+                raise
+            damaged.append(str(e))
+            if rank == 0:
+                print(f"--resume: {e}; skipping back to the next older checkpoint", flush=True)
+            continue
+        if damaged and rank == 0:
+            print(f"--resume: resuming from {path}, the newest intact checkpoint", flush=True)
+        return path, _step_of(path)
+    if damaged:
+        raise RuntimeError(f"--resume: every checkpoint in {args.checkpoint_dir} is damaged:\n" + "\n".join(damaged))
+    if args.resume and rank == 0:
+        print(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting from step 0", flush=True)
+    return None
 
 
 def _checkpoint_path(args: argparse.Namespace, step: int) -> str:
@@ -307,7 +355,8 @@ def _checkpoint_path(args: argparse.Namespace, step: int) -> str:
 
 def _save(args, model, opt, step: int, history, rank: int) -> str:
     path = _checkpoint_path(args, step)
-    fsdp_graph.save_checkpoint(path, model, opt)
+    killed = _failure_asked(rank, step) == ["save"]
+    fsdp_graph.save_checkpoint(path, model, opt, writer=_KilledWhileSaving if killed else dcp.FileSystemWriter)
     if rank == 0:
         save_history(os.path.join(args.checkpoint_dir, "history.json"), history)
         # The newest by write time, not by step number: a run resumed from an older step must keep its own.
@@ -399,12 +448,9 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
         cfg, model, opt, step_model, (dp, dp_rank) = _build(args, world, device)
     tokens = load_tokens()
     start, history = 0, []
-    if found := _resume_point(args):
+    if found := _resume(args, model, opt, rank):
         path, start = found
-        fsdp_graph.load_checkpoint(path, model, opt)
         history = load_history(os.path.join(os.path.dirname(os.path.abspath(path)), "history.json"), start)
-    elif args.resume and rank == 0:
-        print(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting from step 0", flush=True)
     if rank == 0:
         _print_header(args, cfg, world, device, start)
 
