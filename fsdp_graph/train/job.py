@@ -18,11 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import glob
 import os
-import re
-import shutil
-import signal
 import sys
 import threading
 import time
@@ -30,11 +26,11 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 import fsdp_graph
 from fsdp_graph.planning.measure import executed_collectives
 from fsdp_graph.runtime.devices import collective_device
+from fsdp_graph.train import checkpoints
 from fsdp_graph.train.corpus import batch_at, load_tokens
 from fsdp_graph.train.launch import RankFailedError, spawn
 from fsdp_graph.train.llama import PRESETS, Llama, check_tp, llama_loss, preset, tp_plan
@@ -46,12 +42,10 @@ from fsdp_graph.train.report import (
     gather_per_rank,
     load_history,
     local_peak_memory,
-    save_history,
     summarise,
 )
 
 _DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3}  # larger presets: 3e-4
-_FAIL_ENV = "FSDP_GRAPH_FAIL_AT_STEP"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.resume == "latest" and not args.checkpoint_dir:
         parser.error("--resume without a PATH needs --checkpoint-dir")
     if args.resume not in (None, "latest"):
-        if _step_of(args.resume) is None:
+        if checkpoints.step_of(args.resume) is None:
             parser.error(
                 f"--resume {args.resume}: not a checkpoint of this job (DIR/step_NNNNNN with a .metadata file)"
             )
@@ -245,38 +239,6 @@ def _torchrun_rank(args: argparse.Namespace) -> dict | None:
         dist.destroy_process_group()
 
 
-def _failure_asked(rank: int, step: int) -> list[str] | None:
-    """The test hook's mode for this rank and step ([] to raise), or None (see the module docstring)."""
-    spec = os.environ.get(_FAIL_ENV)
-    if not spec:
-        return None
-    target_rank, target_step, *how = spec.split(":")
-    return how if (int(target_rank), int(target_step)) == (rank, step) else None
-
-
-class _KilledWhileSaving(dcp.FileSystemWriter):
-    """The test hook's ":save" point: DCP has written this rank's shard files; the coordinator has not yet
-    written .metadata (it waits for this rank's write results), so the checkpoint is half written."""
-
-    def write_data(self, plan, planner):
-        super().write_data(plan, planner).wait()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _fail_if_asked(rank: int, step: int) -> None:
-    """The test hook before a step (see the module docstring)."""
-    how = _failure_asked(rank, step)
-    if how is None or how == ["save"]:
-        return
-    spec = os.environ[_FAIL_ENV]
-    if how == ["kill"]:
-        os.kill(os.getpid(), signal.SIGKILL)
-    if how == ["hang"]:
-        while True:
-            time.sleep(60)
-    raise RuntimeError(f"injected failure on rank {rank} before step {step} ({_FAIL_ENV}={spec})")
-
-
 @contextlib.contextmanager
 def _native_stderr_muted():
     """The profiler (kineto) writes 'profiler_start/stop' lines straight to fd 2, and no setting turns them off."""
@@ -299,72 +261,6 @@ def _mesh(strategy: fsdp_graph.ShardingStrategy, world: int, device: torch.devic
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device.type, (2, world // 2))
-
-
-def _step_of(path: str) -> int | None:
-    """The step of a complete checkpoint directory `.../step_NNNNNN`, else None."""
-    m = re.fullmatch(r"step_(\d+)", os.path.basename(os.path.normpath(path)))
-    return int(m.group(1)) if m and os.path.exists(os.path.join(path, ".metadata")) else None
-
-
-def _checkpoints(directory: str) -> list[str]:
-    return [p for p in glob.glob(os.path.join(directory, "step_*")) if _step_of(p) is not None]
-
-
-def _resume_candidates(args: argparse.Namespace) -> list[str]:
-    """The checkpoints --resume may load, the preferred first: PATH alone, or the directory's newest to oldest.
-    Rank 0's listing, so that every rank tries the same ones in the same order."""
-    if args.resume is None:
-        return []
-    if args.resume != "latest":
-        return [args.resume]
-    listing = [sorted(_checkpoints(args.checkpoint_dir), key=_step_of, reverse=True) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(listing, src=0, device=collective_device(None, torch.device("cpu")))
-    return listing[0]
-
-
-def _resume(args: argparse.Namespace, model, opt, rank: int) -> tuple[str, int] | None:
-    """Load the newest checkpoint that is intact; returns (its path, its step), or None when there is none yet.
-    A damaged one (`DamagedCheckpointError`, raised on every rank alike) is reported and the next older one tried;
-    an explicit --resume PATH is not replaced by another."""
-    candidates = _resume_candidates(args)
-    damaged = []
-    for path in candidates:
-        try:
-            fsdp_graph.load_checkpoint(path, model, opt)
-        except fsdp_graph.DamagedCheckpointError as e:
-            if args.resume != "latest":
-                raise
-            damaged.append(str(e))
-            if rank == 0:
-                print(f"--resume: {e}; skipping back to the next older checkpoint", flush=True)
-            continue
-        if damaged and rank == 0:
-            print(f"--resume: resuming from {path}, the newest intact checkpoint", flush=True)
-        return path, _step_of(path)
-    if damaged:
-        raise RuntimeError(f"--resume: every checkpoint in {args.checkpoint_dir} is damaged:\n" + "\n".join(damaged))
-    if args.resume and rank == 0:
-        print(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting from step 0", flush=True)
-    return None
-
-
-def _checkpoint_path(args: argparse.Namespace, step: int) -> str:
-    return os.path.join(args.checkpoint_dir, f"step_{step:06d}")
-
-
-def _save(args, model, opt, step: int, history, rank: int) -> str:
-    path = _checkpoint_path(args, step)
-    killed = _failure_asked(rank, step) == ["save"]
-    fsdp_graph.save_checkpoint(path, model, opt, writer=_KilledWhileSaving if killed else dcp.FileSystemWriter)
-    if rank == 0:
-        save_history(os.path.join(args.checkpoint_dir, "history.json"), history)
-        # The newest by write time, not by step number: a run resumed from an older step must keep its own.
-        by_age = sorted(_checkpoints(args.checkpoint_dir), key=lambda p: os.path.getmtime(os.path.join(p, ".metadata")))
-        for old in by_age[: max(0, len(by_age) - max(args.keep, 1))]:
-            if os.path.abspath(old) != os.path.abspath(path):
-                shutil.rmtree(old, ignore_errors=True)
-    return path
 
 
 def _shard_kwargs(args: argparse.Namespace) -> dict:
@@ -448,7 +344,7 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
         cfg, model, opt, step_model, (dp, dp_rank) = _build(args, world, device)
     tokens = load_tokens()
     start, history = 0, []
-    if found := _resume(args, model, opt, rank):
+    if found := checkpoints.resume(args, model, opt, rank):
         path, start = found
         history = load_history(os.path.join(os.path.dirname(os.path.abspath(path)), "history.json"), start)
     if rank == 0:
@@ -479,7 +375,7 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
     tqdm.set_lock(threading.RLock())
     bar = tqdm(total=args.steps, initial=start, disable=rank != 0, desc="train", unit="step", dynamic_ncols=True)
     for step in range(start, args.steps):
-        _fail_if_asked(rank, step)
+        checkpoints.fail_if_asked(rank, step)
         ticker = compile_ticker(bar, rank == 0 and step == start and args.compile)
         batch = tuple(t.to(device) for t in batch_at(tokens, step, args.seed, args.batch, args.seq, dp_rank, dp))
         began = time.perf_counter()
@@ -502,10 +398,10 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
         bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{tokens_per_step / stats.step_s[-1]:,.0f}", refresh=False)
         bar.update()
         if args.checkpoint_dir and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            checkpoint = _save(args, model, opt, step + 1, stats.history, rank)
+            checkpoint = checkpoints.save(args, model, opt, step + 1, stats.history, rank)
     bar.close()
-    if args.checkpoint_dir and args.steps > start and checkpoint != _checkpoint_path(args, args.steps):
-        checkpoint = _save(args, model, opt, args.steps, stats.history, rank)
+    if args.checkpoint_dir and args.steps > start and checkpoint != checkpoints.checkpoint_path(args, args.steps):
+        checkpoint = checkpoints.save(args, model, opt, args.steps, stats.history, rank)
     mine, memory_what = peak or local_peak_memory(device)
     if peak:
         memory_what += ", before the profiled last step"
