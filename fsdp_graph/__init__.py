@@ -11,12 +11,13 @@ from fsdp_graph.api.wrap import ModuleWrapPolicy, size_based_wrap_policy
 from fsdp_graph.compiler.backend import FSDPBackend, GraphReport, fsdp_backend, make_backend
 from fsdp_graph.planning.depth import DepthPlan, explain_by_depth
 from fsdp_graph.planning.explain import ExplainReport, explain
-from fsdp_graph.state.checkpoint import load_checkpoint, save_checkpoint
+from fsdp_graph.state.checkpoint import DamagedCheckpointError, load_checkpoint, save_checkpoint
 from fsdp_graph.state.full import full_state_dict
 from fsdp_graph.state.optim import load_optim_state_dict, optim_state_dict
 
 __all__ = [
     "CPUOffload",
+    "DamagedCheckpointError",
     "DepthPlan",
     "ExplainReport",
     "FSDPBackend",

@@ -8,7 +8,9 @@ summary table at the end; the loss curve goes to a PNG. A rank that fails (raise
 `--timeout`) ends every rank, and the error names it.
 
 Test hook: FSDP_GRAPH_FAIL_AT_STEP="RANK:STEP" makes that rank raise before step STEP (0-based);
-"RANK:STEP:kill" makes it SIGKILL itself instead, "RANK:STEP:hang" makes it stop (its peers then time out).
+"RANK:STEP:kill" makes it SIGKILL itself instead, "RANK:STEP:hang" makes it stop (its peers then time out), and
+"RANK:STEP:save" makes it SIGKILL itself in the middle of saving the checkpoint of step STEP (its shard files written,
+the checkpoint's .metadata not yet).
 """
 
 from __future__ import annotations
@@ -16,11 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import glob
 import os
-import re
-import shutil
-import signal
 import sys
 import threading
 import time
@@ -32,6 +30,7 @@ import torch.distributed as dist
 import fsdp_graph
 from fsdp_graph.planning.measure import executed_collectives
 from fsdp_graph.runtime.devices import collective_device
+from fsdp_graph.train import checkpoints
 from fsdp_graph.train.corpus import batch_at, load_tokens
 from fsdp_graph.train.launch import RankFailedError, spawn
 from fsdp_graph.train.llama import PRESETS, Llama, check_tp, llama_loss, preset, tp_plan
@@ -43,12 +42,10 @@ from fsdp_graph.train.report import (
     gather_per_rank,
     load_history,
     local_peak_memory,
-    save_history,
     summarise,
 )
 
 _DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3}  # larger presets: 3e-4
-_FAIL_ENV = "FSDP_GRAPH_FAIL_AT_STEP"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.resume == "latest" and not args.checkpoint_dir:
         parser.error("--resume without a PATH needs --checkpoint-dir")
     if args.resume not in (None, "latest"):
-        if _step_of(args.resume) is None:
+        if checkpoints.step_of(args.resume) is None:
             parser.error(
                 f"--resume {args.resume}: not a checkpoint of this job (DIR/step_NNNNNN with a .metadata file)"
             )
@@ -242,22 +239,6 @@ def _torchrun_rank(args: argparse.Namespace) -> dict | None:
         dist.destroy_process_group()
 
 
-def _fail_if_asked(rank: int, step: int) -> None:
-    """The test hook (see the module docstring)."""
-    spec = os.environ.get(_FAIL_ENV)
-    if not spec:
-        return
-    target_rank, target_step, *how = spec.split(":")
-    if (int(target_rank), int(target_step)) != (rank, step):
-        return
-    if how == ["kill"]:
-        os.kill(os.getpid(), signal.SIGKILL)
-    if how == ["hang"]:
-        while True:
-            time.sleep(60)
-    raise RuntimeError(f"injected failure on rank {rank} before step {step} ({_FAIL_ENV}={spec})")
-
-
 @contextlib.contextmanager
 def _native_stderr_muted():
     """The profiler (kineto) writes 'profiler_start/stop' lines straight to fd 2, and no setting turns them off."""
@@ -280,42 +261,6 @@ def _mesh(strategy: fsdp_graph.ShardingStrategy, world: int, device: torch.devic
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device.type, (2, world // 2))
-
-
-def _step_of(path: str) -> int | None:
-    """The step of a complete checkpoint directory `.../step_NNNNNN`, else None."""
-    m = re.fullmatch(r"step_(\d+)", os.path.basename(os.path.normpath(path)))
-    return int(m.group(1)) if m and os.path.exists(os.path.join(path, ".metadata")) else None
-
-
-def _checkpoints(directory: str) -> list[str]:
-    return [p for p in glob.glob(os.path.join(directory, "step_*")) if _step_of(p) is not None]
-
-
-def _resume_point(args: argparse.Namespace) -> tuple[str, int] | None:
-    if args.resume is None:
-        return None
-    if args.resume != "latest":
-        return args.resume, _step_of(args.resume)
-    found = sorted((_step_of(p), p) for p in _checkpoints(args.checkpoint_dir))
-    return (found[-1][1], found[-1][0]) if found else None
-
-
-def _checkpoint_path(args: argparse.Namespace, step: int) -> str:
-    return os.path.join(args.checkpoint_dir, f"step_{step:06d}")
-
-
-def _save(args, model, opt, step: int, history, rank: int) -> str:
-    path = _checkpoint_path(args, step)
-    fsdp_graph.save_checkpoint(path, model, opt)
-    if rank == 0:
-        save_history(os.path.join(args.checkpoint_dir, "history.json"), history)
-        # The newest by write time, not by step number: a run resumed from an older step must keep its own.
-        by_age = sorted(_checkpoints(args.checkpoint_dir), key=lambda p: os.path.getmtime(os.path.join(p, ".metadata")))
-        for old in by_age[: max(0, len(by_age) - max(args.keep, 1))]:
-            if os.path.abspath(old) != os.path.abspath(path):
-                shutil.rmtree(old, ignore_errors=True)
-    return path
 
 
 def _shard_kwargs(args: argparse.Namespace) -> dict:
@@ -399,12 +344,9 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
         cfg, model, opt, step_model, (dp, dp_rank) = _build(args, world, device)
     tokens = load_tokens()
     start, history = 0, []
-    if found := _resume_point(args):
+    if found := checkpoints.resume(args, model, opt, rank):
         path, start = found
-        fsdp_graph.load_checkpoint(path, model, opt)
         history = load_history(os.path.join(os.path.dirname(os.path.abspath(path)), "history.json"), start)
-    elif args.resume and rank == 0:
-        print(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting from step 0", flush=True)
     if rank == 0:
         _print_header(args, cfg, world, device, start)
 
@@ -433,7 +375,7 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
     tqdm.set_lock(threading.RLock())
     bar = tqdm(total=args.steps, initial=start, disable=rank != 0, desc="train", unit="step", dynamic_ncols=True)
     for step in range(start, args.steps):
-        _fail_if_asked(rank, step)
+        checkpoints.fail_if_asked(rank, step)
         ticker = compile_ticker(bar, rank == 0 and step == start and args.compile)
         batch = tuple(t.to(device) for t in batch_at(tokens, step, args.seed, args.batch, args.seq, dp_rank, dp))
         began = time.perf_counter()
@@ -456,10 +398,10 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
         bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{tokens_per_step / stats.step_s[-1]:,.0f}", refresh=False)
         bar.update()
         if args.checkpoint_dir and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            checkpoint = _save(args, model, opt, step + 1, stats.history, rank)
+            checkpoint = checkpoints.save(args, model, opt, step + 1, stats.history, rank)
     bar.close()
-    if args.checkpoint_dir and args.steps > start and checkpoint != _checkpoint_path(args, args.steps):
-        checkpoint = _save(args, model, opt, args.steps, stats.history, rank)
+    if args.checkpoint_dir and args.steps > start and checkpoint != checkpoints.checkpoint_path(args, args.steps):
+        checkpoint = checkpoints.save(args, model, opt, args.steps, stats.history, rank)
     mine, memory_what = peak or local_peak_memory(device)
     if peak:
         memory_what += ", before the profiled last step"

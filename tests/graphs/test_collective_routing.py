@@ -10,10 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
 
 import fsdp_graph
 from fsdp_graph.api import full_params
 from fsdp_graph.runtime import devices
+from fsdp_graph.state import checkpoint
 from fsdp_graph.train.report import gather_per_rank
 from tests.graphs.capture import TwoBlock
 
@@ -74,14 +76,34 @@ def test_clip_grad_norm_all_reduces_on_the_collective_device(on_meta):
     assert on_meta == [("all_reduce", [META])]
 
 
-def test_save_checkpoint_broadcasts_on_the_collective_device(on_meta, monkeypatch, tmp_path):
-    monkeypatch.setattr(dcp, "save", lambda *args, **kwargs: None)
+def test_save_checkpoint_hashes_and_broadcasts_on_the_collective_device(on_meta, monkeypatch, tmp_path):
+    """First the checksums' all-reduce (the files DCP wrote), then the broadcast of rank 0's outcome."""
+    monkeypatch.setattr(dcp, "save", lambda *args, **kwargs: Metadata(state_dict_metadata={}, storage_data={}))
     model = fsdp_graph.fully_shard(TwoBlock())
-    monkeypatch.setattr(fsdp_graph.state.checkpoint, "_state", lambda model, optimizer: {})
-    monkeypatch.setattr(fsdp_graph.state.checkpoint, "_publish", lambda staging, path: None)
+    monkeypatch.setattr(checkpoint, "_state", lambda model, optimizer: {})
+    monkeypatch.setattr(checkpoint, "_publish", lambda staging, path: None)
     with pytest.raises(_ReachedError):
         fsdp_graph.save_checkpoint(str(tmp_path / "ckpt"), model)
-    assert on_meta == [("broadcast", [META])]
+    monkeypatch.setattr(checkpoint, "checksums", lambda directory, files: {})
+    monkeypatch.setattr(checkpoint, "write_manifest", lambda directory, entries: None)
+    with pytest.raises(_ReachedError):
+        fsdp_graph.save_checkpoint(str(tmp_path / "ckpt"), model)
+    assert on_meta == [("all_reduce", [META]), ("broadcast", [META])]
+
+
+def test_load_checkpoint_verifies_on_the_collective_device(on_meta, monkeypatch, tmp_path):
+    """The manifest goes out from rank 0 with the collective device, the verdicts are all-reduced on it."""
+    (tmp_path / ".metadata").write_bytes(b"")
+    devices_used = []
+
+    def broadcast_object_list(objects, src, device=None):
+        devices_used.append(device)
+        objects[0] = {".metadata": (0, None)}
+
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
+    with pytest.raises(_ReachedError):
+        fsdp_graph.load_checkpoint(str(tmp_path), fsdp_graph.fully_shard(TwoBlock()))
+    assert devices_used == [META] and on_meta == [("all_reduce", [META])]
 
 
 def test_summon_full_params_gathers_on_the_collective_device(on_meta):

@@ -47,6 +47,18 @@ def test_checkpoints_interoperate_with_torch_fsdp2(tmp_path, layout):
     assert max(spawn(fsdp2_interop, 2, ("ours_to_fsdp2", str(tmp_path / "b"), layout))) == 0.0
 
 
-def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):
-    for r in spawn(interrupted_save, 2, (str(tmp_path / "ckpt"),)):
+def test_interrupted_save_keeps_the_previous_checkpoint_and_damaged_files_are_named(tmp_path):
+    """Also: a shard file with flipped bytes (DCP alone loads it silently) fails the manifest's SHA-256, and a
+    truncated one in a checkpoint without a manifest fails the sizes .metadata implies; every rank raises the same
+    `DamagedCheckpointError` naming the file."""
+    path = str(tmp_path / "ckpt")
+    for r in spawn(interrupted_save, 2, (path,)):
         assert r["raised"] and r["diff_to_first_save"] == 0.0 and r["missing_raises"], r
+        damaged = r["damaged"]
+        assert damaged["flipped"] == (
+            f"load_checkpoint: '{path}' is damaged: __1_0.distcp: its SHA-256 differs from checksums.json's "
+            "(bytes changed after the save)"
+        ), damaged
+        assert damaged["truncated_no_manifest"] is not None, damaged
+        assert f"'{path}' is damaged: __1_0.distcp: " in damaged["truncated_no_manifest"], damaged
+        assert "bytes (from .metadata) expected" in damaged["truncated_no_manifest"], damaged

@@ -1,6 +1,8 @@
 """The main job (`python -m fsdp_graph train`): its Llama model's parity with single-process training, the CLI end
 to end with checkpoint and resume, and failures on one rank ending every rank with a message naming it."""
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -71,6 +73,38 @@ def test_cli_end_to_end_then_resume_continues_exactly(tmp_path, capfd):
     for (_, a), (_, b) in zip(resumed["history"], straight["history"]):
         assert abs(a - b) < 1e-6, (resumed["history"], straight["history"])
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000006"]  # --keep 1 (default): the newest only
+
+
+def test_save_killed_midway_then_a_truncated_shard_resume_from_the_newest_intact_checkpoint(
+    tmp_path, monkeypatch, capfd, plain_job
+):
+    """Rank 1 is SIGKILLed while saving step 3 (its shard file written, .metadata not): nothing is published as
+    step_000003 and step_000002 keeps the bytes its manifest recorded. Then step_000002's rank-1 shard is truncated:
+    --resume names the file, skips back to step_000001 and says so, and repeats the uninterrupted run's losses
+    exactly."""
+    ckpt = tmp_path / "ckpt"
+    args = [*FAST, "--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--keep", "3"]
+    monkeypatch.setenv("FSDP_GRAPH_FAIL_AT_STEP", "1:3:save")
+    with pytest.raises(RankFailedError) as info:
+        train.main([*args, "--plot", "none"])
+    assert info.value.rank == 1 and info.value.signal == "SIGKILL", info.value
+    monkeypatch.delenv("FSDP_GRAPH_FAIL_AT_STEP")
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000001", "step_000002", "step_000003.tmp"]
+    assert (ckpt / "step_000003.tmp" / "__1_0.distcp").exists()  # the save had started writing
+    assert not (ckpt / "step_000003.tmp" / ".metadata").exists()
+    newest = ckpt / "step_000002"
+    for name, entry in json.loads((newest / "checksums.json").read_text())["files"].items():
+        assert hashlib.sha256((newest / name).read_bytes()).hexdigest() == entry["sha256"], name
+
+    shard = newest / "__1_0.distcp"
+    os.truncate(shard, shard.stat().st_size // 2)
+    capfd.readouterr()
+    resumed = train.main([*args, "--resume", "--plot", "none"])
+    out = capfd.readouterr().out
+    assert f"'{newest}' is damaged: __1_0.distcp: " in out and "bytes expected (truncated" in out, out
+    assert f"resuming from {ckpt / 'step_000001'}, the newest intact checkpoint" in out, out
+    assert resumed["start_step"] == 1 and resumed["steps_run"] == 3
+    assert resumed["history"] == plain_job["history"], (resumed["history"], plain_job["history"])
 
 
 def test_pipeline_parallel_job_trains_and_resumes_exactly(tmp_path, capfd):

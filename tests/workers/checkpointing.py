@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -145,4 +147,31 @@ def interrupted_save(rank: int, world: int, path: str) -> dict:
         "raised": raised,
         "diff_to_first_save": max((loaded[k] - saved[k]).abs().max().item() for k in saved),
         "missing_raises": missing_raises,
+        "damaged": _damaged_loads(path, fresh, fresh_opt),
     }
+
+
+def _damaged_loads(path: str, model, optimizer) -> dict[str, str | None]:
+    """The error every rank gets from `load_checkpoint` after rank 0 damages one shard file of the checkpoint:
+    bytes flipped in place (same size), then truncated with the manifest removed (as in a checkpoint written by
+    torch's FSDP2, which has none). None where the load went through."""
+    shard = os.path.join(path, "__1_0.distcp")
+    with open(shard, "rb") as f:
+        intact = f.read()
+    flipped = bytearray(intact)
+    flipped[len(flipped) // 2 : len(flipped) // 2 + 16] = bytes(b ^ 0xFF for b in flipped[len(flipped) // 2 :][:16])
+    errors: dict[str, str | None] = {}
+    for case, content in (("flipped", bytes(flipped)), ("truncated_no_manifest", intact[: len(intact) // 2])):
+        if dist.get_rank() == 0:
+            with open(shard, "wb") as f:
+                f.write(content)
+            if case == "truncated_no_manifest":
+                os.remove(os.path.join(path, "checksums.json"))
+        dist.barrier()
+        try:
+            fsdp_graph.load_checkpoint(path, model, optimizer)
+            errors[case] = None
+        except fsdp_graph.DamagedCheckpointError as e:
+            errors[case] = str(e)
+        dist.barrier()
+    return errors
