@@ -32,7 +32,7 @@ from fsdp_graph.runtime.unit import (
     swap_class,
     track_kept_gathers,
 )
-from fsdp_graph.state.sharded import install_state_dict_hooks
+from fsdp_graph.state import module_state
 
 WrapPolicy = Callable[[nn.Module], list[nn.Module]]
 ReshardSpec = bool | int | None | Mapping[nn.Module | str, bool | int]
@@ -179,7 +179,7 @@ def fully_shard(
             if unit is not model and "_fsdp_states" in unit.__dict__:
                 make_reusable(unit)
     model.__dict__["_fsdp_root"] = root_state
-    install_state_dict_hooks(model)
+    module_state.install(model)
     return model
 
 

@@ -12,7 +12,6 @@ rows, a DTensor on the (dp, tp) mesh around that block: `dtensor_views`) outside
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -42,8 +41,6 @@ class RootState:
     mesh: object = None  # the DeviceMesh given to fully_shard (None: the world's, see checkpoint.state_dict_mesh)
     world_meshes: dict = field(default_factory=dict)  # device type -> the world's DeviceMesh on it
     placements: tuple = ()  # DTensor placements of a parameter on `mesh` (Shard(0), with Replicate for replicas)
-    # While set, model.state_dict() passes each full tensor through it instead of making a DTensor (None: drop it).
-    full_state_dict: Callable[[torch.Tensor], torch.Tensor | None] | None = None
     requires_gradient_sync: bool = True  # False inside `no_sync`: backwards accumulate unreduced gradients
     grad_fence: offload.GradFence = field(default_factory=offload.GradFence)  # CPU offload's end-of-backward wait
     session: eager_reshard.ForwardSession | None = None  # the eager forward running now (None: none, or compiled)

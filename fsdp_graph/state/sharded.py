@@ -3,8 +3,8 @@
 The flat layout is not FSDP2's per-parameter dim-0 sharding, so converting moves data: each flat parameter
 is gathered (one at a time: a unit is the most any rank holds unsharded) and every parameter is re-chunked on
 dim 0 the way `DTensor` with `Shard(0)` expects (`torch.chunk` semantics). With the rows layout each parameter
-view already IS its `Shard(0)` local tensor: the DTensors wrap the views and nothing moves. Either way
-`model.state_dict()` goes straight into `torch.distributed.checkpoint` (DCP), which reshards across world sizes
+view already IS its `Shard(0)` local tensor: the DTensors wrap the views and nothing moves. `module_state` shows
+these DTensors to each module's own state-dict code. Either way `model.state_dict()` goes straight into `torch.distributed.checkpoint` (DCP), which reshards across world sizes
 and reads and writes checkpoints of torch's own FSDP2.
 """
 
@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_graph.runtime.devices import collective_device
-from fsdp_graph.runtime.dtensor_views import like, local_of
 from fsdp_graph.runtime.tensor_parallel import TPSpec, state_dict_placements, tp_local_of
-from fsdp_graph.runtime.unit import FlatParamState, RootState, drop_held, flat_params
+from fsdp_graph.runtime.unit import FlatParamState, RootState
 
 
 def gather_flat(state: FlatParamState, local: torch.Tensor) -> torch.Tensor:
@@ -127,62 +125,9 @@ def local_range_of(value: torch.Tensor, state: FlatParamState, slot_index: int) 
     return state.layout.local_piece(value, slot).to(state.flat_shard.dtype)
 
 
-def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    root: RootState = module.__dict__["_fsdp_root"]
-    with torch.no_grad():
-        for state in root.flat_params:
-            _put_flat_param(state_dict, prefix, state, root)
-
-
-def _put_flat_param(state_dict: dict, prefix: str, state: FlatParamState, root: RootState) -> None:
-    """Gather one flat parameter into the state dict's entries of its parameters. A function of its own so the
-    gathered tensor dies on return unless the entries keep it (full_state_dict's streaming relies on that). The rows
-    layout's sharded state dict gathers nothing: each entry wraps its parameter's view."""
-    if state.layout.kind == "rows" and root.full_state_dict is None:
-        entries = [local_dtensor(local_of(view).detach(), state, i) for i, view in enumerate(state.views)]
-    else:
-        full = gather_flat(state, state.flat_shard.detach())
-        values = state.layout.unflatten(full)
-        entries = [_entry(v, state, i, root) for i, v in enumerate(values)]
-    for slot, entry in zip(state.layout.slots, entries):
-        for fqn in slot.fqns:
-            if prefix + fqn not in state_dict:
-                continue
-            if entry is None:
-                del state_dict[prefix + fqn]
-            else:
-                state_dict[prefix + fqn] = entry
-
-
 def gathered_dtensor(value: torch.Tensor, state: FlatParamState, slot_index: int) -> DTensor:
     """A parameter-shaped tensor gathered over the shard group (a tensor-parallel parameter's tp piece) as its
     sharded state-dict DTensor: `to_dtensor`, or for tensor-parallel parameters `tp_dtensor` of its dp rows."""
     if _tp_spec(state, slot_index) is not None:
         return tp_dtensor(_dp_rows(value, state).clone(), state, slot_index)
     return to_dtensor(value, state.root)
-
-
-def _entry(value: torch.Tensor, state: FlatParamState, slot_index: int, root: RootState):
-    """The state-dict entry of one parameter gathered over the shard group (`value`: its tp piece for a
-    tensor-parallel parameter, which a full state dict gathers over tp too)."""
-    if root.full_state_dict is None:
-        return gathered_dtensor(value, state, slot_index)
-    spec = _tp_spec(state, slot_index)
-    return root.full_state_dict(value if spec is None else spec.wrap(value).full_tensor())
-
-
-def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
-    for state in flat_params(module):
-        drop_held(state)
-        for index, slot in enumerate(state.layout.slots):
-            for fqn in slot.fqns:
-                key = prefix + fqn
-                if key in state_dict:  # shaped like the view: a DTensor view takes a DTensor of its spec
-                    state_dict[key] = like(local_range_of(state_dict[key], state, index), state.views[index])
-
-
-def install_state_dict_hooks(model: nn.Module) -> None:
-    """`model.state_dict()` returns DTensors (FSDP2's layout); `model.load_state_dict()` accepts DTensors or
-    full tensors. Both are collectives: every rank calls them."""
-    model.register_state_dict_post_hook(_state_dict_hook)
-    model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
