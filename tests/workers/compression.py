@@ -65,8 +65,14 @@ def _reduced(grads: list[torch.Tensor], world: int, case: CompressCase) -> torch
         g = (grad / pre).view(world, -1)
         if case.grads is not None:
             chunk = g.shape[1]
-            g = unpack_rows(pack_rows(g, world, chunk, case.grads, case.block_size), world, chunk, g.dtype,
-                            case.grads, case.block_size)
+            g = unpack_rows(
+                pack_rows(g, world, chunk, case.grads, case.block_size),
+                world,
+                chunk,
+                g.dtype,
+                case.grads,
+                case.block_size,
+            )
         rows.append(g)
     # Rank j sums row j of every rank, in rank order: the same reduction as the graph's sum over dim 0.
     summed = torch.stack([torch.stack([r[j] for r in rows]).sum(0) for j in range(world)])
@@ -84,7 +90,7 @@ def reference_grads(ref: nn.Module, loss_fn, states, batches: list, case: Compre
             for slot, value in zip(state.layout.slots, state.layout.unflatten(flat)):
                 for fqn in slot.fqns:
                     values[fqn] = value
-        loss = loss_fn(lambda *a: torch.func.functional_call(ref, values, a), batch)
+        loss = loss_fn(lambda *a, values=values: torch.func.functional_call(ref, values, a), batch)
         for grads, g in zip(per_rank, torch.autograd.grad(loss, flats)):
             grads.append(g)
         losses.append(loss.item())
