@@ -1,6 +1,6 @@
 """Block quantizers for compressed collectives, written once for eager tensors and for graph nodes.
 
-Every function takes `call(target, *args)`: `eager` runs the aten op on tensors (the references and numerics tests);
+Every function takes `call(target, *args, **kwargs)`: `eager` runs the aten op on tensors (the references and numerics tests);
 `passes.compress` hands in a node emitter, so the graph gets exactly these ops, which Inductor can fuse.
 
 A packed row is one uint8 buffer per row of the input, so a collective moves values and scales together:
@@ -56,6 +56,11 @@ def packed_bytes(n: int, scheme: str, block_size: int) -> int:
     return code_bytes(n, scheme, block_size) + 4 * blocks_of(n, block_size)
 
 
+def _clamp(call: Call, x: Any, level: float) -> Any:
+    # clamp_min/clamp_max, not clamp: Inductor lowers these in a post-grad graph (it only decomposes `clamp`).
+    return call(_aten.clamp_max.default, call(_aten.clamp_min.default, x, -level), level)
+
+
 def pack_rows(x: Any, rows: int, n: int, scheme: str, block_size: int, call: Call = eager) -> Any:
     """`x` (a contiguous (rows, n) floating tensor) -> (rows, packed_bytes) uint8: each row quantized in blocks."""
     nb = blocks_of(n, block_size)
@@ -69,10 +74,10 @@ def pack_rows(x: Any, rows: int, n: int, scheme: str, block_size: int, call: Cal
     scale = call(_aten.clamp_min.default, call(_aten.div.Tensor, amax, level), _SMALLEST_SCALE)
     scaled = call(_aten.div.Tensor, blocks, scale)
     if scheme == "fp8":
-        clamped = call(_aten.clamp.default, scaled, -level, level)
+        clamped = _clamp(call, scaled, level)
         codes = call(_prims.convert_element_type.default, clamped, torch.float8_e4m3fn)
     else:
-        rounded = call(_aten.clamp.default, call(_aten.round.default, scaled), -level, level)
+        rounded = _clamp(call, call(_aten.round.default, scaled), level)
         if scheme == "int4":  # codes + 8 in [1, 15]
             rounded = call(_aten.add.Tensor, rounded, 8.0)
         codes = call(_prims.convert_element_type.default, rounded, torch.uint8 if scheme == "int4" else torch.int8)
@@ -99,7 +104,7 @@ def unpack_rows(packed: Any, rows: int, n: int, dtype: torch.dtype, scheme: str,
     if scheme == "int4":
         low = call(_aten.bitwise_and.Scalar, code_row, 15)
         high = call(_aten.bitwise_right_shift.Tensor_Scalar, code_row, 4)
-        pairs = call(_aten.stack.default, [low, high], 2)
+        pairs = call(_aten.cat.default, [call(_aten.unsqueeze.default, t, 2) for t in (low, high)], 2)
         biased = call(_prims.convert_element_type.default, pairs, torch.float32)
         values = call(_aten.view.default, call(_aten.sub.Tensor, biased, 8.0), [rows, nb, block_size])
     else:
