@@ -65,7 +65,8 @@ def pack_rows(x: Any, rows: int, n: int, scheme: str, block_size: int, call: Cal
     """`x` (a contiguous (rows, n) floating tensor) -> (rows, packed_bytes) uint8: each row quantized in blocks."""
     nb = blocks_of(n, block_size)
     padded = nb * block_size
-    values = call(_prims.convert_element_type.default, x, torch.float32)
+    dtype = x.dtype if isinstance(x, torch.Tensor) else x.meta["val"].dtype  # a tensor, or a node (graph mode)
+    values = x if dtype == torch.float32 else call(_prims.convert_element_type.default, x, torch.float32)
     if padded != n:
         values = call(_aten.constant_pad_nd.default, values, [0, padded - n], 0.0)
     blocks = call(_aten.view.default, values, [rows, nb, block_size])
