@@ -224,3 +224,21 @@ def test_backend_refuses_gradient_compression_of_replicated_units(fake_pg):
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"no such unit in this model; its units are \['', 'blocks.0', 'blocks.1'\]"):
         torch.compile(fsdp_graph.fully_shard(TwoBlock()), backend=units, fullgraph=True)(torch.randn(2, 4))
+
+
+def test_explain_counts_compressed_bytes_and_codec_work(fake_pg):
+    from tests.graphs.test_cost import _ce, _gpt
+
+    model, idx = _gpt()
+    plain = fsdp_graph.explain(model, idx, loss_fn=_ce(idx), hardware="nvlink")
+    packed = fsdp_graph.explain(model, idx, loss_fn=_ce(idx), hardware="nvlink", compress="int8")
+    cost = packed.compression
+    assert plain.compression.collectives == 0 and "compressed" not in plain.to_text()
+    assert cost.schemes == {"int8"} and cost.collectives == 9  # per unit: a gather, a re-gather, a reduction
+    assert cost.uncompressed_sent_bytes == pytest.approx(plain.sent_bytes)
+    assert cost.sent_bytes == pytest.approx(packed.sent_bytes) and 0.25 < cost.sent_bytes / plain.sent_bytes < 0.3
+    assert cost.codec_seconds > 0 and packed.forward.compute_time > plain.forward.compute_time
+    assert [(r.gathers, r.reduce_scatters) for r in packed.units] == [
+        (r.gathers, r.reduce_scatters) for r in plain.units
+    ]
+    assert "compressed (int8): 9 collectives send" in packed.to_text()
