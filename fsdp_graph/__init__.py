@@ -1,7 +1,7 @@
 """fsdp_graph: Fully Sharded Data Parallel training as a compiler pass."""
 
 from fsdp_graph.api.clip import clip_grad_norm_
-from fsdp_graph.api.config import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_graph.api.config import Compression, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_graph.api.controls import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from fsdp_graph.api.full_params import summon_full_params
 from fsdp_graph.api.fully_shard import fully_shard
@@ -17,6 +17,7 @@ from fsdp_graph.state.optim import load_optim_state_dict, optim_state_dict
 
 __all__ = [
     "CPUOffload",
+    "Compression",
     "DamagedCheckpointError",
     "DepthPlan",
     "ExplainReport",

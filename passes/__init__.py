@@ -3,6 +3,7 @@
 from passes.all_to_all import reduce_scatter_as_all_to_all
 from passes.bucket import bucket_collectives
 from passes.collective_counts import collective_summary
+from passes.compress import compress_collectives
 from passes.dedup import dedup_unshard
 from passes.fingerprint import collective_fingerprint
 from passes.flat_grad import cat_flat_grads
@@ -17,6 +18,7 @@ __all__ = [
     "check_collectives",
     "collective_fingerprint",
     "collective_summary",
+    "compress_collectives",
     "dedup_unshard",
     "lower_fsdp_ops",
     "reduce_scatter_as_all_to_all",

@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
-from fsdp_graph.ir import META_ROLE, META_UNIT, ROLE_UNSHARD, WAIT
+from fsdp_graph.ir import META_COMPRESSED, META_ROLE, META_UNIT, ROLE_UNSHARD, WAIT
 from passes.fx_nodes import alias_source, bind_args, fake_value, hint, tensor_bytes, value_bytes, written_args
 
 _aten = torch.ops.aten
@@ -468,3 +468,32 @@ def iter_collectives(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, str, str | N
         kind = collective_kind(node)
         if kind is not None:
             yield node, kind, node.meta.get(META_UNIT)
+
+
+@dataclass
+class CompressionCost:
+    """What `passes.compress` changed in one or more graphs, per rank: the bytes its collectives send ((n - 1) / n of
+    the payload), what the collectives they replaced would have sent, and the quantize/dequantize kernels' time
+    (`kernel_cost`; already part of `simulate`'s compute lane)."""
+
+    schemes: set[str] = field(default_factory=set)
+    collectives: int = 0
+    sent_bytes: float = 0.0
+    uncompressed_sent_bytes: float = 0.0
+    codec_seconds: float = 0.0
+
+    def add(self, gm: fx.GraphModule, hardware: Hardware, world: int, group_sizes: Mapping[str, int] | None = None):
+        """Adds `gm`'s compressed collectives and codec kernels; returns self."""
+        for node in gm.graph.nodes:
+            if META_COMPRESSED not in node.meta:
+                continue
+            scheme, original = node.meta[META_COMPRESSED]
+            self.schemes.add(scheme)
+            if collective_kind(node) is not None:
+                n, payload, _ = collective_cost(node, hardware, world, group_sizes)
+                self.collectives += 1
+                self.sent_bytes += payload * (n - 1) / n
+                self.uncompressed_sent_bytes += original * (n - 1) / n
+            elif _is_compute(node):
+                self.codec_seconds += kernel_cost(node, hardware)[0]
+        return self

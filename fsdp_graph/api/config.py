@@ -72,3 +72,55 @@ class MixedPrecision:
     @property
     def effective_reduce_dtype(self) -> torch.dtype | None:
         return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
+
+
+_WEIGHT_SCHEMES = ("int8", "fp8")
+_GRAD_SCHEMES = ("int8", "int4", "fp8")
+
+
+@dataclass(frozen=True)
+class Compression:
+    """Quantized collectives (ZeRO++'s qwZ and qgZ), a `make_backend(compress=...)` option; off by default.
+
+    - weights: each rank's shard is quantized before every all-gather ("int8", "fp8": float8_e4m3fn; None: off) and
+      the gathered parameter restored to the compute dtype; the master shard stays full precision.
+    - grads: each gradient is quantized once ("int8", "int4", "fp8"; None: off), sent by an all-to-all instead of a
+      reduce-scatter, and each rank sums what it receives in float32, then casts to the reduce dtype.
+    - block_size: elements per scale (a multiple of 4); each block's float32 scale travels in the same buffer.
+    - units: the unit FQNs to compress ("" is the root; None: every unit). A bucket is compressed when all its
+      units are.
+    Not supported: the replica all-reduce of HYBRID_SHARD and NO_SHARD (the backend refuses `grads` there).
+    """
+
+    weights: str | None = "int8"
+    grads: str | None = "int8"
+    block_size: int = 256
+    units: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.weights not in (None, *_WEIGHT_SCHEMES):
+            raise ValueError(f"Compression.weights must be one of {_WEIGHT_SCHEMES} or None, got {self.weights!r}")
+        if self.grads not in (None, *_GRAD_SCHEMES):
+            raise ValueError(f"Compression.grads must be one of {_GRAD_SCHEMES} or None, got {self.grads!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 4 or self.block_size % 4:
+            raise ValueError(f"Compression.block_size must be a positive multiple of 4, got {self.block_size!r}")
+        if self.units is not None:
+            if isinstance(self.units, str) or not all(isinstance(u, str) for u in self.units):
+                raise TypeError(f"Compression.units must be a tuple of unit names, got {self.units!r}")
+            object.__setattr__(self, "units", tuple(self.units))
+
+    @staticmethod
+    def parse(text: str) -> Compression:
+        """From a command line: "int8" (weights and gradients), or comma-separated `weights=int8`, `grads=int4`,
+        `block=128` ("none" turns one side off)."""
+        if "=" not in text:
+            return Compression(text, text)
+        fields: dict = {"weights": None, "grads": None}
+        for part in text.split(","):
+            key, _, value = part.partition("=")
+            key = {"block": "block_size"}.get(key.strip(), key.strip())
+            if key not in ("weights", "grads", "block_size"):
+                raise ValueError(f"--compress: unknown key {key!r} in {text!r}; use weights=, grads=, block=")
+            value = value.strip()
+            fields[key] = int(value) if key == "block_size" else (None if value == "none" else value)
+        return Compression(**fields)

@@ -23,6 +23,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import passes
 from fsdp_graph import ir
+from fsdp_graph.api.config import Compression
 from fsdp_graph.compiler.dump import GraphDumper, no_caches_when_dumping
 from fsdp_graph.compiler.options import OWNED_VALUES, inductor_config_patches, patches_key
 from fsdp_graph.compiler.rank_check import STORE, GraphCollectives, RankAgreement, check_first_call
@@ -86,6 +87,7 @@ class ScheduleOptions:
     bucket_bytes: int = 0
     reduce_scatter: str = "auto"  # "auto": all-to-all over gloo groups; "native": always reduce_scatter_tensor
     activation_memory_budget: float | None = None  # the partitioner's budget (None: torch's default, 1.0)
+    compress: Compression | None = None  # quantized gathers / gradient all-to-alls (`passes.compress`; None: off)
 
 
 class _LowerPass(CustomGraphPass):
@@ -113,6 +115,10 @@ class _LowerPass(CustomGraphPass):
         passes.lower_fsdp_ops(gm)
         lowered = time.perf_counter()
         passes.bucket_collectives(gm, self.options.bucket_bytes)
+        compress = self.options.compress
+        if compress is not None:
+            units = None if compress.units is None else frozenset(compress.units)
+            passes.compress_collectives(gm, compress.weights, compress.grads, compress.block_size, units)
         passes.reduce_scatter_as_all_to_all(gm, self.all_to_all_groups)
         bucketed = time.perf_counter()
         passes.schedule_collectives(gm, self.options.prefetch, self.options.max_inflight_bytes, self.serial_groups)
@@ -176,6 +182,8 @@ class FSDPBackend:
         passes.dedup_unshard(gm)
         self.pass_seconds["dedup"] += time.perf_counter() - start
         dumper.graph("01_dedup", gm)
+        if self.schedule.compress is not None:
+            _check_compressible(gm, self.schedule.compress)
         gloo = _gloo_groups(gm)
         all_to_all = frozenset() if self.schedule.reduce_scatter == "native" else gloo
         # The process groups' backends decide the lowering, and torch.compile's options what Inductor makes of it:
@@ -303,6 +311,28 @@ def _gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
     return frozenset(name for name, device in names if name and ops.is_gloo_group(name, device))
 
 
+def _check_compressible(gm: fx.GraphModule, compress: Compression) -> None:
+    """Refuses what `passes.compress` cannot do, before compiling: gradient compression of a unit whose gradient is
+    all-reduced over replicas (NO_SHARD, HYBRID_SHARD), and a `units` list naming no unit of this graph."""
+    calls = [bind_args(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in ir.UNSHARD_TARGETS]
+    names = {a["unit"] for a in calls}
+    if compress.units is not None and names and not names & set(compress.units):
+        raise ValueError(
+            f"make_backend(compress=Compression(units={compress.units!r})): no such unit in this model; its units "
+            f"are {sorted(names)} ('' is the root)"
+        )
+    if compress.grads is None:
+        return
+    for a in calls:
+        if a["replicate_world"] > 1 and (compress.units is None or a["unit"] in compress.units):
+            raise ValueError(
+                f"make_backend(compress=...): unit {a['unit'] or '<root>'!r} all-reduces its gradient over "
+                f"{a['replicate_world']} replicas (NO_SHARD or HYBRID_SHARD), which gradient compression does not "
+                "cover. Use Compression(grads=None) (weights only), leave the unit out of Compression(units=...), "
+                "or shard it with FULL_SHARD / SHARD_GRAD_OP."
+            )
+
+
 def _check_sharded(gm: fx.GraphModule, example_inputs) -> None:
     if any(n.op == "call_function" and n.target in ir.UNSHARD_TARGETS for n in gm.graph.nodes):
         return
@@ -332,6 +362,7 @@ def make_backend(
     keep_graphs: bool = False,
     verify_collectives: bool = True,
     verify_timeout_s: float = 600.0,
+    compress: Compression | str | None = None,
 ) -> FSDPBackend:
     """A new backend. `inductor=False` runs the same passes and executes with eager kernels (fast compile).
     `dump_dir` (or env FSDP_GRAPH_DUMP) writes each stage's graph as code plus a collective summary.
@@ -346,14 +377,22 @@ def make_backend(
     `verify_collectives`: on each compiled graph's first call, the rank compares its forward and backward
     collectives with those the other ranks compiled, through the default group's store (no collective: a
     recompile on one rank with the same collectives passes), and every rank raises, naming the graph and the first
-    difference, if they differ (instead of hanging); `verify_timeout_s` bounds the wait for the other ranks."""
+    difference, if they differ (instead of hanging); `verify_timeout_s` bounds the wait for the other ranks.
+    `compress`: quantized weight gathers and gradient all-to-alls (a `Compression`, or its `Compression.parse` text
+    such as "int8"; None: off, the default), `passes.compress` between bucketing and scheduling."""
     if reduce_scatter not in ("auto", "native"):
         raise ValueError(f"make_backend: reduce_scatter must be 'auto' or 'native', got {reduce_scatter!r}")
     if activation_memory_budget is not None and not 0 < activation_memory_budget <= 1:
         raise ValueError(f"make_backend: activation_memory_budget must be in (0, 1], got {activation_memory_budget}")
     if not verify_timeout_s > 0:
         raise ValueError(f"make_backend: verify_timeout_s must be a positive number of seconds, got {verify_timeout_s}")
-    options = ScheduleOptions(prefetch, max_inflight_bytes, bucket_bytes, reduce_scatter, activation_memory_budget)
+    if isinstance(compress, str):
+        compress = Compression.parse(compress)
+    if compress is not None and not isinstance(compress, Compression):
+        raise TypeError(f"make_backend: compress must be a Compression, its text or None, got {compress!r}")
+    options = ScheduleOptions(
+        prefetch, max_inflight_bytes, bucket_bytes, reduce_scatter, activation_memory_budget, compress
+    )
     return FSDPBackend(
         inductor=inductor,
         dump_dir=dump_dir,

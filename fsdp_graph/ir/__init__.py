@@ -5,6 +5,7 @@ Node meta keys set by passes are namespaced `fsdp_*`:
 - `fsdp_role`: "unshard" or "reduce_grad" on every node a lowering produced.
 - `fsdp_bucket`: on every node `passes.bucket` creates, the tuple of the merged units' FQNs in graph order; their
   `fsdp_unit` is those names joined by "+" (the root's "" included, so "+blocks.1" is the root and blocks.1).
+- `fsdp_compressed`: on every node `passes.compress` creates, (scheme, bytes the uncompressed collective moved).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)
 META_UNIT = "fsdp_unit"
 META_ROLE = "fsdp_role"
 META_BUCKET = "fsdp_bucket"
+META_COMPRESSED = "fsdp_compressed"
 ROLE_UNSHARD = "unshard"
 ROLE_REDUCE = "reduce_grad"
 # meta["custom"] (torch.fx.traceback.annotate) of a parameter read inside a reused block's body (`reuse_blocks`).

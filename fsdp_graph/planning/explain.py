@@ -26,6 +26,7 @@ from fsdp_graph.planning.attention import fused_attention_on_meta
 from fsdp_graph.runtime.unit import FlatParamState, flat_params
 from passes.cost import (
     HARDWARE,
+    CompressionCost,
     Hardware,
     MemoryEstimate,
     Simulation,
@@ -116,6 +117,14 @@ class ExplainReport:
         return dict(sent)
 
     @property
+    def compression(self) -> CompressionCost:
+        """The compressed collectives' bytes against the uncompressed ones, and the codec kernels' time."""
+        cost = CompressionCost()
+        for graph in self.graphs:
+            cost.add(graph.graph, self.hardware, self.world, self.group_sizes)
+        return cost
+
+    @property
     def peak_memory_bytes(self) -> int:
         """Persistent bytes (flat shards, buffers, the batch) plus the peak of what the step allocates."""
         return self.memory.total_peak_bytes
@@ -173,6 +182,13 @@ class ExplainReport:
                 + ", ".join(
                     f"{g} ({sizes.get(g, self.world)} ranks) {b / _MIB:.3f} MiB" for g, b in sorted(by_group.items())
                 )
+            )
+        compression = self.compression
+        if compression.collectives:
+            lines.append(
+                f"compressed ({'/'.join(sorted(compression.schemes))}): {compression.collectives} collectives send "
+                f"{compression.sent_bytes / _MIB:.3f} MiB instead of {compression.uncompressed_sent_bytes / _MIB:.3f} "
+                f"MiB; quantize/dequantize kernels {_fmt_time(compression.codec_seconds)}"
             )
         peak = self.memory.peak
         stage = {"fw": "forward", "bw": "backward"}[peak.stage]

@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=int, default=1, help="checkpoints kept in --checkpoint-dir (default: the newest 1)")
     p.add_argument("--dump-dir", default=None, help="write each compile stage's graph as code here")
     p.add_argument(
+        "--compress",
+        default=None,
+        help="quantized gathers and gradient all-to-alls (fsdp_graph.Compression.parse): 'int8', or e.g. "
+        "'weights=int8,grads=int4,block=256' (default: off)",
+    )
+    p.add_argument(
         "--plot",
         default=None,
         help="loss curve PNG (default: CHECKPOINT_DIR/loss.png, else ./loss.png; 'none': no plot)",
@@ -145,6 +151,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.checkpoint_dir = args.checkpoint_dir or os.path.dirname(os.path.abspath(args.resume))
     if args.pp < 1:
         parser.error(f"--pp must be at least 1, got {args.pp}")
+    if args.compress is not None:
+        if not args.compile:
+            parser.error("--compress is a compiler pass: it needs --compile")
+        try:
+            args.compress = fsdp_graph.Compression.parse(args.compress)
+        except (TypeError, ValueError) as error:
+            parser.error(f"--compress {args.compress}: {error}")
     if args.microbatches is None:
         args.microbatches = args.pp
     if why := _check_tp_args(args):
@@ -285,7 +298,9 @@ def _optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.
 def _backend(args: argparse.Namespace):
     if not args.compile:
         return None
-    return fsdp_graph.make_backend(inductor=args.backend_mode == "inductor", dump_dir=args.dump_dir)
+    return fsdp_graph.make_backend(
+        inductor=args.backend_mode == "inductor", dump_dir=args.dump_dir, compress=args.compress
+    )
 
 
 def _build(args: argparse.Namespace, world: int, device: torch.device):

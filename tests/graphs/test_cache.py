@@ -58,6 +58,7 @@ def test_code_hash_covers_every_passes_module(monkeypatch, module):
     import inspect
 
     from fsdp_graph.compiler import backend
+
     getsource = inspect.getsource
     backend._code_hash.cache_clear()
     before = backend._code_hash()

@@ -42,7 +42,9 @@ def test_grad_fence_hands_out_the_gradient_after_waiting_for_its_copy():
     flat = torch.zeros(4, requires_grad=True)
     view = nn.Parameter(flat.detach()[1:3])
     fence = GradFence(make_event=log.event)
-    layout = FlatParamLayout.build([(("a",), torch.Size([1])), (("v",), torch.Size([2])), (("b",), torch.Size([1]))], 1, 0)
+    layout = FlatParamLayout.build(
+        [(("a",), torch.Size([1])), (("v",), torch.Size([2])), (("b",), torch.Size([1]))], 1, 0
+    )
     frozen = [nn.Parameter(flat.detach()[i : i + 1], requires_grad=False) for i in (0, 3)]
     step = [lambda: log.append(("step", view.grad.tolist()))]
     install_grad_hook(flat, [frozen[0], view, frozen[1]], layout, step, fence=(fence, CPU))

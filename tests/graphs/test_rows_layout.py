@@ -61,7 +61,9 @@ def test_rows_pipeline_one_gather_per_unit_then_copy_out(fake_pg):
     reports = {r.stage: r for r in backend.reports}
     assert reports["fw"].collectives.counts == {"all_gather": 3}
     assert reports["bw"].collectives.counts == {"all_gather": 3, "reduce_scatter": 3}
-    assert_expected_inline(reports["fw"].code, """\
+    assert_expected_inline(
+        reports["fw"].code,
+        """\
 def forward(self, primals_1, primals_2, primals_3, primals_4):
     all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_2, 4, '0')
     all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_3, 4, '0')
@@ -95,7 +97,8 @@ def forward(self, primals_1, primals_2, primals_3, primals_4):
     slice_5 = torch.ops.aten.slice.Tensor(view_5, 0, 0, 2);  view_5 = None
     t_2 = torch.ops.aten.t.default(slice_5);  slice_5 = None
     mm = torch.ops.aten.mm.default(relu_1, t_2);  t_2 = None
-    return (mm, primals_1, primals_2, primals_3, primals_4, relu, relu_1)""")
+    return (mm, primals_1, primals_2, primals_3, primals_4, relu, relu_1)""",
+    )
 
 
 def test_eager_full_shard_frees_copied_out_parameters(fake_pg):

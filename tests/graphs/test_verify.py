@@ -48,7 +48,9 @@ def test_write_to_in_flight_input_through_a_view():
         graph.call_function(_aten.mul_.Tensor, (view, 2))
         return graph.call_function(WAIT, (issue,))
 
-    with pytest.raises(RuntimeError, match="writes to a buffer of all_gather_into_tensor_default while it is in flight"):
+    with pytest.raises(
+        RuntimeError, match="writes to a buffer of all_gather_into_tensor_default while it is in flight"
+    ):
         check_collectives(_graph(build))
 
 

@@ -144,6 +144,7 @@ def test_children_run_on_cpu(monkeypatch):
 def test_train_cpu_offload_flag(fake_pg):
     """Section 3 runs the main job with --cpu-offload: the flag reaches fully_shard."""
     from fsdp_graph.train import job as train
+
     for flag, expected in (([], None), (["--cpu-offload"], torch.device("cpu"))):
         args = train.parse_args(["--preset", "tiny", "--no-compile", *flag])
         _, model, _, _, _ = train._build(args, 4, torch.device("cpu"))

@@ -11,7 +11,9 @@ TOL = 2e-5  # as tests/numerics/test_strategies.py: fp32, 5 steps
 
 def test_reshard_after_forward_int_parity_and_groups():
     cases = [
-        Case("gpt", "sgd", reshard="int2"),  # the default layout, rows (flat's pieces: tests/graphs/test_reshard_int.py)
+        Case(
+            "gpt", "sgd", reshard="int2"
+        ),  # the default layout, rows (flat's pieces: tests/graphs/test_reshard_int.py)
         Case("gpt", "sgd", reshard="int2", mode="eager"),
         Case("gpt", "sgd", reshard="int2_root", steps=3),
     ]

@@ -1,0 +1,244 @@
+"""Block quantizers (`passes.quantize`) and the compression pass (`passes.compress`) on a tiny graph (fake group)."""
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+
+import fsdp_graph
+from fsdp_graph.ir import ALL_GATHER, ALL_TO_ALL, META_COMPRESSED, REDUCE_SCATTER
+from passes import compress_collectives, lower_fsdp_ops, tag_reshard
+from passes.quantize import pack_rows, packed_bytes, round_trip, unpack_rows
+from tests.graphs.capture import TwoBlock, aot_stages, code
+
+LEVELS = {"int8": 127, "int4": 7, "fp8": 448}
+
+
+def _blocks_with_spread(n_blocks: int, block: int) -> torch.Tensor:
+    """Blocks whose magnitudes span 12 orders of magnitude, so a shared scale across blocks would fail."""
+    g = torch.Generator().manual_seed(0)
+    magnitudes = torch.logspace(-6, 6, n_blocks).repeat_interleave(block)
+    return torch.randn(n_blocks * block, generator=g) * magnitudes
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
+def test_round_trip_error_is_bounded_per_block(scheme):
+    block = 16
+    x = _blocks_with_spread(9, block)[:-5]  # a ragged last block: padding
+    y = round_trip(x, scheme, block)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    for lo in range(0, x.numel(), block):
+        xb, yb = x[lo : lo + block], y[lo : lo + block]
+        scale = xb.abs().max() / LEVELS[scheme]
+        if scheme == "fp8":  # 3 mantissa bits: half an ulp relative, or subnormal steps of 2^-9 * scale
+            bound = torch.maximum(xb.abs() * 2**-4, torch.full_like(xb, 2**-10) * scale)
+        else:
+            bound = torch.full_like(xb, scale / 2)
+        assert ((xb - yb).abs() <= bound * (1 + 1e-6)).all(), (scheme, lo)
+
+
+def test_round_trip_is_exact_for_representable_blocks():
+    """Codes times a power-of-two scale, with the largest code in every block, come back bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    for scheme, level in LEVELS.items():
+        if scheme == "fp8":  # any float8_e4m3fn value is a code
+            codes = (torch.randn(4, 64, generator=g) * 50).clamp(-level, level).to(torch.float8_e4m3fn).float()
+        else:
+            codes = torch.randint(-level, level + 1, (4, 64), generator=g).float()
+        codes[:, 0] = level  # the block's max decides its scale
+        codes[1, 0] = -level
+        for exponent in (-20, 0, 20):
+            x = codes.reshape(-1)[:-3] * 2.0**exponent  # a padded last block too
+            assert torch.equal(round_trip(x, scheme, 64), x), (scheme, exponent)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
+def test_zero_blocks_and_huge_values_stay_finite(scheme):
+    x = torch.zeros(3 * 32)
+    x[32:64] = 3e38 * torch.linspace(-1, 1, 32)  # near float32's max
+    x[64:96] = 1e-40  # subnormal
+    y = round_trip(x, scheme, 32)
+    assert torch.isfinite(y).all()
+    assert torch.equal(y[:32], x[:32])
+    huge = x[32:64]
+    bound = huge.abs() * 2**-4 if scheme == "fp8" else torch.full_like(huge, 3e38 / LEVELS[scheme] / 2)
+    assert ((y[32:64] - huge).abs() <= bound * (1 + 1e-6)).all()
+    assert (y[64:] - x[64:]).abs().max() <= 2**-126
+    bf16 = round_trip(x[32:64].to(torch.bfloat16), scheme, 32)  # a compute dtype other than float32
+    assert bf16.dtype == torch.bfloat16 and torch.isfinite(bf16).all()
+
+
+def test_packed_rows_hold_codes_and_scales():
+    rows = torch.randn(3, 40)
+    packed = pack_rows(rows, 3, 40, "int8", 16)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, packed_bytes(40, "int8", 16)) == (3, 48 + 12)
+    assert packed_bytes(40, "int4", 16) == 24 + 12
+    restored = unpack_rows(packed, 3, 40, torch.float32, "int8", 16)
+    for r in range(3):  # one row at a time gives the same: rows never share a block
+        assert torch.equal(restored[r], round_trip(rows[r], "int8", 16))
+
+
+def test_compress_pass_snapshot(fake_pg):
+    """World 4, int8 blocks of 4: the forward's gather moves packed uint8 rows (codes, then the scales' bytes), the
+    backward's reduce-scatter becomes an all-to-all of packed rows, restored and summed in float32. (This weight's
+    gradient needs no re-gather; the next test has one.)"""
+    torch.manual_seed(0)
+    model = fsdp_graph.fully_shard(torch.nn.Linear(8, 4, bias=False), reshard_after_forward=True)
+    stages = aot_stages(model, torch.randn(2, 8), tag=tag_reshard)
+    fw, bw = lower_fsdp_ops(stages.forward), lower_fsdp_ops(stages.backward)
+    compress_collectives(fw, weights="int8", grads="int8", block_size=4)
+    compress_collectives(bw, weights="int8", grads="int8", block_size=4)
+    assert_expected_inline(
+        code(fw),
+        """\
+def forward(self, primals_1, primals_2):
+    view_default = torch.ops.aten.view.default(primals_2, [1, 8]);  primals_2 = None
+    view_default_1 = torch.ops.aten.view.default(view_default, [1, 2, 4]);  view_default = None
+    abs_default = torch.ops.aten.abs.default(view_default_1)
+    amax_default = torch.ops.aten.amax.default(abs_default, [2], True);  abs_default = None
+    div_tensor = torch.ops.aten.div.Tensor(amax_default, 127.0);  amax_default = None
+    clamp_min_default = torch.ops.aten.clamp_min.default(div_tensor, 1.1754943508222875e-38);  div_tensor = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(view_default_1, clamp_min_default);  view_default_1 = None
+    round_default = torch.ops.aten.round.default(div_tensor_1);  div_tensor_1 = None
+    clamp_min_default_1 = torch.ops.aten.clamp_min.default(round_default, -127.0);  round_default = None
+    clamp_max_default = torch.ops.aten.clamp_max.default(clamp_min_default_1, 127.0);  clamp_min_default_1 = None
+    convert_element_type_default = torch.ops.prims.convert_element_type.default(clamp_max_default, torch.int8);  clamp_max_default = None
+    view_default_2 = torch.ops.aten.view.default(convert_element_type_default, [1, 8]);  convert_element_type_default = None
+    view_dtype = torch.ops.aten.view.dtype(view_default_2, torch.uint8);  view_default_2 = None
+    view_default_3 = torch.ops.aten.view.default(clamp_min_default, [1, 2]);  clamp_min_default = None
+    view_dtype_1 = torch.ops.aten.view.dtype(view_default_3, torch.uint8);  view_default_3 = None
+    cat_default = torch.ops.aten.cat.default([view_dtype, view_dtype_1], 1);  view_dtype = view_dtype_1 = None
+    view_default_4 = torch.ops.aten.view.default(cat_default, [-1]);  cat_default = None
+    all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(view_default_4, 4, '0');  view_default_4 = None
+    wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1);  all_gather_into_tensor_default_1 = None
+    view_default_5 = torch.ops.aten.view.default(wait_tensor_default_1, [4, 16]);  wait_tensor_default_1 = None
+    slice_tensor = torch.ops.aten.slice.Tensor(view_default_5, 1, 0, 8)
+    slice_tensor_1 = torch.ops.aten.slice.Tensor(view_default_5, 1, 8, 16);  view_default_5 = None
+    clone_default = torch.ops.aten.clone.default(slice_tensor_1, memory_format = torch.contiguous_format);  slice_tensor_1 = None
+    view_dtype_2 = torch.ops.aten.view.dtype(clone_default, torch.float32);  clone_default = None
+    view_default_6 = torch.ops.aten.view.default(view_dtype_2, [4, 2, 1]);  view_dtype_2 = None
+    view_dtype_3 = torch.ops.aten.view.dtype(slice_tensor, torch.int8);  slice_tensor = None
+    convert_element_type_default_1 = torch.ops.prims.convert_element_type.default(view_dtype_3, torch.float32);  view_dtype_3 = None
+    view_default_7 = torch.ops.aten.view.default(convert_element_type_default_1, [4, 2, 4]);  convert_element_type_default_1 = None
+    mul_tensor = torch.ops.aten.mul.Tensor(view_default_7, view_default_6);  view_default_7 = view_default_6 = None
+    view_default_8 = torch.ops.aten.view.default(mul_tensor, [4, 8]);  mul_tensor = None
+    view_default_9 = torch.ops.aten.view.default(view_default_8, [32]);  view_default_8 = None
+    view = torch.ops.aten.view.default(view_default_9, [4, 8]);  view_default_9 = None
+    alias = torch.ops.aten.alias.default(view);  view = None
+    view_1 = torch.ops.aten.view.default(alias, [4, 8]);  alias = None
+    t = torch.ops.aten.t.default(view_1);  view_1 = None
+    mm = torch.ops.aten.mm.default(primals_1, t);  t = None
+    return (mm, primals_1)""",
+    )
+    assert_expected_inline(
+        code(bw),
+        """\
+def forward(self, primals_1, tangents_1):
+    t_1 = torch.ops.aten.t.default(tangents_1);  tangents_1 = None
+    mm_1 = torch.ops.aten.mm.default(t_1, primals_1);  t_1 = primals_1 = None
+    t_2 = torch.ops.aten.t.default(mm_1);  mm_1 = None
+    t_3 = torch.ops.aten.t.default(t_2);  t_2 = None
+    view_2 = torch.ops.aten.view.default(t_3, [4, 8]);  t_3 = None
+    view_3 = torch.ops.aten.view.default(view_2, [32]);  view_2 = None
+    div_tensor = torch.ops.aten.div.Tensor(view_3, 2);  view_3 = None
+    view_default = torch.ops.aten.view.default(div_tensor, [4, 8]);  div_tensor = None
+    view_default_1 = torch.ops.aten.view.default(view_default, [4, 2, 4]);  view_default = None
+    abs_default = torch.ops.aten.abs.default(view_default_1)
+    amax_default = torch.ops.aten.amax.default(abs_default, [2], True);  abs_default = None
+    div_tensor_2 = torch.ops.aten.div.Tensor(amax_default, 127.0);  amax_default = None
+    clamp_min_default = torch.ops.aten.clamp_min.default(div_tensor_2, 1.1754943508222875e-38);  div_tensor_2 = None
+    div_tensor_3 = torch.ops.aten.div.Tensor(view_default_1, clamp_min_default);  view_default_1 = None
+    round_default = torch.ops.aten.round.default(div_tensor_3);  div_tensor_3 = None
+    clamp_min_default_1 = torch.ops.aten.clamp_min.default(round_default, -127.0);  round_default = None
+    clamp_max_default = torch.ops.aten.clamp_max.default(clamp_min_default_1, 127.0);  clamp_min_default_1 = None
+    convert_element_type_default = torch.ops.prims.convert_element_type.default(clamp_max_default, torch.int8);  clamp_max_default = None
+    view_default_2 = torch.ops.aten.view.default(convert_element_type_default, [4, 8]);  convert_element_type_default = None
+    view_dtype = torch.ops.aten.view.dtype(view_default_2, torch.uint8);  view_default_2 = None
+    view_default_3 = torch.ops.aten.view.default(clamp_min_default, [4, 2]);  clamp_min_default = None
+    view_dtype_1 = torch.ops.aten.view.dtype(view_default_3, torch.uint8);  view_default_3 = None
+    cat_default = torch.ops.aten.cat.default([view_dtype, view_dtype_1], 1);  view_dtype = view_dtype_1 = None
+    view_default_4 = torch.ops.aten.view.default(cat_default, [-1]);  cat_default = None
+    all_to_all_single_default = torch.ops._c10d_functional.all_to_all_single.default(view_default_4, [16, 16, 16, 16], [16, 16, 16, 16], '0');  view_default_4 = None
+    wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_default);  all_to_all_single_default = None
+    view_default_5 = torch.ops.aten.view.default(wait_tensor_default_1, [4, 16]);  wait_tensor_default_1 = None
+    slice_tensor = torch.ops.aten.slice.Tensor(view_default_5, 1, 0, 8)
+    slice_tensor_1 = torch.ops.aten.slice.Tensor(view_default_5, 1, 8, 16);  view_default_5 = None
+    clone_default = torch.ops.aten.clone.default(slice_tensor_1, memory_format = torch.contiguous_format);  slice_tensor_1 = None
+    view_dtype_2 = torch.ops.aten.view.dtype(clone_default, torch.float32);  clone_default = None
+    view_default_6 = torch.ops.aten.view.default(view_dtype_2, [4, 2, 1]);  view_dtype_2 = None
+    view_dtype_3 = torch.ops.aten.view.dtype(slice_tensor, torch.int8);  slice_tensor = None
+    convert_element_type_default_1 = torch.ops.prims.convert_element_type.default(view_dtype_3, torch.float32);  view_dtype_3 = None
+    view_default_7 = torch.ops.aten.view.default(convert_element_type_default_1, [4, 2, 4]);  convert_element_type_default_1 = None
+    mul_tensor = torch.ops.aten.mul.Tensor(view_default_7, view_default_6);  view_default_7 = view_default_6 = None
+    view_default_8 = torch.ops.aten.view.default(mul_tensor, [4, 8]);  mul_tensor = None
+    sum_dim_int_list = torch.ops.aten.sum.dim_IntList(view_default_8, [0]);  view_default_8 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(sum_dim_int_list, 2);  sum_dim_int_list = None
+    return (None, div_tensor_1)""",
+    )
+    compressed = [n for gm in (fw, bw) for n in gm.graph.nodes if n.target in (ALL_GATHER, ALL_TO_ALL)]
+    assert [n.meta[META_COMPRESSED] for n in compressed] == [("int8", 128), ("int8", 128)]
+
+
+def test_compress_pass_only_touches_selected_units(fake_pg):
+    """FULL_SHARD's backward re-gathers blocks.1 and the root: only blocks.1's gather and reduction are compressed."""
+    torch.manual_seed(0)
+    stages = aot_stages(fsdp_graph.fully_shard(TwoBlock()), torch.randn(2, 4), tag=tag_reshard)
+    bw = lower_fsdp_ops(stages.backward)
+    compress_collectives(bw, weights="fp8", grads="int4", block_size=4, units=frozenset({"blocks.1"}))
+    found = {
+        (n.target, n.meta["fsdp_unit"]): (n.meta.get(META_COMPRESSED, (None,))[0], n.args[0].meta["val"].dtype)
+        for n in bw.graph.nodes
+        if n.target in (ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER)
+    }
+    assert found == {
+        (ALL_GATHER, ""): (None, torch.float32),
+        (ALL_GATHER, "blocks.1"): ("fp8", torch.uint8),
+        (ALL_TO_ALL, "blocks.1"): ("int4", torch.uint8),
+        (REDUCE_SCATTER, "blocks.0"): (None, torch.float32),
+        (REDUCE_SCATTER, ""): (None, torch.float32),
+    }
+
+
+def test_compression_options():
+    assert fsdp_graph.Compression.parse("int8") == fsdp_graph.Compression("int8", "int8")
+    parsed = fsdp_graph.Compression.parse("weights=fp8,grads=int4,block=128")
+    assert parsed == fsdp_graph.Compression("fp8", "int4", 128)
+    assert fsdp_graph.Compression.parse("grads=int8") == fsdp_graph.Compression(None, "int8")
+    with pytest.raises(ValueError, match="weights must be one of"):
+        fsdp_graph.Compression(weights="int4")
+    with pytest.raises(ValueError, match="block_size must be a positive multiple of 4"):
+        fsdp_graph.Compression(block_size=6)
+    with pytest.raises(ValueError, match="unknown key 'bits'"):
+        fsdp_graph.Compression.parse("bits=8")
+    with pytest.raises(TypeError, match="tuple of unit names"):
+        fsdp_graph.Compression(units="blocks.0")
+    assert repr(fsdp_graph.make_backend().schedule.compress) == "None"  # off by default
+
+
+def test_backend_refuses_gradient_compression_of_replicated_units(fake_pg):
+    model = fsdp_graph.fully_shard(TwoBlock(), strategy=fsdp_graph.ShardingStrategy.NO_SHARD)
+    backend = fsdp_graph.make_backend(inductor=False, compress="int8", verify_collectives=False)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="all-reduces its gradient over 4 replicas"):
+        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 4))
+    units = fsdp_graph.make_backend(inductor=False, compress=fsdp_graph.Compression(units=("block.0",)))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"no such unit in this model; its units are \['', 'blocks.0', 'blocks.1'\]"):
+        torch.compile(fsdp_graph.fully_shard(TwoBlock()), backend=units, fullgraph=True)(torch.randn(2, 4))
+
+
+def test_explain_counts_compressed_bytes_and_codec_work(fake_pg):
+    from tests.graphs.test_cost import _ce, _gpt
+
+    model, idx = _gpt()
+    plain = fsdp_graph.explain(model, idx, loss_fn=_ce(idx), hardware="nvlink")
+    packed = fsdp_graph.explain(model, idx, loss_fn=_ce(idx), hardware="nvlink", compress="int8")
+    cost = packed.compression
+    assert plain.compression.collectives == 0 and "compressed" not in plain.to_text()
+    assert cost.schemes == {"int8"} and cost.collectives == 9  # per unit: a gather, a re-gather, a reduction
+    assert cost.uncompressed_sent_bytes == pytest.approx(plain.sent_bytes)
+    assert cost.sent_bytes == pytest.approx(packed.sent_bytes) and 0.25 < cost.sent_bytes / plain.sent_bytes < 0.3
+    assert cost.codec_seconds > 0 and packed.forward.compute_time > plain.forward.compute_time
+    assert [(r.gathers, r.reduce_scatters) for r in packed.units] == [
+        (r.gathers, r.reduce_scatters) for r in plain.units
+    ]
+    assert "compressed (int8): 9 collectives send" in packed.to_text()

@@ -1,0 +1,152 @@
+"""Compressed collectives against a single-process reference that quantizes the same way (run inside each rank).
+
+The reference, for every rank r of the world (all in this process): each unit's full flat parameter, cut into the
+ranks' shards, goes through `passes.quantize` per shard (what the compressed gather delivers); rank r's batch is run
+through the model with those parameters; the flat gradient is divided by the reduction's `pre`, cut into one row per
+receiving rank and quantized per row (what the compressed all-to-all delivers); the rows from every rank are summed
+in float32 and divided by `post`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fsdp_graph
+from fsdp_graph.ir import gradient_divide_factors
+from fsdp_graph.runtime.unit import flat_params
+from passes.quantize import pack_rows, round_trip, unpack_rows
+from tests.workers.training import build, full_grads
+
+
+@dataclass(frozen=True)
+class CompressCase:
+    strategy: str = "FULL_SHARD"
+    weights: str | None = "int8"
+    grads: str | None = "int8"
+    block_size: int = 64
+    mode: str = "aot"  # "aot": eager kernels; "inductor"
+    steps: int = 3  # SGD with momentum; gradients compared at every step
+
+
+@dataclass
+class CompressResult:
+    case: CompressCase
+    max_grad_diff: float  # compiled vs the quantizing reference, over every step
+    max_uncompressed_gap: float  # the reference's gradients vs the same step without quantization: not vacuous
+    max_loss_diff: float
+    max_param_diff: float  # after the last step
+    gathered_dtypes: tuple[str, ...]  # of every all-gather / all-to-all input in the lowered graphs
+    collective_bytes: int  # the lowered graphs' collective payloads
+
+
+def _quantized_flats(ref: nn.Module, case: CompressCase, states) -> list[torch.Tensor]:
+    params = dict(ref.named_parameters())
+    flats = []
+    for state in states:
+        layout = state.layout
+        flat = layout.flatten([params[slot.fqns[0]] for slot in layout.slots]).detach()
+        if case.weights is not None and state.world > 1:
+            shards = flat.view(state.world, -1)
+            flat = torch.cat([round_trip(shard, case.weights, case.block_size) for shard in shards])
+        flats.append(flat.requires_grad_())
+    return flats
+
+
+def _reduced(grads: list[torch.Tensor], world: int, case: CompressCase) -> torch.Tensor:
+    """The ranks' flat gradients reduced as the compressed graph does (or exactly, without `grads`)."""
+    pre, post = gradient_divide_factors(world)
+    rows = []
+    for grad in grads:
+        g = (grad / pre).view(world, -1)
+        if case.grads is not None:
+            chunk = g.shape[1]
+            g = unpack_rows(
+                pack_rows(g, world, chunk, case.grads, case.block_size),
+                world,
+                chunk,
+                g.dtype,
+                case.grads,
+                case.block_size,
+            )
+        rows.append(g)
+    # Rank j sums row j of every rank, in rank order: the same reduction as the graph's sum over dim 0.
+    summed = torch.stack([torch.stack([r[j] for r in rows]).sum(0) for j in range(world)])
+    return summed.view(-1) / post
+
+
+def reference_grads(ref: nn.Module, loss_fn, states, batches: list, case: CompressCase, quantize: bool = True):
+    """{fqn: gradient} and the mean loss for one step over every rank's batch (see the module docstring)."""
+    used = case if quantize else CompressCase(case.strategy, None, None, case.block_size)
+    flats = _quantized_flats(ref, used, states)
+    per_rank, losses = [[] for _ in states], []
+    for batch in batches:
+        values = {}
+        for state, flat in zip(states, flats):
+            for slot, value in zip(state.layout.slots, state.layout.unflatten(flat)):
+                for fqn in slot.fqns:
+                    values[fqn] = value
+        loss = loss_fn(lambda *a, values=values: torch.func.functional_call(ref, values, a), batch)
+        for grads, g in zip(per_rank, torch.autograd.grad(loss, flats)):
+            grads.append(g)
+        losses.append(loss.item())
+    out = {}
+    for state, grads in zip(states, per_rank):
+        reduced = _reduced(grads, state.world, used)
+        for slot, grad in zip(state.layout.slots, state.layout.unflatten(reduced)):
+            for fqn in slot.fqns:
+                out[fqn] = grad
+    return out, sum(losses) / len(losses)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def run_case(case: CompressCase, rank: int, world: int, per_rank_batch: int = 2) -> CompressResult:
+    torch.manual_seed(0)
+    model, loss_fn, make_batch = build("gpt")
+    ref = copy.deepcopy(model)
+    fsdp_graph.fully_shard(model, strategy=fsdp_graph.ShardingStrategy[case.strategy])
+    compression = fsdp_graph.Compression(case.weights, case.grads, case.block_size)
+    backend = fsdp_graph.make_backend(inductor=case.mode == "inductor", compress=compression)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    opt = torch.optim.SGD(model.parameters(), lr=5e-2, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=5e-2, momentum=0.9)
+    states = flat_params(model)
+    gen = torch.Generator().manual_seed(1234)
+    grad_diff = gap = loss_diff = 0.0
+    for _ in range(case.steps):
+        full = make_batch(gen, per_rank_batch * world)
+        batches = [tuple(t.chunk(world)[r] for t in full) for r in range(world)]
+        loss = loss_fn(compiled, batches[rank])
+        loss.backward()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        grads = full_grads(model)
+        ref_grads, ref_loss = reference_grads(ref, loss_fn, states, batches, case)
+        exact, _ = reference_grads(ref, loss_fn, states, batches, case, quantize=False)
+        grad_diff = max(grad_diff, _max_diff(ref_grads, grads))
+        gap = max(gap, _max_diff(ref_grads, exact))
+        loss_diff = max(loss_diff, abs(global_loss.item() / world - ref_loss))
+        for name, p in ref.named_parameters():
+            p.grad = ref_grads[name].clone()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full_params = fsdp_graph.full_state_dict(model)
+    param_diff = max((full_params[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    dtypes, total = [], 0
+    for report in backend.reports:
+        dtypes += [line for line in report.fingerprint]
+        total += sum(report.collectives.bytes.values())
+    return CompressResult(case, grad_diff, gap, loss_diff, param_diff, tuple(dtypes), total)
+
+
+def run_cases(rank: int, world: int, cases: list[CompressCase]) -> list[CompressResult]:
+    return [run_case(c, rank, world) for c in cases]
