@@ -1,0 +1,57 @@
+"""torchtitan 0.3.0's models on CPU, for tests that run code nobody here wrote (test-only; torchtitan is not a
+dependency of the package). `pip install --no-deps torchtitan==0.3.0` and `pip install spmd_types==0.2.3 einops tyro
+safetensors torchdata` bring it; `available()` says why it cannot be used when it cannot."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+import torch
+import torch.nn as nn
+
+
+def available() -> str | None:
+    """None when torchtitan's models import here, else the reason they do not."""
+    try:
+        _import_models()
+    except Exception as error:  # an absent package or one of its dependencies
+        return f"torchtitan 0.3.0 with its CPU dependencies is not importable: {error!r}"
+    return None
+
+
+class _NoKernels(types.ModuleType):
+    """Stands in for a module of Triton kernels: any name imports, and calling one says why it cannot run."""
+
+    def __getattr__(self, attribute: str):
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+
+        def unavailable(*args, **kwargs):
+            raise RuntimeError(f"{self.__name__}.{attribute}: a Triton kernel, not available in this CPU test setup")
+
+        return unavailable
+
+
+def _import_models():
+    # Triton kernels of expert parallelism, imported by the models package but never called without GPUs.
+    name = "torchtitan.distributed.minimal_async_ep.kernels"
+    sys.modules.setdefault(name, _NoKernels(name))
+    return importlib.import_module("torchtitan.models")
+
+
+def build(family: str = "llama3", flavor: str = "debugmodel", seed: int = 0) -> nn.Module:
+    """torchtitan's `family` model of `flavor`, initialised by its own `init_states()` from `seed`, with SDPA instead
+    of FlexAttention (which has no CPU backward). Call it as `model(tokens, positions, None)`."""
+    _import_models()
+    configs = importlib.import_module(f"torchtitan.models.{family}")
+    registry = getattr(configs, f"{family}_configs")
+    torch.manual_seed(seed)
+    model = registry[flavor]("flex").build()
+    model.init_states()
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    for layer in model.layers.values():
+        layer.attention.inner_attention = ScaledDotProductAttention(None)
+    return model
