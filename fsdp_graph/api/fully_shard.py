@@ -34,6 +34,7 @@ from fsdp_graph.runtime.unit import (
 from fsdp_graph.state.sharded import install_state_dict_hooks
 
 WrapPolicy = Callable[[nn.Module], list[nn.Module]]
+UnitChoice = nn.Module | tuple[nn.Module, ...] | list[nn.Module]
 ReshardSpec = bool | int | None | Mapping[nn.Module | str, bool | int]
 
 
@@ -41,7 +42,7 @@ def fully_shard(
     model: nn.Module,
     mesh: DeviceMesh | None = None,
     *,
-    wrap: WrapPolicy | list[nn.Module] | None = None,
+    wrap: WrapPolicy | list[UnitChoice] | None = None,
     strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
     mixed_precision: MixedPrecision | None = None,
     reshard_after_forward: ReshardSpec = None,
@@ -58,8 +59,10 @@ def fully_shard(
     """Shard `model` in place over `mesh` and return it. Create the optimizer AFTER this call.
 
     - `wrap`: the units. A policy (`ModuleWrapPolicy`, `size_based_wrap_policy`, any `root -> [modules]`),
-      a list of modules, or None (the blocks of the largest same-typed ModuleList/Sequential). The root is
-      always the last unit and takes what is left.
+      a list of modules, or None (the blocks of the largest same-typed ModuleList/Sequential/ModuleDict). The
+      root is always the last unit and takes what is left. In a list, a tuple of modules is ONE unit (FSDP2's
+      `fully_shard([norm, head])`): one flat parameter for their parameters, gathered at the first read of one of
+      them, freed after the forward of the last of them in model order (which holds it).
     - `mesh`: None (the world) or a 1-D DeviceMesh; a 2-D (replicate, shard) mesh for HYBRID strategies.
     - `reshard_after_forward`: None (the strategy's default), a bool or an int for every unit, or a mapping from
       unit module or FQN ("" = root) to either; units not in the mapping keep the default. An int k dividing the
@@ -104,10 +107,14 @@ def fully_shard(
     _check_not_sharded(model)
     module_fqns = {id(m): name for name, m in model.named_modules()}
     ignored = _ignored_param_ids(model, ignored_modules, ignored_params)
-    units = _select_units(model, wrap, module_fqns, ignored_modules)
+    units, group_members = _select_units(model, wrap, module_fqns, ignored_modules)
     unit_fqns = [module_fqns[id(u)] for u in units]
     params, uses, tp = _collect_parameters(model, ignored, mesh)
-    assignment = _assign_to_units(params, uses, unit_fqns)
+    owner_of_prefix = {fqn: fqn for fqn in unit_fqns}
+    owner_of_prefix.update({module_fqns[id(m)]: module_fqns[id(u)] for u, group in group_members.items() for m in group})
+    assignment = _assign_to_units(params, uses, owner_of_prefix)
+    if reuse_blocks and group_members:
+        raise ValueError("fully_shard: reuse_blocks does not take units of several modules (a tuple in wrap).")
     if reuse_blocks:
         check_reusable(unit_fqns[:-1], assignment, uses, tp)
     reshard = _resolve_reshard(reshard_after_forward, strategy, units, unit_fqns, groups.shard_world)
@@ -159,6 +166,9 @@ def fully_shard(
     materialize_buffers(model, torch.device(device or "cpu"), param_init_fn)
     if compute_device is not None:
         _move_buffers(model, compute_device)
+    for member in [m for group in group_members.values() for m in group]:
+        cast_to = mp.param_dtype if mp.cast_forward_inputs else None
+        swap_class(member, frozenset(member.__dict__.get("_fsdp_views", {})), cast_inputs_to=cast_to)
     for unit in units:
         casts = mp.cast_forward_inputs or (unit is model and mp.cast_root_forward_inputs)
         has_states = "_fsdp_states" in unit.__dict__
@@ -251,7 +261,11 @@ def _ignored_param_ids(model: nn.Module, ignored_modules, ignored_params) -> set
     return ids
 
 
-def _select_units(model: nn.Module, wrap, module_fqns: dict[int, str], ignored_modules) -> list[nn.Module]:
+def _select_units(
+    model: nn.Module, wrap, module_fqns: dict[int, str], ignored_modules
+) -> tuple[list[nn.Module], dict[nn.Module, list[nn.Module]]]:
+    """The unit modules in model order, the root last, and for each unit of several modules (a tuple in `wrap`)
+    its other modules: the unit is the group's last module in model order."""
     if wrap is None:
         chosen = auto_wrap_policy(model)
     elif isinstance(wrap, list | tuple):
@@ -260,14 +274,35 @@ def _select_units(model: nn.Module, wrap, module_fqns: dict[int, str], ignored_m
         chosen = list(wrap(model))
     else:
         raise TypeError(f"fully_shard: wrap must be a policy, a list of modules or None, got {type(wrap)}")
-    for m in chosen:
-        if id(m) not in module_fqns:
-            raise ValueError(f"fully_shard: wrap selected a {type(m).__name__} that is not a submodule of the model.")
-    inside_ignored = {id(sub) for m in ignored_modules for sub in m.modules()}
     order = {mid: i for i, mid in enumerate(module_fqns)}
-    chosen = [m for m in chosen if m is not model and id(m) not in inside_ignored]
-    units = sorted({id(m): m for m in chosen}.values(), key=lambda m: order[id(m)])
-    return units + [model]
+    inside_ignored = {id(sub) for m in ignored_modules for sub in m.modules()}
+    members: dict[nn.Module, list[nn.Module]] = {}
+    units = []
+    for choice in chosen:
+        group = list(choice) if isinstance(choice, list | tuple) else [choice]
+        for m in group:
+            if not isinstance(m, nn.Module) or id(m) not in module_fqns:
+                raise ValueError(f"fully_shard: wrap selected a {type(m).__name__} that is not a submodule of the model.")
+        group = sorted(
+            {id(m): m for m in group if m is not model and id(m) not in inside_ignored}.values(),
+            key=lambda m: order[id(m)],
+        )
+        if not group:
+            continue
+        units.append(group[-1])
+        if len(group) > 1:
+            _check_group(group, module_fqns)
+            members[group[-1]] = group[:-1]
+    units = sorted({id(m): m for m in units}.values(), key=lambda m: order[id(m)])
+    return units + [model], members
+
+
+def _check_group(group: list[nn.Module], module_fqns: dict[int, str]) -> None:
+    names = [module_fqns[id(m)] for m in group]
+    for a in names:
+        for b in names:
+            if a != b and _parts(b)[: len(_parts(a))] == _parts(a):
+                raise ValueError(f"fully_shard: a unit of several modules lists '{b}' inside '{a}'; list '{a}' only.")
 
 
 def _collect_parameters(model: nn.Module, ignored: set[int], mesh: DeviceMesh | None):
@@ -298,16 +333,17 @@ def _parts(fqn: str) -> list[str]:
     return fqn.split(".") if fqn else []
 
 
-def _assign_to_units(params, uses, unit_fqns: list[str]) -> dict[int, str]:
-    """Each parameter goes to the innermost unit containing all its uses (their lowest common ancestor)."""
+def _assign_to_units(params, uses, owner_of_prefix: dict[str, str]) -> dict[int, str]:
+    """Each parameter goes to the innermost unit containing all its uses (their lowest common ancestor).
+    `owner_of_prefix`: module FQN -> the unit owning its subtree (itself, or a group's unit for its members)."""
 
     def owner(module_fqn: str) -> str:
         parts = _parts(module_fqn)
-        best = ""
-        for u in unit_fqns:
-            up = _parts(u)
-            if parts[: len(up)] == up and len(up) > len(_parts(best)):
-                best = u
+        best_prefix, best = "", ""
+        for prefix, unit in owner_of_prefix.items():
+            up = _parts(prefix)
+            if parts[: len(up)] == up and len(up) > len(_parts(best_prefix)):
+                best_prefix, best = prefix, unit
         return best
 
     assignment = {}
