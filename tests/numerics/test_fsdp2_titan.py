@@ -1,0 +1,22 @@
+"""Issue 28: torchtitan 0.3.0's `apply_fsdp_to_decoder`, unmodified, with `fsdp_graph.fsdp2.fully_shard` in place
+of torch's (the one-import change), trains as torchtitan with torch's FSDP2 does: 2 gloo ranks, 5 SGD-with-momentum
+steps, compiled into one graph (fullgraph) and eager."""
+
+import pytest
+
+from fsdp_graph.train.launch import spawn
+from tests.workers import titan
+from tests.workers.fsdp2_titan import titan_parity
+
+
+@pytest.mark.parametrize("family, flavor", [("llama3", "debugmodel")])
+def test_torchtitan_apply_fsdp_matches_fsdp2(family, flavor):
+    if (why := titan.available()) is not None:
+        pytest.skip(why)
+    for r in spawn(titan_parity, 2, (family, flavor)):
+        assert r["loss_moved"] > 0.0, r
+        assert r["compiled_fsdp_modules"] == r["eager_fsdp_modules"] == r["ref_fsdp_modules"], r
+        assert r["graphs"] == 1.0, r
+        for mode in ("compiled", "eager"):
+            assert r[f"{mode}_same_names"] == r[f"{mode}_same_shapes"] == 1.0, (mode, r)
+            assert r[f"{mode}_loss_diff"] < 1e-5 and r[f"{mode}_weight_diff"] < 1e-5, (mode, r)
