@@ -2,14 +2,23 @@
 of torch's (the one-import change), trains as torchtitan with torch's FSDP2 does: 2 gloo ranks, 5 SGD-with-momentum
 steps, compiled into one graph (fullgraph) and eager."""
 
+import os
+
 import pytest
 
 from fsdp_graph.train.launch import spawn
 from tests.workers import titan
 from tests.workers.fsdp2_titan import titan_parity
 
+_MOE = pytest.param(
+    "qwen3",
+    "debugmodel_moe",
+    # Passes (measured: 446 s on 2 CPU ranks, most of it the MoE's eager experts loop): too long for the suite.
+    marks=pytest.mark.skipif(not os.environ.get("FSDP_GRAPH_MOE_PARITY"), reason="7.5 min; FSDP_GRAPH_MOE_PARITY=1"),
+)
 
-@pytest.mark.parametrize("family, flavor", [("llama3", "debugmodel")])
+
+@pytest.mark.parametrize("family, flavor", [("llama3", "debugmodel"), _MOE])
 def test_torchtitan_apply_fsdp_matches_fsdp2(family, flavor):
     if (why := titan.available()) is not None:
         pytest.skip(why)
