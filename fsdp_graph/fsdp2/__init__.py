@@ -4,8 +4,8 @@ torch's own classes; the sharded model trains eagerly and compiles with `fsdp_gr
 
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_graph.api.controls import UnshardHandle, register_fsdp_forward_method
-from fsdp_graph.fsdp2.calls import fully_shard, shard_pending
+from fsdp_graph.api.controls import UnshardHandle
+from fsdp_graph.fsdp2.calls import fully_shard, register_fsdp_forward_method, shard_pending
 
 __all__ = [
     "CPUOffloadPolicy",

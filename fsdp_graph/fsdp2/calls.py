@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import Shard
 
+from fsdp_graph.api import controls
 from fsdp_graph.api.config import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_graph.api.fully_shard import fully_shard as native_fully_shard
 from fsdp_graph.fsdp2.module import FSDP2Module, fsdp2_class
@@ -107,6 +108,13 @@ def shard_pending(trigger: str) -> None:
             continue
         inner = [c for c in calls if c is not outer and _inside(c, outer, subtree)]
         _shard_tree(outer, inner, trigger)
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """FSDP2's `register_fsdp_forward_method`: `module.<method_name>(...)` gathers parameters as `forward` does
+    (shards the recorded calls first)."""
+    shard_pending("register_fsdp_forward_method")
+    controls.register_fsdp_forward_method(module, method_name)
 
 
 def _inside(call: _Call, other: _Call, subtree: dict[int, set[int]]) -> bool:
