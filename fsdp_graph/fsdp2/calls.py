@@ -95,7 +95,8 @@ def shard_pending(trigger: str) -> None:
     if torch.compiler.is_compiling():
         raise RuntimeError(
             f"fsdp_graph.fsdp2: {trigger} under torch.compile found fully_shard calls not applied yet. Build the "
-            "optimizer (model.parameters()) or run one eager step before compiling the model."
+            "optimizer (model.parameters()), call fsdp_graph.fsdp2.shard_pending() or run one eager step before "
+            "compiling the model."
         )
     calls = list(_PENDING)
     _PENDING.clear()
