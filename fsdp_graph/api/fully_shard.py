@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_graph.api.config import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_graph.api.groups import Groups, post_forward_groups, resolve_groups, with_reduce_group
-from fsdp_graph.api.wrap import auto_wrap_policy
+from fsdp_graph.api.wrap import auto_wrap_policy, check_group
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.runtime import offload
 from fsdp_graph.runtime.block_region import check_reusable, make_reusable
@@ -291,18 +291,11 @@ def _select_units(
             continue
         units.append(group[-1])
         if len(group) > 1:
-            _check_group(group, module_fqns)
+            check_group([module_fqns[id(m)] for m in group])
             members[group[-1]] = group[:-1]
     units = sorted({id(m): m for m in units}.values(), key=lambda m: order[id(m)])
     return units + [model], members
 
-
-def _check_group(group: list[nn.Module], module_fqns: dict[int, str]) -> None:
-    names = [module_fqns[id(m)] for m in group]
-    for a in names:
-        for b in names:
-            if a != b and _parts(b)[: len(_parts(a))] == _parts(a):
-                raise ValueError(f"fully_shard: a unit of several modules lists '{b}' inside '{a}'; list '{a}' only.")
 
 
 def _collect_parameters(model: nn.Module, ignored: set[int], mesh: DeviceMesh | None):

@@ -126,3 +126,11 @@ def _ancestors_of(root: nn.Module, target: nn.Module) -> list[nn.Module] | None:
         if below is not None:
             return [root, *below]
     return None
+
+
+def check_group(names: list[str]) -> None:
+    """A unit of several modules (FQNs `names`) must not list a module and one inside it."""
+    for a in names:
+        for b in names:
+            if a != b and b.startswith(f"{a}." if a else ""):
+                raise ValueError(f"fully_shard: a unit of several modules lists '{b}' inside '{a}'; list '{a}' only.")

@@ -100,7 +100,7 @@ class FSDP2Module(TorchFSDPModule):
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether the units free their gathered parameters after forward (the backward gathers again). Taken by
-        the next forward; compiled, each setting compiles once. An int setting from fully_shard becomes the bool."""
+        the next forward. An int setting from fully_shard becomes the bool."""
         _check_bool("set_reshard_after_forward", reshard_after_forward)
         for unit in _units(self, recurse):
             for state in controls._states(unit, "set_reshard_after_forward"):

@@ -143,3 +143,9 @@ def test_2d_mesh_is_hsdp(fake_pg):
     shard_blocks(model, mesh=mesh)
     list(model.parameters())
     assert all(s.world == 2 and s.replicate_world == 2 for s in flat_params(model))
+
+
+def test_native_unit_of_several_modules_refuses_a_module_inside_another(fake_pg):
+    model = mlp_stack()
+    with pytest.raises(ValueError, match="lists '0.in_proj' inside '0'"):
+        fsdp_graph.fully_shard(model, wrap=[(model[0], model[0].in_proj)])
