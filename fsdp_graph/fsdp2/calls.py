@@ -3,14 +3,15 @@ the native engine, which shards a model in one call on its root (docs/design-not
 
 A call records the module (or list of modules: one unit) with its options and gives it a class deriving from
 torch's `FSDPModule`; parameters stay as they are. The first use of any recorded module shards every recorded
-call at once: its parameters (`parameters()`, `named_parameters()`: an optimizer being built), `state_dict()`,
-`load_state_dict()`, `.to()`, a forward, or an `FSDPModule` method. Each outermost recorded module is then a root:
+call at once: a listing of its parameters (`parameters()`, also an outer module's: an optimizer being built;
+`state_dict()`, `.to()`), `load_state_dict()`, a forward, or an `FSDPModule` method. Each outermost recorded module is then a root:
 the native `fully_shard` runs on it once, with the calls inside it as units (a list call as one unit of several
 modules) and each call's reshard_after_forward. Calls nobody contains are roots of their own.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +85,7 @@ def fully_shard(
     for m in modules:
         m.__dict__["_fsdp2_original_class"] = type(m)
         m.__class__ = _pending_class(type(m))
+        m.__dict__["_parameters"] = _ShardsOnItems(m)
     _PENDING.append(call)
     return module
 
@@ -103,6 +105,7 @@ def shard_pending(trigger: str) -> None:
     for call in calls:
         for m in call.modules:
             m.__class__ = m.__dict__.pop("_fsdp2_original_class")
+            m.__dict__["_parameters"] = dict(m._parameters)
     subtree = {id(c): {id(s) for m in c.modules for s in m.modules()} for c in calls}
     for outer in calls:
         if any(c is not outer and _inside(outer, c, subtree) for c in calls):
@@ -256,6 +259,21 @@ def _pending_class(cls: type) -> type:
 
 
 _PENDING_CLASSES: dict[type, type] = {}
+
+
+class _ShardsOnItems(dict):
+    """A recorded module's `_parameters` until sharding: iterating it shards first. nn.Module lists parameters
+    through `_parameters.items()` (`named_parameters`, `.to()`, `state_dict`), so an optimizer built on an outer
+    module nobody called fully_shard on still gets the sharded parameters."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module._parameters)
+        self.module = weakref.ref(module)
+
+    def items(self):
+        shard_pending("a listing of the parameters")
+        module = self.module()
+        return module._parameters.items() if module is not None else super().items()
 
 
 class _ShardsOnFirstUse:

@@ -149,3 +149,14 @@ def test_native_unit_of_several_modules_refuses_a_module_inside_another(fake_pg)
     model = mlp_stack()
     with pytest.raises(ValueError, match="lists '0.in_proj' inside '0'"):
         fsdp_graph.fully_shard(model, wrap=[(model[0], model[0].in_proj)])
+
+
+def test_optimizer_on_an_outer_module_never_called_gets_the_sharded_parameters(fake_pg):
+    model = nn.Sequential(MLP(8), nn.Linear(8, 8))
+    fsdp2.fully_shard(model[0])  # no call on the model itself
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = opt.param_groups[0]["params"]
+    assert [tuple(p.shape) for p in params] == [(8, 8), (8,), (2, 32), (2,), (8, 8), (8,)]
+    assert params[0] is model[0].in_proj.weight and isinstance(model[0], TorchFSDPModule)
+    model(torch.randn(2, 8)).sum().backward()
+    assert model[0].in_proj.weight.grad.shape == (8, 8) and model[1].weight.grad.shape == (8, 8)
