@@ -249,7 +249,8 @@ def _check_not_sharded(model: nn.Module) -> None:
             root_class = getattr(type(model), "_fsdp_original_class", type(model))
             raise RuntimeError(
                 f"fully_shard: module '{name or root_class.__name__}' is already sharded. Call fully_shard once, "
-                "on the root model, and choose the nested units with wrap=ModuleWrapPolicy({...})."
+                "on the root model, and choose the nested units with wrap=ModuleWrapPolicy({...}); for FSDP2's "
+                "one call per module, use fsdp_graph.fsdp2.fully_shard."
             )
 
 

@@ -160,3 +160,33 @@ def test_optimizer_on_an_outer_module_never_called_gets_the_sharded_parameters(f
     assert params[0] is model[0].in_proj.weight and isinstance(model[0], TorchFSDPModule)
     model(torch.randn(2, 8)).sum().backward()
     assert model[0].in_proj.weight.grad.shape == (8, 8) and model[1].weight.grad.shape == (8, 8)
+
+
+def test_int_reshard_after_forward_keeps_a_piece(fake_pg):
+    model = mlp_stack()
+    shard_blocks(model, reshard_after_forward=2)  # of the fake world's 4 ranks
+    list(model.parameters())
+    assert {s.post_forward_world for s in flat_params(model)} == {2}
+
+
+def test_torchtitan_apply_fsdp_units_and_reshard_flags(fake_pg):
+    from tests.workers import titan
+
+    if (why := titan.available()) is not None:
+        pytest.skip(why)
+    import torchtitan.distributed.fsdp as titan_fsdp
+
+    model = titan.build()
+    native, titan_fsdp.fully_shard = titan_fsdp.fully_shard, fsdp2.fully_shard
+    try:
+        titan_fsdp.apply_fsdp_to_decoder(
+            model, init_device_mesh("cpu", (4,)), torch.float32, torch.float32, pp_enabled=False
+        )
+    finally:
+        titan_fsdp.fully_shard = native
+    reshard = {s.name: s.reshard_after_forward for s in flat_params(model)}
+    layers = {f"layers.{name}": True for name in model.layers}
+    # the embedding and each layer reshard; [norm, lm_head] is one unit that does not (torchtitan's choice); the
+    # root owns nothing
+    assert reshard == {"tok_embeddings": True, **layers, "lm_head": False}, reshard
+    assert all(s.divide_factor == 1.0 for s in flat_params(model))  # disable_fsdp_gradient_division reached them
