@@ -2,11 +2,11 @@
 the native engine, which shards a model in one call on its root (docs/design-notes.md, "FSDP2's front door").
 
 A call records the module (or list of modules: one unit) with its options and gives it a class deriving from
-torch's `FSDPModule`; parameters stay as they are. The first use of any recorded module shards every recorded
-call at once: a listing of its parameters (`parameters()`, also an outer module's: an optimizer being built;
-`state_dict()`, `.to()`), `load_state_dict()`, a forward, or an `FSDPModule` method. Each outermost recorded module is then a root:
-the native `fully_shard` runs on it once, with the calls inside it as units (a list call as one unit of several
-modules) and each call's reshard_after_forward. Calls nobody contains are roots of their own.
+torch's `FSDPModule`; parameters stay as they are. The first use of a recorded module shards the calls of the
+outermost called module containing it: a listing of its parameters (`parameters()`, also an outer module's: an
+optimizer being built; `state_dict()`, `.to()`), `load_state_dict()`, a forward, or an `FSDPModule` method. That
+outermost module is the root: the native `fully_shard` runs on it once, with the calls inside it as units (a list
+call as one unit of several modules) and each call's reshard_after_forward. Other models' calls stay recorded.
 """
 
 from __future__ import annotations
@@ -90,8 +90,9 @@ def fully_shard(
     return module
 
 
-def shard_pending(trigger: str) -> None:
-    """Shard every recorded call (see the module docstring); `trigger` names the use, for error messages."""
+def shard_pending(trigger: str = "fsdp2.shard_pending()", used: nn.Module | None = None) -> None:
+    """Shard the recorded calls (see the module docstring): those of the outermost called module containing `used`
+    (None: all of them); `trigger` names the use, for error messages."""
     if not _PENDING:
         return
     if torch.compiler.is_compiling():
@@ -100,24 +101,28 @@ def shard_pending(trigger: str) -> None:
             "optimizer (model.parameters()), call fsdp_graph.fsdp2.shard_pending() or run one eager step before "
             "compiling the model."
         )
-    calls = list(_PENDING)
-    _PENDING.clear()
-    for call in calls:
-        for m in call.modules:
-            m.__class__ = m.__dict__.pop("_fsdp2_original_class")
-            m.__dict__["_parameters"] = dict(m._parameters)
-    subtree = {id(c): {id(s) for m in c.modules for s in m.modules()} for c in calls}
-    for outer in calls:
-        if any(c is not outer and _inside(outer, c, subtree) for c in calls):
+    subtree = {id(c): {id(s) for m in c.modules for s in m.modules()} for c in _PENDING}
+    trees = []
+    for outer in _PENDING:
+        if any(c is not outer and _inside(outer, c, subtree) for c in _PENDING):
             continue
-        inner = [c for c in calls if c is not outer and _inside(c, outer, subtree)]
+        if used is None or id(used) in subtree[id(outer)]:
+            trees.append((outer, [c for c in _PENDING if c is not outer and _inside(c, outer, subtree)]))
+    chosen = {id(c) for outer, inner in trees for c in (outer, *inner)}
+    _PENDING[:] = [c for c in _PENDING if id(c) not in chosen]
+    for outer, inner in trees:
+        for call in (outer, *inner):
+            for m in call.modules:
+                m.__class__ = m.__dict__.pop("_fsdp2_original_class")
+                m.__dict__["_parameters"] = dict(m._parameters)
+    for outer, inner in trees:
         _shard_tree(outer, inner, trigger)
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """FSDP2's `register_fsdp_forward_method`: `module.<method_name>(...)` gathers parameters as `forward` does
     (shards the recorded calls first)."""
-    shard_pending("register_fsdp_forward_method")
+    shard_pending("register_fsdp_forward_method", module)
     controls.register_fsdp_forward_method(module, method_name)
 
 
@@ -271,7 +276,7 @@ class _ShardsOnItems(dict):
         self.module = weakref.ref(module)
 
     def items(self):
-        shard_pending("a listing of the parameters")
+        shard_pending("a listing of the parameters", self.module())
         module = self.module()
         return module._parameters.items() if module is not None else super().items()
 
@@ -281,22 +286,22 @@ class _ShardsOnFirstUse:
     the module's new class."""
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterable:
-        shard_pending("named_parameters()/parameters()")
+        shard_pending("named_parameters()/parameters()", self)
         return self.named_parameters(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any):
-        shard_pending("state_dict()")
+        shard_pending("state_dict()", self)
         return self.state_dict(*args, **kwargs)
 
     def load_state_dict(self, *args: Any, **kwargs: Any):
-        shard_pending("load_state_dict()")
+        shard_pending("load_state_dict()", self)
         return self.load_state_dict(*args, **kwargs)
 
     def _apply(self, *args: Any, **kwargs: Any):
-        shard_pending("a .to()/.cuda()/.float()")
+        shard_pending("a .to()/.cuda()/.float()", self)
         return self._apply(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any):
-        shard_pending("a forward")
+        shard_pending("a forward", self)
         # Called anew: this call started before sharding installed the units' forward hooks.
         return self(*args, **kwargs)

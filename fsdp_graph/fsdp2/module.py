@@ -216,7 +216,7 @@ def _ensure_sharded(module: nn.Module) -> None:
     if "_fsdp2_unit" not in module.__dict__:
         from fsdp_graph.fsdp2.calls import shard_pending
 
-        shard_pending(f"{type(module).__name__}'s FSDPModule method")
+        shard_pending(f"{type(module).__name__}'s FSDPModule method", module)
 
 
 def _check_bool(method: str, value: object) -> None:

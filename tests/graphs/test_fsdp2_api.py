@@ -190,3 +190,15 @@ def test_torchtitan_apply_fsdp_units_and_reshard_flags(fake_pg):
     # root owns nothing
     assert reshard == {"tok_embeddings": True, **layers, "lm_head": False}, reshard
     assert all(s.divide_factor == 1.0 for s in flat_params(model))  # disable_fsdp_gradient_division reached them
+
+
+def test_using_one_model_leaves_another_models_calls_recorded(fake_pg):
+    first, second = mlp_stack(), mlp_stack()
+    for block in second:
+        fsdp2.fully_shard(block)
+    shard_blocks(first)
+    list(first.parameters())
+    assert flat_params(first) and not any("_fsdp_states" in b.__dict__ for b in second)
+    fsdp2.fully_shard(second)  # its root call still comes after the first model's use
+    list(second.parameters())
+    assert sorted(s.name for s in flat_params(second)) == ["0", "1", "2"]
