@@ -55,6 +55,7 @@ def fully_shard(
     separate_reduce_group: bool = False,
     layout: str = "rows",
     reuse_blocks: bool = False,
+    dtensor_params: bool = False,
 ) -> nn.Module:
     """Shard `model` in place over `mesh` and return it. Create the optimizer AFTER this call.
 
@@ -98,9 +99,13 @@ def fully_shard(
       and Inductor compile one block body however deep the model (`fsdp_graph.runtime.block_region`). A unit
       whose subtree holds another unit, reads another unit's parameters or holds tensor-parallel ones is refused
       (ValueError, before anything is sharded).
+    - `dtensor_params` (rows layout, a `mesh`): every parameter the optimizer sees is a DTensor on `mesh` whose
+      local tensor is its row block (FSDP2's parameters; `fsdp_graph.fsdp2` sets it), as with tensor parallelism.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"fully_shard: layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+    if dtensor_params and (layout != "rows" or mesh is None):
+        raise ValueError("fully_shard: dtensor_params=True needs layout='rows' and a mesh (the DTensors' mesh).")
     groups = with_reduce_group(resolve_groups(mesh, strategy), separate_reduce_group)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(f"fully_shard: mixed_precision must be a fsdp_graph.MixedPrecision, got {mixed_precision!r}")
@@ -136,6 +141,7 @@ def fully_shard(
     root_state = RootState(mesh=mesh, placements=_state_dict_placements(strategy))
     track_kept_gathers(root_state)
     views_tp_mesh = None if layout != "rows" else dtensor_views_mesh(list(tp.values()), mesh, root_state.placements)
+    dtensor_views = views_tp_mesh is not None or (dtensor_params and not tp)
     for unit, unit_fqn in zip(units, unit_fqns):
         members = [pid for pid in params if assignment[pid] == unit_fqn]
         values = _unit_values(members, params, uses, param_init_fn, device, tp)
@@ -159,7 +165,7 @@ def fully_shard(
                 root_state,
                 compute_device,
                 layout,
-                views_tp_mesh,
+                views_tp_mesh if dtensor_views else False,
             )
             root_state.flat_params.append(state)
         del values
@@ -448,7 +454,7 @@ def _shard_flat_param(
     root_state,
     compute_device: torch.device | None,
     layout_kind: str,
-    views_tp_mesh: DeviceMesh | None,
+    views_tp_mesh: DeviceMesh | None | bool,
 ) -> FlatParamState:
     _check_flat_params(name, values, param_uses)
     layout = LAYOUTS[layout_kind].build(
@@ -483,7 +489,7 @@ def _shard_flat_param(
         state.post_forward_world, (state.piece_group, state.post_forward_group) = reshard, post_forward
     for slot_index, (orig, slot_uses, spec) in enumerate(zip(params, param_uses, tp)):
         dtensor_spec = None
-        if views_tp_mesh is not None:  # rows layout, tp parameters in the call: every view a DTensor on one mesh
+        if views_tp_mesh is not False:  # rows layout with tp parameters or dtensor_params: every view a DTensor
             slot_shape = layout.slots[slot_index].shape
             if spec is None:
                 dtensor_spec = replicated_view_spec(

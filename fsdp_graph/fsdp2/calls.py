@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import Shard
 
@@ -148,9 +148,11 @@ def _shard_tree(root_call: _Call, inner: list[_Call], trigger: str) -> None:
         reshard[unit] = True if c.reshard_after_forward is None else c.reshard_after_forward
     reshard[root] = False if root_call.reshard_after_forward is None else root_call.reshard_after_forward
     mp = root_call.mp_policy
+    # FSDP2 shards a meta-device model on the meta device; `to_empty()` and the model's own init follow.
+    on_meta = any(p.device.type == "meta" for p in root.parameters())
     native_fully_shard(
         root,
-        root_call.mesh,
+        root_call.mesh or _world_mesh(root),
         wrap=wrap,
         strategy=ShardingStrategy.HYBRID_SHARD if root_call.mesh is not None and root_call.mesh.ndim == 2 else (
             ShardingStrategy.FULL_SHARD
@@ -164,6 +166,9 @@ def _shard_tree(root_call: _Call, inner: list[_Call], trigger: str) -> None:
         reshard_after_forward={m: v for m, v in reshard.items()},
         ignored_params=set().union(*(c.ignored_params for c in [root_call, *inner])),
         cpu_offload=CPUOffload(offload_params=True) if isinstance(root_call.offload_policy, CPUOffloadPolicy) else None,
+        device="meta" if on_meta else None,
+        param_init_fn=_left_uninitialised if on_meta else None,
+        dtensor_params=True,
     )
     for c in [*inner, root_call]:
         unit = root if c is root_call else max(c.modules, key=lambda m: order[id(m)])
@@ -171,6 +176,16 @@ def _shard_tree(root_call: _Call, inner: list[_Call], trigger: str) -> None:
             m.__dict__["_fsdp2_unit"] = unit
             m.__dict__["_fsdp2_root"] = root
             m.__class__ = fsdp2_class(type(m))
+
+
+def _world_mesh(root: nn.Module) -> DeviceMesh:
+    """FSDP2's default mesh: the world, 1-D, on the device type of the model's parameters (cpu for meta ones)."""
+    device = next((p.device for p in root.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    return init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+
+
+def _left_uninitialised(module: nn.Module) -> None:
+    """Meta-device models stay on meta: their owner calls `to_empty()` and initialises them after the calls."""
 
 
 def _check_same_options(root_call: _Call, call: _Call) -> None:

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.tensor import DTensor, Shard
 
 import fsdp_graph
 from fsdp_graph import fsdp2
@@ -43,7 +44,9 @@ def test_bottom_up_calls_then_root_make_one_engine_call(fake_pg):
     states = {s.name: s for s in flat_params(model)}
     assert sorted(states) == ["0", "1", "2"]  # the root (a Sequential) owns no parameter
     assert [states[n].reshard_after_forward for n in ("0", "1", "2")] == [False, False, False]
-    assert model[0].in_proj.weight.shape == (32 // 4, 8)  # this rank's row block of a (32, 8) weight
+    weight = model[0].in_proj.weight  # a DTensor, as FSDP2's: this rank holds the row block of a (32, 8) weight
+    assert isinstance(weight, DTensor) and weight.shape == (32, 8) and weight.placements == (Shard(0),)
+    assert weight.to_local().shape == (32 // 4, 8)
 
 
 def test_list_call_is_one_unit_held_by_its_last_module(fake_pg):
@@ -156,10 +159,11 @@ def test_optimizer_on_an_outer_module_never_called_gets_the_sharded_parameters(f
     fsdp2.fully_shard(model[0])  # no call on the model itself
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     params = opt.param_groups[0]["params"]
-    assert [tuple(p.shape) for p in params] == [(8, 8), (8,), (2, 32), (2,), (8, 8), (8,)]
+    local = [tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape) for p in params]
+    assert local == [(8, 8), (8,), (2, 32), (2,), (8, 8), (8,)]  # model[0]'s row blocks, model[1] whole
     assert params[0] is model[0].in_proj.weight and isinstance(model[0], TorchFSDPModule)
     model(torch.randn(2, 8)).sum().backward()
-    assert model[0].in_proj.weight.grad.shape == (8, 8) and model[1].weight.grad.shape == (8, 8)
+    assert model[0].in_proj.weight.grad.to_local().shape == (8, 8) and model[1].weight.grad.shape == (8, 8)
 
 
 def test_int_reshard_after_forward_keeps_a_piece(fake_pg):
@@ -202,3 +206,35 @@ def test_using_one_model_leaves_another_models_calls_recorded(fake_pg):
     fsdp2.fully_shard(second)  # its root call still comes after the first model's use
     list(second.parameters())
     assert sorted(s.name for s in flat_params(second)) == ["0", "1", "2"]
+
+
+def test_torchtitan_meta_device_flow(fake_pg):
+    # torchtitan's trainer: build on meta, apply FSDP, then to_empty() and the model's own init on the shards
+    # (its fused-QKV init builds the full weight and copy_()s it into the DTensor parameter).
+    import importlib
+
+    from tests.workers import titan
+
+    if (why := titan.available()) is not None:
+        pytest.skip(why)
+    import torchtitan.distributed.fsdp as titan_fsdp
+
+    titan._import_models()
+    with torch.device("meta"):
+        model = importlib.import_module("torchtitan.models.llama3").llama3_configs["debugmodel"]("flex").build()
+    native, titan_fsdp.fully_shard = titan_fsdp.fully_shard, fsdp2.fully_shard
+    try:
+        titan_fsdp.apply_fsdp_to_decoder(
+            model, init_device_mesh("cpu", (4,)), torch.float32, torch.float32, pp_enabled=False
+        )
+    finally:
+        titan_fsdp.fully_shard = native
+    model.to_empty(device="cpu")
+    model.init_states()
+    params = dict(model.named_parameters())
+    assert all(isinstance(p, DTensor) and p.device.type == "cpu" for p in params.values())
+    wqkv = params["layers.0.attention.qkv_linear.wqkv.weight"]
+    assert wqkv.shape == (768, 256) and wqkv.to_local().shape == (192, 256)
+    assert 0.01 < wqkv.to_local().std().item() < 0.05  # initialised, through the flat shard
+    flat_shard = model.layers["0"]._fsdp_flat_shards[0]  # what the forward gathers: the init wrote into it
+    assert wqkv.to_local().untyped_storage().data_ptr() == flat_shard.untyped_storage().data_ptr()

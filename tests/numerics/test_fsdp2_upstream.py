@@ -74,7 +74,7 @@ def test_train_parity(results, name):
         for key in loss_keys:
             suffix = key[len("loss_diff") :]
             assert r[key] < 1e-5 and r[f"param_diff{suffix}"] < 1e-5, (key, r)
-            assert r[f"moved{suffix}"] == 1.0, r
+            assert r[f"moved{suffix}"] == 1.0 and r[f"dtensors{suffix}"] == 1.0, r  # FSDP2's parameters: DTensors
             if name.endswith("[compiled]"):  # one graph; accumulation: first, middle, last microbatch, once each
                 assert r[f"graphs{suffix}"] == (3.0 if name.startswith("grad_accumulation") else 1.0), r
         if "dtype_kept" in r:

@@ -74,11 +74,11 @@ def titan_parity(rank: int, world: int, family: str, flavor: str, steps: int = 5
         out[f"{mode}_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
         params = dict(model.named_parameters())
         out[f"{mode}_same_names"] = float(sorted(params) == sorted(ref_params))
+        local = {n: p.to_local().detach() for n, p in params.items()}
         out[f"{mode}_weight_diff"] = max(
-            (params[n].detach() - ref_params[n]).abs().max().item() if ref_params[n].numel() else 0.0
-            for n in ref_params
+            (local[n] - ref_params[n]).abs().max().item() if ref_params[n].numel() else 0.0 for n in ref_params
         )
-        out[f"{mode}_same_shapes"] = float(all(params[n].shape == ref_params[n].shape for n in ref_params))
+        out[f"{mode}_same_shapes"] = float(all(local[n].shape == ref_params[n].shape for n in ref_params))
         if mode == "compiled":
             out["graphs"] = float(backend.dynamo_graphs)
     out["ref_fsdp_modules"] = float(sum(isinstance(m, torch.distributed.fsdp.FSDPModule) for m in reference.modules()))

@@ -75,6 +75,11 @@ class TwiceCalled(nn.Module):
         return self.outer(self.inner(self.inner(x)))
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (FSDP2's parameters and gradients), anything else as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def row_block(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """`full`'s Shard(0) block on `rank` (torch.chunk: the last ranks may get fewer rows or none)."""
     chunks = full.chunk(world)
@@ -109,7 +114,7 @@ def _param_diff(model: nn.Module, ref: nn.Module, rank: int, world: int, fsdp_na
     worst = 0.0
     for name, ref_param in ref.named_parameters():
         expected = row_block(ref_param.detach(), rank, world) if fsdp_names else ref_param.detach()
-        mine = params[name].detach()
+        mine = local(params[name].detach())
         if mine.shape != expected.shape:
             return float("inf")
         if mine.numel():
@@ -163,8 +168,9 @@ def train_parity(
             o.zero_grad()
         out["param_diff"] = max(out["param_diff"], _param_diff(model, ref, rank, world))
     out["moved"] = float(any(not torch.equal(p, q.to(p.dtype)) for p, q in zip(ref.parameters(), initial.parameters())))
+    out["dtensors"] = float(all(isinstance(p, DTensor) for p in model.parameters()))
     if dtype is not None:
-        out["dtype_kept"] = float(all(p.dtype == dtype for p in model.parameters()))
+        out["dtype_kept"] = float(all(p.dtype == local(p).dtype == dtype for p in model.parameters()))
     return out
 
 
@@ -252,23 +258,24 @@ def _mixed_precision(rank: int, world: int, mode: str) -> dict[str, float]:
             o.zero_grad()
         mine = dict(model.named_parameters())
         for name, p in ref.named_parameters():
-            out["param_diff"] = max(out["param_diff"], (mine[name].detach() - p.to_local().detach()).abs().max().item())
+            diff = (local(mine[name].detach()) - p.to_local().detach()).abs().max().item()
+            out["param_diff"] = max(out["param_diff"], diff)
     return out
 
 
 def _registration(rank: int, world: int) -> dict[str, float]:
-    """Parameters outside forward are this rank's Shard(0) blocks, as FSDP2's DTensors' local tensors are, after
-    the calls, after a forward (reshard_after_forward=True) and after a backward."""
+    """Parameters outside forward are DTensors sharded on dim 0 whose local tensors are FSDP2's, after the calls,
+    after a forward (reshard_after_forward=True) and after a backward; so are the gradients."""
     torch.manual_seed(0)
     model, theirs = mlp_stack(), mlp_stack()
     shard_blocks(model)
     for child in theirs:
         torch.distributed.fsdp.fully_shard(child)
     torch.distributed.fsdp.fully_shard(theirs)
-    expected = {n: p.to_local().shape for n, p in theirs.named_parameters()}
+    expected = {n: (p.shape, p.placements, p.to_local().shape) for n, p in theirs.named_parameters()}
 
     def same() -> float:
-        mine = {n: p.shape for n, p in model.named_parameters()}
+        mine = {n: (p.shape, p.placements, p.to_local().shape) for n, p in model.named_parameters()}
         return float(mine == expected)
 
     out = {"after_calls": same()}
@@ -276,7 +283,9 @@ def _registration(rank: int, world: int) -> dict[str, float]:
     out["after_forward"] = same()
     loss.backward()
     out["after_backward"] = same()
-    out["grads_sharded"] = float(all(p.grad.shape == expected[n] for n, p in model.named_parameters()))
+    out["grads_sharded"] = float(
+        all((p.grad.shape, p.grad.placements, p.grad.to_local().shape) == expected[n] for n, p in model.named_parameters())
+    )
     return out
 
 
@@ -291,7 +300,7 @@ def _no_forward_inputs(rank: int, world: int) -> dict[str, float]:
     return {
         "shape": float(out.shape == (4, 4)),
         "out_diff": (out - ref()).abs().max().item(),
-        "grad_diff": (model.weight.grad - row_block(ref.weight.grad, rank, world)).abs().max().item(),
+        "grad_diff": (local(model.weight.grad) - row_block(ref.weight.grad, rank, world)).abs().max().item(),
     }
 
 
@@ -327,7 +336,7 @@ def _non_root_forward(rank: int, world: int) -> dict[str, float]:
     x = torch.randn(world * 4, 8)
     model[0](x.chunk(world)[rank]).sum().backward()
     (sum(ref[0](c).sum() for c in x.chunk(world)) / world).backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: local(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     out = {"non_root_grads": float(len(grads) == 4)}
     out["grad_diff"] = max(
         (grads[n] - row_block(p.grad, rank, world)).abs().max().item() for n, p in ref.named_parameters() if n in grads
@@ -335,7 +344,7 @@ def _non_root_forward(rank: int, world: int) -> dict[str, float]:
     model(x.chunk(world)[rank]).sum().backward()
     (sum(ref(c).sum() for c in x.chunk(world)) / world).backward()
     out["root_grad_diff"] = max(
-        (dict(model.named_parameters())[n].grad - row_block(p.grad, rank, world)).abs().max().item()
+        (local(dict(model.named_parameters())[n].grad) - row_block(p.grad, rank, world)).abs().max().item()
         for n, p in ref.named_parameters()
     )
     return out
@@ -385,7 +394,7 @@ def _ignored(rank: int, world: int) -> dict[str, float]:
         (params[n].grad - p.grad).abs().max().item() for n, p in local_ref.named_parameters() if n.startswith("1.")
     )
     out["sharded_grad_diff"] = max(
-        (params[n].grad - row_block(p.grad, rank, world)).abs().max().item()
+        (local(params[n].grad) - row_block(p.grad, rank, world)).abs().max().item()
         for n, p in ref.named_parameters()
         if not n.startswith("1.")
     )
@@ -435,7 +444,7 @@ def _state_dict(rank: int, world: int) -> dict[str, float]:
     out["full_diff"] = max((v.full_tensor() - ref_sd[k]).abs().max().item() for k, v in sd.items())
     other.load_state_dict(sd)
     out["load_diff"] = max(
-        (p - dict(model.named_parameters())[n]).abs().max().item() for n, p in other.named_parameters()
+        (local(p) - local(dict(model.named_parameters())[n])).abs().max().item() for n, p in other.named_parameters()
     )
     return out
 
