@@ -28,6 +28,8 @@ Re-created (upstream name -> check):
 - test_fully_shard_init.py::TestFullyShardCls::test_fully_shard_cls (class names, isinstance; not container
   slicing) -> classes
 - test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess::test_dp_state_dict_save_load -> state_dict
+- test_fully_shard_clip_grad_norm_.py::TestClipGradNormWorldSize2::test_clip_grad_norm_1d (torch's own
+  clip_grad_norm_ on the DTensor gradients; norms 2, 1, inf) -> clip_grad_norm
 
 Not re-created, and why:
 - TestFullyShardRegisteredParams::test_param_registration_after_forward with reshard_after_forward=False: FSDP2
@@ -38,10 +40,8 @@ Not re-created, and why:
 - test_fully_shard_training.py::test_post_optim_event, test_fully_shard_overlap.py, test_fully_shard_memory.py,
   test_fully_shard_comm.py, test_fully_shard_collectives.py, test_fully_shard_extensions.py: CUDA streams, events,
   memory and FSDP2's eager collectives or extension hooks, which fsdp_graph does not have (no-ops or refused).
-- test_fully_shard_clip_grad_norm_.py: torch's clip_grad_norm_ needs DTensor gradients; fsdp_graph's are the
-  local row blocks: use fsdp_graph.clip_grad_norm_ (tests/numerics/test_training_loop.py).
-- test_fully_shard_init.py's meta-device and DTensor-parameter tests: fsdp_graph.fsdp2's parameters are plain
-  row-block tensors, not DTensors (docs/migrating-from-fsdp2.md).
+- test_fully_shard_init.py's meta-device tests: torchtitan's meta-device flow is tested instead
+  (tests/graphs/test_fsdp2_api.py::test_torchtitan_meta_device_flow).
 - test_fully_shard_compile.py: compiles FSDP2's eager runtime with torch's own passes; here every parity check
   runs compiled by fsdp_backend instead.
 """
@@ -127,6 +127,11 @@ def test_fully_shard_cls(results):
 def test_shard_largest_dim_refused(results):
     for r in _each(results, "largest_dim_refused"):
         assert r == {"refused": 1.0, "names_param": 1.0}, r
+
+
+def test_clip_grad_norm_1d(results):
+    for r in _each(results, "clip_grad_norm"):
+        assert r["norm_diff"] < 1e-5 and r["grad_diff"] < 1e-6, r
 
 
 def test_dp_state_dict_save_load(results):
