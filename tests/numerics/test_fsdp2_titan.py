@@ -1,6 +1,6 @@
 """Issue 28: torchtitan 0.3.0's `apply_fsdp_to_decoder`, unmodified, with `fsdp_graph.fsdp2.fully_shard` in place
 of torch's (the one-import change), trains as torchtitan with torch's FSDP2 does: 2 gloo ranks, 5 SGD-with-momentum
-steps, compiled into one graph (fullgraph) and eager."""
+steps, compiled into one graph (fullgraph)."""
 
 import os
 
@@ -24,8 +24,7 @@ def test_torchtitan_apply_fsdp_matches_fsdp2(family, flavor):
         pytest.skip(why)
     for r in spawn(titan_parity, 2, (family, flavor)):
         assert r["loss_moved"] > 0.0, r
-        assert r["compiled_fsdp_modules"] == r["eager_fsdp_modules"] == r["ref_fsdp_modules"], r
+        assert r["compiled_fsdp_modules"] == r["ref_fsdp_modules"], r
         assert r["graphs"] == 1.0, r
-        for mode in ("compiled", "eager"):
-            assert r[f"{mode}_same_names"] == r[f"{mode}_same_shapes"] == 1.0, (mode, r)
-            assert r[f"{mode}_loss_diff"] < 1e-5 and r[f"{mode}_weight_diff"] < 1e-5, (mode, r)
+        assert r["compiled_same_names"] == r["compiled_same_shapes"] == 1.0, r
+        assert r["compiled_loss_diff"] < 1e-5 and r["compiled_weight_diff"] < 1e-5, r  # measured: 0
