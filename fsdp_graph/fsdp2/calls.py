@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import Shard
 
@@ -26,6 +26,7 @@ from fsdp_graph.api import controls
 from fsdp_graph.api.config import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_graph.api.fully_shard import fully_shard as native_fully_shard
 from fsdp_graph.fsdp2.module import FSDP2Module, fsdp2_class
+from fsdp_graph.runtime.devices import collective_device
 
 _SHARDED_KEYS = ("_fsdp_views", "_fsdp_states", "_fsdp_root")
 
@@ -163,7 +164,7 @@ def _shard_tree(root_call: _Call, inner: list[_Call], trigger: str) -> None:
             cast_forward_inputs=mp.cast_forward_inputs,
             cast_root_forward_inputs=mp.cast_forward_inputs,
         ),
-        reshard_after_forward={m: v for m, v in reshard.items()},
+        reshard_after_forward=reshard,
         ignored_params=set().union(*(c.ignored_params for c in [root_call, *inner])),
         cpu_offload=CPUOffload(offload_params=True) if isinstance(root_call.offload_policy, CPUOffloadPolicy) else None,
         device="meta" if on_meta else None,
@@ -179,9 +180,10 @@ def _shard_tree(root_call: _Call, inner: list[_Call], trigger: str) -> None:
 
 
 def _world_mesh(root: nn.Module) -> DeviceMesh:
-    """FSDP2's default mesh: the world, 1-D, on the device type of the model's parameters (cpu for meta ones)."""
+    """FSDP2's default mesh: the world, 1-D, on the device type the world's collectives use for the model's
+    parameters (over the world group itself: no new process group)."""
     device = next((p.device for p in root.parameters() if p.device.type != "meta"), torch.device("cpu"))
-    return init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    return DeviceMesh.from_group(torch.distributed.group.WORLD, collective_device(None, device).type)
 
 
 def _left_uninitialised(module: nn.Module) -> None:
