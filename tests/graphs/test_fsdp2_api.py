@@ -238,3 +238,14 @@ def test_torchtitan_meta_device_flow(fake_pg):
     assert 0.01 < wqkv.to_local().std().item() < 0.05  # initialised, through the flat shard
     flat_shard = model.layers["0"]._fsdp_flat_shards[0]  # what the forward gathers: the init wrote into it
     assert wqkv.to_local().untyped_storage().data_ptr() == flat_shard.untyped_storage().data_ptr()
+
+
+def test_unshard_exposes_full_tensors_until_reshard(fake_pg):
+    model = mlp_stack()
+    shard_blocks(model)
+    block = model[1]
+    assert block.unshard() is None  # a use: shards the recorded calls, then gathers this unit
+    assert not isinstance(block.in_proj.weight, DTensor) and block.in_proj.weight.shape == (32, 8)
+    assert isinstance(model[0].in_proj.weight, DTensor)  # not recursive into other units
+    block.reshard()
+    assert isinstance(block.in_proj.weight, DTensor) and block.in_proj.weight.to_local().shape == (8, 8)
