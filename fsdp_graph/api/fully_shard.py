@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_graph.api.config import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_graph.api.groups import Groups, post_forward_groups, resolve_groups, with_reduce_group
 from fsdp_graph.api.placement import move_buffers, moves_to, parameter_device
-from fsdp_graph.api.wrap import auto_wrap_policy
+from fsdp_graph.api.wrap import auto_wrap_policy, check_group
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.runtime import offload
 from fsdp_graph.runtime.block_region import check_reusable, make_reusable
@@ -35,6 +35,7 @@ from fsdp_graph.runtime.unit import (
 from fsdp_graph.state import module_state
 
 WrapPolicy = Callable[[nn.Module], list[nn.Module]]
+UnitChoice = nn.Module | tuple[nn.Module, ...] | list[nn.Module]
 ReshardSpec = bool | int | None | Mapping[nn.Module | str, bool | int]
 
 
@@ -42,7 +43,7 @@ def fully_shard(
     model: nn.Module,
     mesh: DeviceMesh | None = None,
     *,
-    wrap: WrapPolicy | list[nn.Module] | None = None,
+    wrap: WrapPolicy | list[UnitChoice] | None = None,
     strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
     mixed_precision: MixedPrecision | None = None,
     reshard_after_forward: ReshardSpec = None,
@@ -55,12 +56,15 @@ def fully_shard(
     separate_reduce_group: bool = False,
     layout: str = "rows",
     reuse_blocks: bool = False,
+    dtensor_params: bool = False,
 ) -> nn.Module:
     """Shard `model` in place over `mesh` and return it. Create the optimizer AFTER this call.
 
     - `wrap`: the units. A policy (`ModuleWrapPolicy`, `size_based_wrap_policy`, any `root -> [modules]`),
-      a list of modules, or None (the blocks of the largest same-typed ModuleList/Sequential). The root is
-      always the last unit and takes what is left.
+      a list of modules, or None (the blocks of the largest same-typed ModuleList/Sequential/ModuleDict). The
+      root is always the last unit and takes what is left. In a list, a tuple of modules is ONE unit (FSDP2's
+      `fully_shard([norm, head])`): one flat parameter for their parameters, gathered at the first read of one of
+      them, freed after the forward of the last of them in model order (which holds it).
     - `mesh`: None (the world) or a 1-D DeviceMesh; a 2-D (replicate, shard) mesh for HYBRID strategies.
     - `reshard_after_forward`: None (the strategy's default), a bool or an int for every unit, or a mapping from
       unit module or FQN ("" = root) to either; units not in the mapping keep the default. An int k dividing the
@@ -99,19 +103,27 @@ def fully_shard(
       and Inductor compile one block body however deep the model (`fsdp_graph.runtime.block_region`). A unit
       whose subtree holds another unit, reads another unit's parameters or holds tensor-parallel ones is refused
       (ValueError, before anything is sharded).
+    - `dtensor_params` (rows layout, a `mesh`): every parameter the optimizer sees is a DTensor on `mesh` whose
+      local tensor is its row block (FSDP2's parameters; `fsdp_graph.fsdp2` sets it), as with tensor parallelism.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"fully_shard: layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+    if dtensor_params and (layout != "rows" or mesh is None):
+        raise ValueError("fully_shard: dtensor_params=True needs layout='rows' and a mesh (the DTensors' mesh).")
     groups = with_reduce_group(resolve_groups(mesh, strategy), separate_reduce_group)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(f"fully_shard: mixed_precision must be a fsdp_graph.MixedPrecision, got {mixed_precision!r}")
     _check_not_sharded(model)
     module_fqns = {id(m): name for name, m in model.named_modules()}
     ignored = _ignored_param_ids(model, ignored_modules, ignored_params)
-    units = _select_units(model, wrap, module_fqns, ignored_modules)
+    units, group_members = _select_units(model, wrap, module_fqns, ignored_modules)
     unit_fqns = [module_fqns[id(u)] for u in units]
     params, uses, tp = _collect_parameters(model, ignored, mesh)
-    assignment = _assign_to_units(params, uses, unit_fqns)
+    owner_of_prefix = {fqn: fqn for fqn in unit_fqns}
+    owner_of_prefix.update({module_fqns[id(m)]: module_fqns[id(u)] for u, group in group_members.items() for m in group})
+    assignment = _assign_to_units(params, uses, owner_of_prefix)
+    if reuse_blocks and group_members:
+        raise ValueError("fully_shard: reuse_blocks does not take units of several modules (a tuple in wrap).")
     if reuse_blocks:
         check_reusable(unit_fqns[:-1], assignment, uses, tp)
     reshard = _resolve_reshard(reshard_after_forward, strategy, units, unit_fqns, groups.shard_world)
@@ -132,6 +144,7 @@ def fully_shard(
     root_state = RootState(mesh=mesh, placements=_state_dict_placements(strategy))
     track_kept_gathers(root_state)
     views_tp_mesh = None if layout != "rows" else dtensor_views_mesh(list(tp.values()), mesh, root_state.placements)
+    dtensor_views = views_tp_mesh is not None or (dtensor_params and not tp)
     for unit, unit_fqn in zip(units, unit_fqns):
         members = [pid for pid in params if assignment[pid] == unit_fqn]
         values = _unit_values(members, params, uses, param_init_fn, device, tp)
@@ -156,13 +169,16 @@ def fully_shard(
                 compute_device,
                 device,
                 layout,
-                views_tp_mesh,
+                views_tp_mesh if dtensor_views else False,
             )
             root_state.flat_params.append(state)
         del values
     materialize_buffers(model, device, param_init_fn)
     offloading = compute_device is not None  # then every buffer goes to the compute device, as before
     move_buffers(model, device, () if offloading else ignored_modules, all_devices=offloading)
+    for member in [m for group in group_members.values() for m in group]:
+        cast_to = mp.param_dtype if mp.cast_forward_inputs else None
+        swap_class(member, frozenset(member.__dict__.get("_fsdp_views", {})), cast_inputs_to=cast_to)
     for unit in units:
         casts = mp.cast_forward_inputs or (unit is model and mp.cast_root_forward_inputs)
         has_states = "_fsdp_states" in unit.__dict__
@@ -227,7 +243,8 @@ def _check_not_sharded(model: nn.Module) -> None:
             root_class = getattr(type(model), "_fsdp_original_class", type(model))
             raise RuntimeError(
                 f"fully_shard: module '{name or root_class.__name__}' is already sharded. Call fully_shard once, "
-                "on the root model, and choose the nested units with wrap=ModuleWrapPolicy({...})."
+                "on the root model, and choose the nested units with wrap=ModuleWrapPolicy({...}); for FSDP2's "
+                "one call per module, use fsdp_graph.fsdp2.fully_shard."
             )
 
 
@@ -239,7 +256,11 @@ def _ignored_param_ids(model: nn.Module, ignored_modules, ignored_params) -> set
     return ids
 
 
-def _select_units(model: nn.Module, wrap, module_fqns: dict[int, str], ignored_modules) -> list[nn.Module]:
+def _select_units(
+    model: nn.Module, wrap, module_fqns: dict[int, str], ignored_modules
+) -> tuple[list[nn.Module], dict[nn.Module, list[nn.Module]]]:
+    """The unit modules in model order, the root last, and for each unit of several modules (a tuple in `wrap`)
+    its other modules: the unit is the group's last module in model order."""
     if wrap is None:
         chosen = auto_wrap_policy(model)
     elif isinstance(wrap, list | tuple):
@@ -248,14 +269,28 @@ def _select_units(model: nn.Module, wrap, module_fqns: dict[int, str], ignored_m
         chosen = list(wrap(model))
     else:
         raise TypeError(f"fully_shard: wrap must be a policy, a list of modules or None, got {type(wrap)}")
-    for m in chosen:
-        if id(m) not in module_fqns:
-            raise ValueError(f"fully_shard: wrap selected a {type(m).__name__} that is not a submodule of the model.")
-    inside_ignored = {id(sub) for m in ignored_modules for sub in m.modules()}
     order = {mid: i for i, mid in enumerate(module_fqns)}
-    chosen = [m for m in chosen if m is not model and id(m) not in inside_ignored]
-    units = sorted({id(m): m for m in chosen}.values(), key=lambda m: order[id(m)])
-    return units + [model]
+    inside_ignored = {id(sub) for m in ignored_modules for sub in m.modules()}
+    members: dict[nn.Module, list[nn.Module]] = {}
+    units = []
+    for choice in chosen:
+        group = list(choice) if isinstance(choice, list | tuple) else [choice]
+        for m in group:
+            if not isinstance(m, nn.Module) or id(m) not in module_fqns:
+                raise ValueError(f"fully_shard: wrap selected a {type(m).__name__} that is not a submodule of the model.")
+        group = sorted(
+            {id(m): m for m in group if m is not model and id(m) not in inside_ignored}.values(),
+            key=lambda m: order[id(m)],
+        )
+        if not group:
+            continue
+        units.append(group[-1])
+        if len(group) > 1:
+            check_group([module_fqns[id(m)] for m in group])
+            members[group[-1]] = group[:-1]
+    units = sorted({id(m): m for m in units}.values(), key=lambda m: order[id(m)])
+    return units + [model], members
+
 
 
 def _collect_parameters(model: nn.Module, ignored: set[int], mesh: DeviceMesh | None):
@@ -286,16 +321,17 @@ def _parts(fqn: str) -> list[str]:
     return fqn.split(".") if fqn else []
 
 
-def _assign_to_units(params, uses, unit_fqns: list[str]) -> dict[int, str]:
-    """Each parameter goes to the innermost unit containing all its uses (their lowest common ancestor)."""
+def _assign_to_units(params, uses, owner_of_prefix: dict[str, str]) -> dict[int, str]:
+    """Each parameter goes to the innermost unit containing all its uses (their lowest common ancestor).
+    `owner_of_prefix`: module FQN -> the unit owning its subtree (itself, or a group's unit for its members)."""
 
     def owner(module_fqn: str) -> str:
         parts = _parts(module_fqn)
-        best = ""
-        for u in unit_fqns:
-            up = _parts(u)
-            if parts[: len(up)] == up and len(up) > len(_parts(best)):
-                best = u
+        best_prefix, best = "", ""
+        for prefix, unit in owner_of_prefix.items():
+            up = _parts(prefix)
+            if parts[: len(up)] == up and len(up) > len(_parts(best_prefix)):
+                best_prefix, best = prefix, unit
         return best
 
     assignment = {}
@@ -406,7 +442,7 @@ def _shard_flat_param(
     compute_device: torch.device | None,
     device: torch.device,
     layout_kind: str,
-    views_tp_mesh: DeviceMesh | None,
+    views_tp_mesh: DeviceMesh | None | bool,
 ) -> FlatParamState:
     _check_flat_params(name, values, param_uses)
     layout = LAYOUTS[layout_kind].build(
@@ -443,7 +479,7 @@ def _shard_flat_param(
         state.post_forward_world, (state.piece_group, state.post_forward_group) = reshard, post_forward
     for slot_index, (orig, slot_uses, spec) in enumerate(zip(params, param_uses, tp)):
         dtensor_spec = None
-        if views_tp_mesh is not None:  # rows layout, tp parameters in the call: every view a DTensor on one mesh
+        if views_tp_mesh is not False:  # rows layout with tp parameters or dtensor_params: every view a DTensor
             slot_shape = layout.slots[slot_index].shape
             if spec is None:
                 dtensor_spec = replicated_view_spec(

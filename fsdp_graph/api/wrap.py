@@ -58,22 +58,23 @@ class size_based_wrap_policy:  # noqa: N801  (named like the function FSDP1 user
 
 
 def auto_wrap_policy(root: nn.Module) -> list[nn.Module]:
-    """Default: the children of the model's largest (by parameter count) `nn.ModuleList`/`nn.Sequential`
-    whose children all share one type (transformer blocks), plus the large pieces around them (`edge_units`:
-    an LLM's input embedding and output head). No such container: the root alone."""
+    """Default: the children of the model's largest (by parameter count) `nn.ModuleList`/`nn.Sequential`/
+    `nn.ModuleDict` (torchtitan keeps its layers in one) whose children all share one type (transformer blocks),
+    plus the large pieces around them (`edge_units`: an LLM's input embedding and output head). No such container:
+    the root alone."""
     blocks = _block_container(root)
     if blocks is None:
         return []
-    units = [c for c in blocks if any(True for _ in c.parameters())]
+    units = [c for c in blocks.children() if any(True for _ in c.parameters())]
     return units + edge_units(root, blocks)
 
 
 def _block_container(root: nn.Module) -> nn.Module | None:
     best, best_numel = None, 0
     for m in root.modules():
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < 2:
+        if not isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) or len(m) < 2:
             continue
-        if len({type(c) for c in m}) != 1:
+        if len({type(c) for c in m.children()}) != 1:
             continue
         numel = sum(p.numel() for p in m.parameters())
         if numel > best_numel:
@@ -125,3 +126,11 @@ def _ancestors_of(root: nn.Module, target: nn.Module) -> list[nn.Module] | None:
         if below is not None:
             return [root, *below]
     return None
+
+
+def check_group(names: list[str]) -> None:
+    """A unit of several modules (FQNs `names`) must not list a module and one inside it."""
+    for a in names:
+        for b in names:
+            if a != b and b.startswith(f"{a}." if a else ""):
+                raise ValueError(f"fully_shard: a unit of several modules lists '{b}' inside '{a}'; list '{a}' only.")

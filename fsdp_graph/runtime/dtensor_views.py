@@ -68,15 +68,18 @@ def dtensor_views_mesh(specs: list[TPSpec], fsdp_mesh: DeviceMesh | None, fsdp_p
 
 
 def replicated_view_spec(
-    shape: torch.Size, fsdp_mesh: DeviceMesh, fsdp_placements: tuple, tp_mesh: DeviceMesh, dtype: torch.dtype
+    shape: torch.Size, fsdp_mesh: DeviceMesh, fsdp_placements: tuple, tp_mesh: DeviceMesh | None, dtype: torch.dtype
 ) -> DTensorSpec:
     """The spec of a rows-layout view of a parameter that is not tensor-parallel, in a call that has tensor-parallel
     ones: on fully_shard's mesh dimensions then the tp one, fully_shard's placements then `Replicate()` (the
     parameter is the same on every tp rank), the parameter's own shape. Its local tensor, the rank's `Shard(0)`
-    row block, is torch.chunk's (the rows layout's), uneven or empty blocks included."""
+    row block, is torch.chunk's (the rows layout's), uneven or empty blocks included. Without `tp_mesh`
+    (`fully_shard(dtensor_params=True)`, no tensor parallelism): on fully_shard's mesh, with its placements."""
+    stride = torch.empty(shape, device="meta").stride()
+    if tp_mesh is None:
+        return DTensorSpec(fsdp_mesh, tuple(fsdp_placements), tensor_meta=TensorMeta(shape, stride, dtype))
     names = (*fsdp_mesh.mesh_dim_names, *tp_mesh.mesh_dim_names)
     mesh = fsdp_mesh._get_root_mesh()[names]
-    stride = torch.empty(shape, device="meta").stride()
     return DTensorSpec(mesh, (*fsdp_placements, Replicate()), tensor_meta=TensorMeta(shape, stride, dtype))
 
 
@@ -101,6 +104,11 @@ def set_local(dtensor: DTensor, local: torch.Tensor) -> None:
     if local.dtype != dtensor.dtype or local.device != dtensor.device:
         meta = TensorMeta(dtensor.shape, tuple(dtensor.stride()), local.dtype)
         spec = DTensorSpec(dtensor.device_mesh, tuple(dtensor.placements), tensor_meta=meta)
+        if local.device.type != dtensor.device.type:  # a meta-device model's `to_empty()`: `.data` cannot do it
+            attributes = dict(dtensor.__dict__)
+            torch.utils.swap_tensors(dtensor, type(dtensor)(local, spec, requires_grad=dtensor.requires_grad))
+            dtensor.__dict__.update(attributes)
+            return
         with torch.no_grad():
             dtensor.data = DTensor(local, spec, requires_grad=False)
         dtensor._spec = spec

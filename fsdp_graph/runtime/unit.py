@@ -354,7 +354,7 @@ def bind_flat_shard(state: FlatParamState, flat_shard: torch.Tensor) -> None:
         if isinstance(view, DTensor):
             set_local(view, layout.local_view(base, slot))
         else:
-            view.data = layout.local_view(base, slot)
+            _point(view, layout.local_view(base, slot))
     # A flat shard's size never changes. Without this, compiling a second model of the same class in one process
     # (other sizes) makes Dynamo's automatic-dynamic mark the shards dynamic: symbolic collective sizes, which the
     # passes then cannot bucket, convert or schedule by size.
@@ -370,6 +370,17 @@ def bind_flat_shard(state: FlatParamState, flat_shard: torch.Tensor) -> None:
         if offload.is_accelerator(state.compute_device) and flat_shard.device.type == "cpu":
             fence = (state.root.grad_fence, state.compute_device)
         install_grad_hook(flat_shard, state.views, layout, state.after_grad, state.grad_dtype, fence)
+
+
+def _point(view: nn.Parameter, local: torch.Tensor) -> None:
+    """Make `local` the data of `view`, which stays the same Python object (what optimizers and modules hold)."""
+    if torch._has_compatible_shallow_copy_type(view, local):
+        view.data = local
+        return
+    # Another device type (a meta-device model's `to_empty()`): `.data` cannot change it, a swap can.
+    attributes = dict(view.__dict__)
+    torch.utils.swap_tensors(view, type(view)(local, view.requires_grad))
+    view.__dict__.update(attributes)
 
 
 def _unit_apply(self: nn.Module, fn, recurse: bool = True):

@@ -118,3 +118,16 @@ def test_largest_gather_is_at_most_the_largest_piece(fake_pg, which):
     report = fsdp_graph.explain(model, *args, loss_fn=loss_fn, example_kwargs=kwargs)
     gathers = [size for graph in report.graphs for size in all_gather_bytes(graph.graph)]
     assert gathers and max(gathers) <= max(sizes), (gathers, sizes)
+
+
+def test_torchtitan_moduledict_layers_get_a_unit_each(fake_pg):
+    # torchtitan keeps its layers in a ModuleDict: the automatic wrap finds them as it finds a ModuleList.
+    from tests.workers import titan
+
+    if (why := titan.available()) is not None:
+        pytest.skip(why)
+    model = fsdp_graph.fully_shard(titan.build())
+    owners = _owners(model)
+    layers = [f"layers.{name}" for name in model.layers]
+    assert sorted(owners) == sorted(["", "tok_embeddings", "lm_head", *layers]), sorted(owners)
+    assert owners[""] == ["norm.weight"]

@@ -1,0 +1,324 @@
+"""`fsdp_graph.fsdp2.fully_shard`: FSDP2's calling convention (one call per module, bottom-up, the root last) on
+the native engine, which shards a model in one call on its root (docs/design-notes.md, "FSDP2's front door").
+
+A call records the module (or list of modules: one unit) with its options and gives it a class deriving from
+torch's `FSDPModule`; parameters stay as they are. The first use of a recorded module shards the calls of the
+outermost called module containing it: a listing of its parameters (`parameters()`, also an outer module's: an
+optimizer being built; `state_dict()`, `.to()`), `load_state_dict()`, a forward, or an `FSDPModule` method. That
+outermost module is the root: the native `fully_shard` runs on it once, with the calls inside it as units (a list
+call as one unit of several modules) and each call's reshard_after_forward. Other models' calls stay recorded.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import Shard
+
+from fsdp_graph.api import controls
+from fsdp_graph.api.config import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_graph.api.fully_shard import fully_shard as native_fully_shard
+from fsdp_graph.fsdp2.module import FSDP2Module, fsdp2_class
+from fsdp_graph.runtime.devices import collective_device
+
+_SHARDED_KEYS = ("_fsdp_views", "_fsdp_states", "_fsdp_root")
+
+
+@dataclass(eq=False)
+class _Call:
+    modules: tuple[nn.Module, ...]
+    mesh: DeviceMesh | None
+    reshard_after_forward: bool | int | None
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+    ignored_params: frozenset[nn.Parameter] = field(default_factory=frozenset)
+
+    def describe(self) -> str:
+        names = ", ".join(type(m).__name__ for m in self.modules)
+        return f"fully_shard({'[' + names + ']' if len(self.modules) > 1 else names})"
+
+
+_PENDING: list[_Call] = []
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008  (frozen, as FSDP2's default)
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
+    ignored_params: set[nn.Parameter] | None = None,
+) -> nn.Module | list[nn.Module]:
+    """FSDP2's `fully_shard`: call it on each module to be a unit, bottom-up, the root last; returns its argument,
+    whose modules are now `torch.distributed.fsdp.FSDPModule`s. A list of modules is one unit. Build the optimizer
+    after the last call (its `model.parameters()` shards the recorded calls).
+
+    - `mesh`: None (the world), a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP); one mesh for the model.
+    - `reshard_after_forward`: None (True, or False for the root), a bool, or an int dividing the shard dim's size.
+    - `shard_placement_fn`: may return None or `Shard(0)`; other placements and per-parameter meshes are refused.
+    - `mp_policy`, `offload_policy`: torch's own classes; one setting for the model (output_dtype is refused).
+    - `ignored_params`: left unsharded; their gradients are not reduced.
+    """
+    modules = tuple(module) if isinstance(module, list | tuple) else (module,)
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(f"fsdp2.fully_shard: expected a module or a non-empty list of modules, got {module!r}")
+    call = _Call(
+        modules,
+        _checked_mesh(mesh),
+        _checked_reshard(reshard_after_forward),
+        _checked_mp(mp_policy),
+        _checked_offload(offload_policy),
+        frozenset(ignored_params or ()),
+    )
+    for m in modules:
+        _check_not_called(m)
+    if shard_placement_fn is not None:
+        _check_placements(call, shard_placement_fn)
+    for m in modules:
+        m.__dict__["_fsdp2_original_class"] = type(m)
+        m.__class__ = _pending_class(type(m))
+        m.__dict__["_parameters"] = _ShardsOnItems(m)
+    _PENDING.append(call)
+    return module
+
+
+def shard_pending(trigger: str = "fsdp2.shard_pending()", used: nn.Module | None = None) -> None:
+    """Shard the recorded calls (see the module docstring): those of the outermost called module containing `used`
+    (None: all of them); `trigger` names the use, for error messages."""
+    if not _PENDING:
+        return
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"fsdp_graph.fsdp2: {trigger} under torch.compile found fully_shard calls not applied yet. Build the "
+            "optimizer (model.parameters()), call fsdp_graph.fsdp2.shard_pending() or run one eager step before "
+            "compiling the model."
+        )
+    subtree = {id(c): {id(s) for m in c.modules for s in m.modules()} for c in _PENDING}
+    trees = []
+    for outer in _PENDING:
+        if any(c is not outer and _inside(outer, c, subtree) for c in _PENDING):
+            continue
+        if used is None or id(used) in subtree[id(outer)]:
+            trees.append((outer, [c for c in _PENDING if c is not outer and _inside(c, outer, subtree)]))
+    chosen = {id(c) for outer, inner in trees for c in (outer, *inner)}
+    _PENDING[:] = [c for c in _PENDING if id(c) not in chosen]
+    for outer, inner in trees:
+        for call in (outer, *inner):
+            for m in call.modules:
+                m.__class__ = m.__dict__.pop("_fsdp2_original_class")
+                m.__dict__["_parameters"] = dict(m._parameters)
+    for outer, inner in trees:
+        _shard_tree(outer, inner, trigger)
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """FSDP2's `register_fsdp_forward_method`: `module.<method_name>(...)` gathers parameters as `forward` does
+    (shards the recorded calls first)."""
+    shard_pending("register_fsdp_forward_method", module)
+    controls.register_fsdp_forward_method(module, method_name)
+
+
+def _inside(call: _Call, other: _Call, subtree: dict[int, set[int]]) -> bool:
+    return all(id(m) in subtree[id(other)] for m in call.modules)
+
+
+def _shard_tree(root_call: _Call, inner: list[_Call], trigger: str) -> None:
+    if len(root_call.modules) > 1:
+        raise NotImplementedError(
+            f"fsdp_graph.fsdp2: {root_call.describe()} is the outermost call when {trigger} used the model; a list "
+            "of modules must be inside a later fully_shard call (e.g. on the model itself)."
+        )
+    root = root_call.modules[0]
+    for c in inner:
+        _check_same_options(root_call, c)
+    order = {id(m): i for i, m in enumerate(root.modules())}
+    reshard: dict[nn.Module, bool | int] = {}
+    wrap: list[nn.Module | tuple[nn.Module, ...]] = []
+    for c in inner:
+        unit = max(c.modules, key=lambda m: order[id(m)])
+        wrap.append(c.modules if len(c.modules) > 1 else unit)
+        reshard[unit] = True if c.reshard_after_forward is None else c.reshard_after_forward
+    reshard[root] = False if root_call.reshard_after_forward is None else root_call.reshard_after_forward
+    mp = root_call.mp_policy
+    # FSDP2 shards a meta-device model on the meta device; `to_empty()` and the model's own init follow.
+    on_meta = any(p.device.type == "meta" for p in root.parameters())
+    native_fully_shard(
+        root,
+        root_call.mesh or _world_mesh(root),
+        wrap=wrap,
+        strategy=ShardingStrategy.HYBRID_SHARD if root_call.mesh is not None and root_call.mesh.ndim == 2 else (
+            ShardingStrategy.FULL_SHARD
+        ),
+        mixed_precision=MixedPrecision(
+            param_dtype=mp.param_dtype,
+            reduce_dtype=mp.reduce_dtype,
+            cast_forward_inputs=mp.cast_forward_inputs,
+            cast_root_forward_inputs=mp.cast_forward_inputs,
+        ),
+        reshard_after_forward=reshard,
+        ignored_params=set().union(*(c.ignored_params for c in [root_call, *inner])),
+        cpu_offload=CPUOffload(offload_params=True) if isinstance(root_call.offload_policy, CPUOffloadPolicy) else None,
+        device="meta" if on_meta else None,
+        param_init_fn=_left_uninitialised if on_meta else None,
+        dtensor_params=True,
+    )
+    for c in [*inner, root_call]:
+        unit = root if c is root_call else max(c.modules, key=lambda m: order[id(m)])
+        for m in c.modules:
+            m.__dict__["_fsdp2_unit"] = unit
+            m.__dict__["_fsdp2_root"] = root
+            m.__class__ = fsdp2_class(type(m))
+
+
+def _world_mesh(root: nn.Module) -> DeviceMesh:
+    """FSDP2's default mesh: the world, 1-D, on the device type the world's collectives use for the model's
+    parameters (over the world group itself: no new process group)."""
+    device = next((p.device for p in root.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    return DeviceMesh.from_group(torch.distributed.group.WORLD, collective_device(None, device).type)
+
+
+def _left_uninitialised(module: nn.Module) -> None:
+    """Meta-device models stay on meta: their owner calls `to_empty()` and initialises them after the calls."""
+
+
+def _check_same_options(root_call: _Call, call: _Call) -> None:
+    for option in ("mesh", "mp_policy", "offload_policy"):
+        mine, theirs = getattr(root_call, option), getattr(call, option)
+        if mine != theirs:
+            raise NotImplementedError(
+                f"fsdp_graph.fsdp2: {call.describe()} has {option}={theirs!r} but the root call "
+                f"{root_call.describe()} has {mine!r}: fsdp_graph shards a model with one {option}; pass the same "
+                "to every fully_shard call."
+            )
+
+
+def _checked_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    if mesh is not None and (not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2)):
+        raise ValueError(f"fsdp2.fully_shard: mesh must be a 1-D or 2-D DeviceMesh, got {mesh!r}")
+    return mesh
+
+
+def _checked_reshard(value: object) -> bool | int | None:
+    if value is not None and not isinstance(value, bool | int):
+        raise TypeError(f"fsdp2.fully_shard: reshard_after_forward must be None, a bool or an int, got {value!r}")
+    return value
+
+
+def _checked_mp(mp_policy: object) -> MixedPrecisionPolicy:
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            "fsdp2.fully_shard: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
+            f"{type(mp_policy).__name__} (fsdp_graph.MixedPrecision belongs to the native fully_shard)"
+        )
+    if mp_policy.output_dtype is not None:
+        raise NotImplementedError(
+            f"fsdp2.fully_shard: MixedPrecisionPolicy(output_dtype={mp_policy.output_dtype}) is not supported: "
+            "fsdp_graph casts forward inputs, not outputs; cast the output in the model instead."
+        )
+    return mp_policy
+
+
+def _checked_offload(offload_policy: object) -> OffloadPolicy:
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            "fsdp2.fully_shard: offload_policy must be torch.distributed.fsdp.OffloadPolicy() or "
+            f"CPUOffloadPolicy(), got {type(offload_policy).__name__}"
+        )
+    return offload_policy
+
+
+def _check_not_called(module: nn.Module) -> None:
+    if isinstance(module, FSDP2Module) or any(key in module.__dict__ for key in _SHARDED_KEYS):
+        raise RuntimeError(
+            f"fsdp2.fully_shard: {type(module).__name__} was already passed to fully_shard (or sharded by the native "
+            "fsdp_graph.fully_shard); call fully_shard once per module, bottom-up, before the model is used."
+        )
+    for name, sub in module.named_modules():
+        if any(key in sub.__dict__ for key in _SHARDED_KEYS):
+            raise RuntimeError(
+                f"fsdp2.fully_shard: '{name}' inside {type(module).__name__} was sharded when the model was first "
+                "used (parameters(), forward, state_dict...). Call fully_shard on every module, bottom-up, the root "
+                "last, before using the model."
+            )
+
+
+def _check_placements(call: _Call, shard_placement_fn: Callable[[nn.Parameter], Any]) -> None:
+    """FSDP2 asks `shard_placement_fn` about the parameters this call manages: those of its modules that no
+    earlier call manages."""
+    earlier = {id(p) for c in _PENDING for m in c.modules for p in m.parameters()}
+    for m in call.modules:
+        for name, p in m.named_parameters():
+            if id(p) in earlier or p in call.ignored_params:
+                continue
+            result = shard_placement_fn(p)
+            where = f"parameter '{name}' of {type(m).__name__}"
+            if hasattr(result, "mesh_info"):
+                raise NotImplementedError(
+                    f"fsdp2.fully_shard: shard_placement_fn gave {where} its own mesh (a ShardPlacementResult: expert "
+                    "parallelism over another mesh): fsdp_graph shards a model over one mesh. Apply expert "
+                    "parallelism with parallelize_module first, or shard the experts over the same mesh."
+                )
+            if result is not None and result != Shard(0) and result != Shard(-p.ndim):
+                raise NotImplementedError(
+                    f"fsdp2.fully_shard: shard_placement_fn gave {where} the placement {result!r}; fsdp_graph shards "
+                    "every parameter by rows (Shard(0)). Return None or Shard(0) for it."
+                )
+
+
+def _pending_class(cls: type) -> type:
+    if cls not in _PENDING_CLASSES:
+        _PENDING_CLASSES[cls] = type(f"FSDP{cls.__name__}", (_ShardsOnFirstUse, FSDP2Module, cls), {})
+    return _PENDING_CLASSES[cls]
+
+
+_PENDING_CLASSES: dict[type, type] = {}
+
+
+class _ShardsOnItems(dict):
+    """A recorded module's `_parameters` until sharding: iterating it shards first. nn.Module lists parameters
+    through `_parameters.items()` (`named_parameters`, `.to()`, `state_dict`), so an optimizer built on an outer
+    module nobody called fully_shard on still gets the sharded parameters."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module._parameters)
+        self.module = weakref.ref(module)
+
+    def items(self):
+        shard_pending("a listing of the parameters", self.module())
+        module = self.module()
+        return module._parameters.items() if module is not None else super().items()
+
+
+class _ShardsOnFirstUse:
+    """A recorded module's uses that need the final parameters: each shards the recorded calls, then runs on
+    the module's new class."""
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterable:
+        shard_pending("named_parameters()/parameters()", self)
+        return self.named_parameters(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any):
+        shard_pending("state_dict()", self)
+        return self.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any):
+        shard_pending("load_state_dict()", self)
+        return self.load_state_dict(*args, **kwargs)
+
+    def _apply(self, *args: Any, **kwargs: Any):
+        shard_pending("a .to()/.cuda()/.float()", self)
+        return self._apply(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any):
+        shard_pending("a forward", self)
+        # Called anew: this call started before sharding installed the units' forward hooks.
+        return self(*args, **kwargs)
