@@ -52,18 +52,20 @@ def _train(run: nn.Module, model: nn.Module, rank: int, world: int, steps: int) 
     return losses
 
 
-def titan_parity(rank: int, world: int, family: str, flavor: str, steps: int = 5) -> dict[str, float]:
+def titan_parity(
+    rank: int, world: int, family: str, flavor: str, layers: int | None = None, steps: int = 5
+) -> dict[str, float]:
     """Losses and this rank's row block of every weight after `steps` SGD-with-momentum steps: torchtitan with torch's
-    FSDP2 (eager), and with fsdp_graph.fsdp2 compiled (fullgraph)."""
+    FSDP2 (eager), and with fsdp_graph.fsdp2 compiled (fullgraph). `layers`: the model's first that many layers only."""
     mesh = init_device_mesh("cpu", (world,))
-    reference = titan.build(family, flavor)
+    reference = titan.build(family, flavor, layers=layers)
     _apply_fsdp(reference, mesh, torch.distributed.fsdp.fully_shard)
     ref_losses = _train(reference, reference, rank, world, steps)
     ref_params = {n: p.to_local() for n, p in reference.named_parameters()}
 
     out: dict[str, float] = {}
     for mode in ("compiled",):  # eager: tests/numerics/test_fsdp2_upstream.py
-        model = titan.build(family, flavor)
+        model = titan.build(family, flavor, layers=layers)
         _apply_fsdp(model, mesh, fsdp_graph.fsdp2.fully_shard)
         out[f"{mode}_fsdp_modules"] = float(
             sum(isinstance(m, torch.distributed.fsdp.FSDPModule) for m in model.modules())
