@@ -5,7 +5,7 @@ import pytest
 from fsdp_graph.train.launch import spawn
 from tests.workers.explaining import predicted_vs_measured
 
-# Both came within 0.01% (README "Planning with explain()"). The measurement is the least of a few steps: a step
+# Both came within 0.01% (docs/planning.md). The measurement is the least of a few steps: a step
 # that allocates while gloo's worker thread still holds a finished collective's tensors peaks up to 12% higher.
 TOLERANCE = 0.05
 
