@@ -21,10 +21,12 @@ re-gathers (docs/design-notes.md, "Compile once per block").
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch._dynamo.comptime import comptime
 
 from fsdp_graph.ir import REGION_PARAM_ANNOTATION
 from fsdp_graph.runtime.flat_param import ParamSlot
@@ -34,6 +36,11 @@ BLOCK_KEY = "_fsdp_block_key"  # the structure key `_reuse_key` returns
 
 _PLAIN = (bool, int, float, str, type(None))
 _REUSING_CLASSES: dict[type, type] = {}
+_UNKEYED = frozenset({"training", BLOCK_KEY})
+# transformers' layers keep their index only to address a KV cache (`cache.update(..., self.layer_idx)`, read
+# nowhere else in forward in the families tested); a call passing a cache object never runs a shared body (it is an
+# argument torch refuses), so the index cannot be baked into one.
+_CACHE_INDEX = frozenset({"layer_idx"})
 
 
 def region_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
@@ -96,9 +103,8 @@ def block_key(unit: nn.Module) -> int:
     parts: list = []
     for name, module in unit.named_modules():
         cls = getattr(type(module), "_fsdp_original_class", type(module))
-        attrs = sorted(
-            (k, v) for k, v in vars(module).items() if isinstance(v, _PLAIN) and k != "training" and k != BLOCK_KEY
-        )
+        skipped = _UNKEYED | (_CACHE_INDEX if cls.__module__.startswith("transformers.") else frozenset())
+        attrs = sorted((k, v) for k, v in vars(module).items() if isinstance(v, _PLAIN) and k not in skipped)
         buffers = [
             (b_name, None if b is None else (tuple(b.shape), b.dtype, b.device))
             for b_name, b in module._buffers.items()
@@ -123,19 +129,79 @@ def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
     setattr(self, REGION_FLATS, flats)
     out = type(self)._fsdp_block_forward(self, *args, **kwargs)
     setattr(self, REGION_FLATS, None)
-    return out
+    if isinstance(out, torch.Tensor) or not isinstance(out, (tuple, list)):
+        return out
+    if all(isinstance(item, torch.Tensor) for item in out):
+        return out
+    # torch reuses a body only if it returns tensors (`is_reuse_eligible`): return those, and record at trace time
+    # where the rest (T5's None, say) goes, for the caller to rebuild the output.
+    template = tuple(None if isinstance(item, torch.Tensor) else (item,) for item in out)
+    key = _reuse_key(self, count)
+    kind = type(out)
+    comptime(lambda ctx: _OUTPUT_TEMPLATES.__setitem__(key, (kind, ctx.get_local("template").as_python_constant())))
+    return tuple(item for item in out if isinstance(item, torch.Tensor))
 
 
 _block_body = torch.compiler.nested_compile_region(_body, reuse_hash_fn=_reuse_key)
+_OUTPUT_TEMPLATES: dict[int, tuple[type, tuple]] = {}  # reuse key -> (tuple or list, (None: a tensor | (constant,)))
+_WARNED: set[tuple[str, str]] = set()
+_ARGUMENT_TYPES = (torch.Tensor, bool, int, float, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool, nn.Module)
 
 
 def _gathering_forward(self: nn.Module, *args, **kwargs):
-    """Eager: the unit's own forward. Compiled: its gathers, then the shared body."""
+    """Eager: the unit's own forward. Compiled: its gathers, then the shared body; or, for a call torch could not
+    reuse a body for, the unit's own forward (its parameters gathered as without `reuse_blocks`), with one warning."""
     if not torch.compiler.is_compiling():
+        return type(self)._fsdp_block_forward(self, *args, **kwargs)
+    refused = _refused_argument(args, kwargs)
+    if refused is not None:
+        block = getattr(type(self), "_fsdp_original_class", type(self)).__qualname__
+        message = _refusal_message(block, refused)
+        comptime(lambda ctx: _warn_once(ctx.get_local("block").as_python_constant(),
+                                        ctx.get_local("message").as_python_constant()))  # fmt: skip
         return type(self)._fsdp_block_forward(self, *args, **kwargs)
     from fsdp_graph.runtime.unit import unsharded_flat
 
     flats = tuple(unsharded_flat(self, index) for index in range(len(self.__dict__["_fsdp_states"])))
     # The flats unpacked, not one tuple argument: with only tensors, ints and modules as arguments Dynamo
     # fingerprints a call without pytree-flattening it (`build_fingerprint_fast`), about 0.07 s a call.
-    return _block_body(self, len(flats), *flats, *args, **kwargs)
+    out = _block_body(self, len(flats), *flats, *args, **kwargs)
+    template = _OUTPUT_TEMPLATES.get(_reuse_key(self, len(flats)))
+    if template is None or not isinstance(out, tuple):
+        return out
+    kind, places = template
+    tensors = iter(out)
+    return kind(next(tensors) if place is None else place[0] for place in places)
+
+
+def _refused_argument(args: tuple, kwargs: dict) -> tuple[str, str] | None:
+    """(where, type name) of the first argument torch's reuse check would refuse: anything but a tensor, a symbolic
+    or plain scalar, a string, None or a module, inside tuples, lists and dicts (`classify_vt`)."""
+    named = [(f"positional argument {i}", value) for i, value in enumerate(args)] + list(kwargs.items())
+    for name, value in named:
+        pending = [value]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, (tuple, list)):
+                pending.extend(item)
+            elif isinstance(item, dict):
+                pending.extend(item.values())
+            elif not isinstance(item, _ARGUMENT_TYPES):
+                return name, type(item).__name__
+    return None
+
+
+def _refusal_message(block: str, refused: tuple[str, str]) -> str:
+    name, type_name = refused
+    hint = " (for training: use_cache=False, or model.config.use_cache = False)" if "cache" in name.lower() else ""
+    return (
+        f"reuse_blocks: {block} is traced layer by layer, not as one shared body: its argument {name!r} is a "
+        f"{type_name}, and torch's nested_compile_region reuses a body only for tensors, numbers, strings, None and "
+        f"modules (invoke_subgraph's is_reuse_eligible: 'unsupported input VT types'){hint}"
+    )
+
+
+def _warn_once(block: str, message: str) -> None:
+    if (block, message) not in _WARNED:
+        _WARNED.add((block, message))
+        warnings.warn(message, stacklevel=1)
