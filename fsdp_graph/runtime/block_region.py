@@ -131,21 +131,35 @@ def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
     setattr(self, REGION_FLATS, None)
     if isinstance(out, torch.Tensor) or not isinstance(out, (tuple, list)):
         return out
-    if all(isinstance(item, torch.Tensor) for item in out):
+    inputs = {id(value): place for place, value in _argument_places(args, kwargs)}
+    if all(isinstance(item, torch.Tensor) and id(item) not in inputs for item in out):
         return out
-    # torch reuses a body only if it returns tensors (`is_reuse_eligible`): return those, and record at trace time
-    # where the rest (T5's None, say) goes, for the caller to rebuild the output.
-    template = tuple(None if isinstance(item, torch.Tensor) else (item,) for item in out)
-    key = _reuse_key(self, count)
-    kind = type(out)
-    comptime(lambda ctx: _OUTPUT_TEMPLATES.__setitem__(key, (kind, ctx.get_local("template").as_python_constant())))
-    return tuple(item for item in out if isinstance(item, torch.Tensor))
+    # torch reuses a body only if it returns tensors (`is_reuse_eligible`), none of them an input (no aliasing):
+    # return the others, and record at trace time where the rest goes (T5's None, and the position bias a block
+    # passes on), for the caller to rebuild the output. (comptime reads these locals by name.)
+    places = tuple(_output_place(item, inputs) for item in out)
+    template = (isinstance(out, list), places)  # noqa: F841
+    key = _reuse_key(self, count)  # noqa: F841
+    comptime(lambda ctx: _OUTPUT_TEMPLATES.__setitem__(*_constants(ctx, "key", "template")))
+    return tuple(item for item, place in zip(out, places) if place is None)
+
+
+def _argument_places(args: tuple, kwargs: dict) -> list[tuple[tuple, object]]:
+    return [(("arg", i), value) for i, value in enumerate(args)] + [(("kwarg", k), v) for k, v in kwargs.items()]
+
+
+def _output_place(item: object, inputs: dict) -> tuple | None:
+    """None: a tensor the body returns; ("arg", i) / ("kwarg", name): that argument itself; ("constant", value)."""
+    if isinstance(item, torch.Tensor):
+        return inputs.get(id(item))
+    return ("constant", item)
 
 
 _block_body = torch.compiler.nested_compile_region(_body, reuse_hash_fn=_reuse_key)
-_OUTPUT_TEMPLATES: dict[int, tuple[type, tuple]] = {}  # reuse key -> (tuple or list, (None: a tensor | (constant,)))
+_OUTPUT_TEMPLATES: dict[int, tuple[bool, tuple]] = {}  # reuse key -> (a list?, `_output_place`s)
 _WARNED: set[tuple[str, str]] = set()
-_ARGUMENT_TYPES = (torch.Tensor, bool, int, float, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool, nn.Module)
+_SCALARS = (bool, int, float, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
+_ARGUMENT_TYPES = (torch.Tensor, nn.Module, *_SCALARS)
 
 
 def _gathering_forward(self: nn.Module, *args, **kwargs):
@@ -156,9 +170,8 @@ def _gathering_forward(self: nn.Module, *args, **kwargs):
     refused = _refused_argument(args, kwargs)
     if refused is not None:
         block = getattr(type(self), "_fsdp_original_class", type(self)).__qualname__
-        message = _refusal_message(block, refused)
-        comptime(lambda ctx: _warn_once(ctx.get_local("block").as_python_constant(),
-                                        ctx.get_local("message").as_python_constant()))  # fmt: skip
+        message = _refusal_message(block, refused)  # noqa: F841 (comptime reads it at trace time)
+        comptime(lambda ctx: _warn_once(*_constants(ctx, "block", "message")))
         return type(self)._fsdp_block_forward(self, *args, **kwargs)
     from fsdp_graph.runtime.unit import unsharded_flat
 
@@ -166,12 +179,25 @@ def _gathering_forward(self: nn.Module, *args, **kwargs):
     # The flats unpacked, not one tuple argument: with only tensors, ints and modules as arguments Dynamo
     # fingerprints a call without pytree-flattening it (`build_fingerprint_fast`), about 0.07 s a call.
     out = _block_body(self, len(flats), *flats, *args, **kwargs)
-    template = _OUTPUT_TEMPLATES.get(_reuse_key(self, len(flats)))
+    template = _output_template(_reuse_key(self, len(flats)))
     if template is None or not isinstance(out, tuple):
         return out
-    kind, places = template
+    is_list, places = template
     tensors = iter(out)
-    return kind(next(tensors) if place is None else place[0] for place in places)
+    rebuilt = tuple(next(tensors) if place is None else _placed(place, args, kwargs) for place in places)
+    return list(rebuilt) if is_list else rebuilt
+
+
+@torch._dynamo.assume_constant_result
+def _output_template(key: int) -> tuple[bool, tuple] | None:
+    """What `_body` recorded for `key` while tracing it, read at trace time (Dynamo keeps no guard on it: a new
+    trace records it again, for its first body of that key)."""
+    return _OUTPUT_TEMPLATES.get(key)
+
+
+def _placed(place: tuple, args: tuple, kwargs: dict) -> object:
+    what, where = place
+    return where if what == "constant" else args[where] if what == "arg" else kwargs[where]
 
 
 def _refused_argument(args: tuple, kwargs: dict) -> tuple[str, str] | None:
@@ -199,6 +225,11 @@ def _refusal_message(block: str, refused: tuple[str, str]) -> str:
         f"{type_name}, and torch's nested_compile_region reuses a body only for tensors, numbers, strings, None and "
         f"modules (invoke_subgraph's is_reuse_eligible: 'unsupported input VT types'){hint}"
     )
+
+
+def _constants(ctx, *names: str) -> list:
+    """The values of the traced frame's locals `names`, which are Python constants, at trace time (`comptime`)."""
+    return [ctx.get_local(name).as_python_constant() for name in names]
 
 
 def _warn_once(block: str, message: str) -> None:
