@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 
@@ -16,7 +17,7 @@ from fsdp_graph.api.placement import move_buffers, moves_to, parameter_device
 from fsdp_graph.api.wrap import auto_wrap_policy
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.runtime import offload
-from fsdp_graph.runtime.block_region import check_reusable, make_reusable
+from fsdp_graph.runtime.block_region import make_reusable, reuse_refusals
 from fsdp_graph.runtime.dtensor_views import dtensor_views_mesh, replicated_view_spec, view_spec
 from fsdp_graph.runtime.flat_param import LAYOUTS
 from fsdp_graph.runtime.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
@@ -54,7 +55,7 @@ def fully_shard(
     cpu_offload: CPUOffload | None = None,
     separate_reduce_group: bool = False,
     layout: str = "rows",
-    reuse_blocks: bool = False,
+    reuse_blocks: bool | None = None,
 ) -> nn.Module:
     """Shard `model` in place over `mesh` and return it. Create the optimizer AFTER this call.
 
@@ -94,11 +95,13 @@ def fully_shard(
       one mesh for all, so foreach optimizers step them together. With "flat" every view is a plain 1-D slice (of
       the tp-local piece for tp parameters: no DTensor placement describes it), as when some tp parameter's row
       block is not describable either (dim-0 tp pieces with uneven dp blocks): then all views stay plain.
-    - `reuse_blocks`: under torch.compile, each unit other than the root gathers its flat parameters and then runs
-      its forward as a `nested_compile_region` shared by every unit of the same structure: Dynamo, AOT autograd
-      and Inductor compile one block body however deep the model (`fsdp_graph.runtime.block_region`). A unit
-      whose subtree holds another unit, reads another unit's parameters or holds tensor-parallel ones is refused
-      (ValueError, before anything is sharded).
+    - `reuse_blocks`: None (the default) or True: under torch.compile, each unit other than the root gathers its
+      flat parameters and then runs its forward as a `nested_compile_region` shared by every unit of the same
+      structure: Dynamo, AOT autograd and Inductor compile one block body however deep the model
+      (`fsdp_graph.runtime.block_region`). A unit whose subtree holds another unit, reads another unit's parameters
+      or holds tensor-parallel ones cannot share one: with None such units are traced on their own, with one
+      warning; with True it is refused (ValueError, before anything is sharded). A call whose arguments torch cannot
+      reuse a body for (a KV cache object) runs that unit's forward on its own, with one warning. False: off.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"fully_shard: layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
@@ -112,8 +115,15 @@ def fully_shard(
     unit_fqns = [module_fqns[id(u)] for u in units]
     params, uses, tp = _collect_parameters(model, ignored, mesh)
     assignment = _assign_to_units(params, uses, unit_fqns)
-    if reuse_blocks:
-        check_reusable(unit_fqns[:-1], assignment, uses, tp)
+    refused = reuse_refusals(unit_fqns[:-1], assignment, uses, tp) if reuse_blocks is not False else {}
+    if refused and reuse_blocks:
+        raise ValueError(f"reuse_blocks: {next(iter(refused.values()))}")
+    if refused:
+        warnings.warn(
+            f"reuse_blocks: {next(iter(refused.values()))}; {len(refused)} unit(s) traced on their own, not as a "
+            "shared body (reuse_blocks=False turns reuse off, and this warning)",
+            stacklevel=2,
+        )
     reshard = _resolve_reshard(reshard_after_forward, strategy, units, unit_fqns, groups.shard_world)
     if tp:
         _check_tp_options(uses, tp, reshard, cpu_offload, sync_module_states)
@@ -174,9 +184,9 @@ def fully_shard(
             is_unit=has_states,
             cast_inputs_to=mp.param_dtype if casts else None,
         )
-    if reuse_blocks:
-        for unit in units:
-            if unit is not model and "_fsdp_states" in unit.__dict__:
+    if reuse_blocks is not False:
+        for unit, unit_fqn in zip(units, unit_fqns):
+            if unit is not model and "_fsdp_states" in unit.__dict__ and unit_fqn not in refused:
                 make_reusable(unit)
     model.__dict__["_fsdp_root"] = root_state
     install_state_dict_hooks(model)

@@ -57,34 +57,33 @@ def region_param(
         return param_of(flat, slot)
 
 
-def check_reusable(unit_fqns: list[str], assignment: dict[int, str], uses: dict, tp: dict) -> None:
-    """Before `fully_shard` changes anything: raise ValueError if a unit other than the root ("") could not share a
-    body, that is if its subtree holds another unit, reads a parameter another unit owns (shared weights: the body
-    would gather it inside) or owns a tensor-parallel parameter. `assignment` maps parameter ids to their unit's
-    FQN, `uses` to the (module FQN, module, name) reading them, `tp` holds the tensor-parallel ones."""
+def reuse_refusals(unit_fqns: list[str], assignment: dict[int, str], uses: dict, tp: dict) -> dict[str, str]:
+    """Before `fully_shard` changes anything: for each unit other than the root ("") that cannot share a body, by
+    FQN, why: its subtree holds another unit, it reads a parameter another unit owns (shared weights: the body would
+    gather it inside) or it owns a tensor-parallel parameter. `assignment` maps parameter ids to their unit's FQN,
+    `uses` to the (module FQN, module, name) reading them, `tp` holds the tensor-parallel ones."""
+    refusals = {unit: _refusal(unit, unit_fqns, assignment, uses, tp) for unit in unit_fqns if unit}
+    return {unit: why for unit, why in refusals.items() if why is not None}
 
+
+def _refusal(unit: str, unit_fqns: list[str], assignment: dict[int, str], uses: dict, tp: dict) -> str | None:
     def inside(fqn: str, unit: str) -> bool:
         return fqn == unit or fqn.startswith(unit + ".")
 
-    for unit in unit_fqns:
-        if not unit:
-            continue
-        nested = [other for other in unit_fqns if other and other != unit and inside(other, unit)]
-        if nested:
-            raise ValueError(f"reuse_blocks: unit {unit!r} contains another unit ({nested[0]!r})")
-        for pid, owner in assignment.items():
-            readers = [fqn for fqn, _, _ in uses[pid] if inside(fqn, unit)]
-            if readers and owner != unit:
-                raise ValueError(
-                    f"reuse_blocks: {readers[0]!r} in unit {unit!r} reads a parameter of unit {owner!r} (shared "
-                    "weights): its body would gather it"
-                )
-            if owner == unit and pid in tp:
-                raise ValueError(f"reuse_blocks: unit {unit!r} holds tensor-parallel parameters, not supported")
+    nested = [other for other in unit_fqns if other and other != unit and inside(other, unit)]
+    if nested:
+        return f"unit {unit!r} contains another unit ({nested[0]!r})"
+    for pid, owner in assignment.items():
+        readers = [fqn for fqn, _, _ in uses[pid] if inside(fqn, unit)]
+        if readers and owner != unit:
+            return f"{readers[0]!r} in unit {unit!r} reads a parameter of unit {owner!r} (shared weights): its body would gather it"
+        if owner == unit and pid in tp:
+            return f"unit {unit!r} holds tensor-parallel parameters, not supported"
+    return None
 
 
 def make_reusable(unit: nn.Module) -> None:
-    """Give `unit` (a unit with flat parameters, its class already swapped, `check_reusable` passed) a forward that
+    """Give `unit` (a unit with flat parameters, its class already swapped, no `reuse_refusals` entry) a forward that
     gathers outside a compile region shared by every unit of the same structure."""
     unit.__dict__[BLOCK_KEY] = block_key(unit)
     cls = type(unit)

@@ -15,14 +15,18 @@ from tests.workers.block_reuse import body_calls
 from tests.workers.hf_models import VOCAB, build_hf, make_batch
 
 SEQ = 16
-STEPS = 3
+STEPS = 2  # the second step shows there is no recompile
 # Llama-shaped decoders: (transformers config class, model class, extra config fields)
 DECODERS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
     # alternating sliding-window and global layers: two structures, two bodies
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 8, "num_hidden_layers": 4}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"head_dim": 16, "sliding_window": 8, "num_hidden_layers": 4, "attn_implementation": "eager"},  # no SDPA
+    ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"bos_token_id": 0, "eos_token_id": 0}),
 }
@@ -39,7 +43,7 @@ def build_family(name: str) -> tuple[nn.Module, object]:
         config_name, model_name, extra = DECODERS[name]
         fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
         fields.update(intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=32)
-        config = getattr(transformers, config_name)(**{**fields, **extra}, attn_implementation="sdpa")
+        config = getattr(transformers, config_name)(**{"attn_implementation": "sdpa", **fields, **extra})
         return getattr(transformers, model_name)(config), None
     if name == "t5":  # encoder and decoder blocks differ (cross-attention), and so does each stack's first block
         config = transformers.T5Config(
@@ -53,21 +57,28 @@ def build_family(name: str) -> tuple[nn.Module, object]:
             hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=16,
             patch_size=4, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         )  # fmt: skip
+        # its loss sets config.problem_type on the first call, which would recompile the second step (plain
+        # torch.compile too): set to what that call sets
+        config.problem_type = "single_label_classification"
         return transformers.ViTForImageClassification(config), None
     raise ValueError(name)
 
 
 def family_batch(name: str, gen: torch.Generator) -> dict:
     if name == "vit":
-        return {"pixel_values": torch.randn(4, 3, 16, 16, generator=gen), "labels": torch.randint(0, 10, (4,), generator=gen)}
+        return {
+            "pixel_values": torch.randn(4, 3, 16, 16, generator=gen),
+            "labels": torch.randint(0, 10, (4,), generator=gen),
+        }
     batch = make_batch(gen, 4)
     if name == "t5":
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": batch["labels"]}
     return batch
 
 
-def train_family(name: str, reuse: bool) -> dict:
-    """STEPS SGD steps (momentum) of `name`, sharded over the world, compiled fullgraph with eager kernels."""
+def train_family(name: str, reuse: bool, use_cache: bool = False) -> dict:
+    """STEPS SGD steps (momentum) of `name`, sharded over the world, compiled fullgraph with eager kernels; a
+    decoder called with `use_cache` (True: transformers passes each layer a cache object)."""
     torch.manual_seed(0)
     model, wrap = build_family(name)
     fsdp_graph.fully_shard(model, wrap=wrap, reuse_blocks=reuse)
@@ -82,7 +93,7 @@ def train_family(name: str, reuse: bool) -> dict:
     compiled = torch.compile(model, backend=capture, fullgraph=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
-    extra = {} if name == "vit" else {"use_cache": False}
+    extra = {} if name == "vit" else {"use_cache": use_cache}
     losses = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -103,6 +114,10 @@ def train_family(name: str, reuse: bool) -> dict:
     }
 
 
-def train_families(rank: int, world: int, names: list[str]) -> dict[str, tuple[dict, dict]]:
-    """Each family trained without and with `reuse_blocks`."""
-    return {name: (train_family(name, False), train_family(name, True)) for name in names}
+def train_families(rank: int, world: int, names: list[str]) -> dict[str, list[dict]]:
+    """Each family trained without and with `reuse_blocks`; Llama also with reuse and a KV cache passed to every
+    layer (which torch refuses to reuse a body for)."""
+    runs = {name: [train_family(name, False), train_family(name, True)] for name in names}
+    if "llama" in runs:
+        runs["llama"].append(train_family("llama", True, use_cache=True))
+    return runs
