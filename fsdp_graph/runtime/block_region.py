@@ -1,4 +1,4 @@
-"""Compile once per block (issue 15): `fully_shard(..., reuse_blocks=True)`.
+"""Compile once per block (issue 15; the default where eligible since issue 25): `fully_shard(..., reuse_blocks=...)`.
 
 A unit's compiled forward gathers its flat parameters first, outside any region, then calls `_block_body`, a
 `torch.compiler.nested_compile_region`, with the gathered flats as explicit arguments. Inside, the unit's
@@ -17,6 +17,11 @@ Inside the body, each parameter read is annotated `fsdp_graph.ir.REGION_PARAM_AN
 tags those views of the body's inputs `MUST_RECOMPUTE`, so the body's partition saves the gathered flat (an input)
 rather than copies of the parameters, and the outer graph's reshard tags decide as before whether the backward
 re-gathers (docs/design-notes.md, "Compile once per block").
+
+What torch refuses to reuse a body for never reaches it (docs/design-notes.md, "Block reuse on the models people
+bring"): a call with an argument other than tensors, numbers, strings, None and modules (transformers' KV cache
+objects) runs the unit's own forward, with one warning; a tuple output's non-tensors and returned arguments (T5's
+blocks) are taken out of the body and put back by the caller from a template recorded at trace time.
 """
 
 from __future__ import annotations
