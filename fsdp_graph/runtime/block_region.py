@@ -133,19 +133,20 @@ def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
     setattr(self, REGION_FLATS, flats)
     out = type(self)._fsdp_block_forward(self, *args, **kwargs)
     setattr(self, REGION_FLATS, None)
-    if isinstance(out, torch.Tensor) or not isinstance(out, (tuple, list)):
-        return out
-    inputs = {id(value): place for place, value in _argument_places(args, kwargs)}
-    if all(isinstance(item, torch.Tensor) and id(item) not in inputs for item in out):
-        return out
-    # torch reuses a body only if it returns tensors (`is_reuse_eligible`), none of them an input (no aliasing):
-    # return the others, and record at trace time where the rest goes (T5's None, and the position bias a block
-    # passes on), for the caller to rebuild the output. (comptime reads these locals by name.)
-    places = tuple(_output_place(item, inputs) for item in out)
-    template = (isinstance(out, list), places)  # noqa: F841
+    template = None  # noqa: F841 (comptime reads it, and `key`, by name at trace time)
     key = _reuse_key(self, count)  # noqa: F841
+    if isinstance(out, (tuple, list)):
+        inputs = {id(value): place for place, value in _argument_places(args, kwargs)}
+        places = tuple(_output_place(item, inputs) for item in out)
+        if any(place is not None for place in places):
+            # torch reuses a body only if it returns tensors (`is_reuse_eligible`), none of them an input (no
+            # aliasing): return those, and record where the rest goes (T5's None, and the position bias a block
+            # passes on), for the caller to rebuild the output.
+            template = (isinstance(out, list), places)  # noqa: F841
+            out = tuple(item for item, place in zip(out, places) if place is None)
+    # recorded for every body traced, None too: a key's output may take another shape in a later compile
     comptime(lambda ctx: _OUTPUT_TEMPLATES.__setitem__(*_constants(ctx, "key", "template")))
-    return tuple(item for item, place in zip(out, places) if place is None)
+    return out
 
 
 def _argument_places(args: tuple, kwargs: dict) -> list[tuple[tuple, object]]:
@@ -160,7 +161,7 @@ def _output_place(item: object, inputs: dict) -> tuple | None:
 
 
 _block_body = torch.compiler.nested_compile_region(_body, reuse_hash_fn=_reuse_key)
-_OUTPUT_TEMPLATES: dict[int, tuple[bool, tuple]] = {}  # reuse key -> (a list?, `_output_place`s)
+_OUTPUT_TEMPLATES: dict[int, tuple[bool, tuple] | None] = {}  # reuse key -> (a list?, `_output_place`s)
 _WARNED: set[tuple[str, str]] = set()
 _SCALARS = (bool, int, float, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
 _ARGUMENT_TYPES = (torch.Tensor, nn.Module, *_SCALARS)
