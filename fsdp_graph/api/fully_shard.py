@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 
@@ -16,7 +17,7 @@ from fsdp_graph.api.placement import move_buffers, moves_to, parameter_device
 from fsdp_graph.api.wrap import auto_wrap_policy, check_group
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.runtime import offload
-from fsdp_graph.runtime.block_region import check_reusable, make_reusable
+from fsdp_graph.runtime.block_region import make_reusable, reuse_refusals
 from fsdp_graph.runtime.dtensor_views import dtensor_views_mesh, replicated_view_spec, view_spec
 from fsdp_graph.runtime.flat_param import LAYOUTS
 from fsdp_graph.runtime.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
@@ -55,7 +56,7 @@ def fully_shard(
     cpu_offload: CPUOffload | None = None,
     separate_reduce_group: bool = False,
     layout: str = "rows",
-    reuse_blocks: bool = False,
+    reuse_blocks: bool | None = None,
     dtensor_params: bool = False,
 ) -> nn.Module:
     """Shard `model` in place over `mesh` and return it. Create the optimizer AFTER this call.
@@ -98,11 +99,13 @@ def fully_shard(
       one mesh for all, so foreach optimizers step them together. With "flat" every view is a plain 1-D slice (of
       the tp-local piece for tp parameters: no DTensor placement describes it), as when some tp parameter's row
       block is not describable either (dim-0 tp pieces with uneven dp blocks): then all views stay plain.
-    - `reuse_blocks`: under torch.compile, each unit other than the root gathers its flat parameters and then runs
-      its forward as a `nested_compile_region` shared by every unit of the same structure: Dynamo, AOT autograd
-      and Inductor compile one block body however deep the model (`fsdp_graph.runtime.block_region`). A unit
-      whose subtree holds another unit, reads another unit's parameters or holds tensor-parallel ones is refused
-      (ValueError, before anything is sharded).
+    - `reuse_blocks`: None (the default) or True: under torch.compile, each unit other than the root gathers its
+      flat parameters and then runs its forward as a `nested_compile_region` shared by every unit of the same
+      structure: Dynamo, AOT autograd and Inductor compile one block body however deep the model
+      (`fsdp_graph.runtime.block_region`). A unit whose subtree holds another unit, reads another unit's parameters
+      or holds tensor-parallel ones cannot share one: with None such units are traced on their own, with one
+      warning; with True it is refused (ValueError, before anything is sharded). A call whose arguments torch cannot
+      reuse a body for (a KV cache object) runs that unit's forward on its own, with one warning. False: off.
     - `dtensor_params` (rows layout, a `mesh`): every parameter the optimizer sees is a DTensor on `mesh` whose
       local tensor is its row block (FSDP2's parameters; `fsdp_graph.fsdp2` sets it), as with tensor parallelism.
     """
@@ -122,10 +125,18 @@ def fully_shard(
     owner_of_prefix = {fqn: fqn for fqn in unit_fqns}
     owner_of_prefix.update({module_fqns[id(m)]: module_fqns[id(u)] for u, group in group_members.items() for m in group})
     assignment = _assign_to_units(params, uses, owner_of_prefix)
-    if reuse_blocks and group_members:
-        raise ValueError("fully_shard: reuse_blocks does not take units of several modules (a tuple in wrap).")
-    if reuse_blocks:
-        check_reusable(unit_fqns[:-1], assignment, uses, tp)
+    refused = reuse_refusals(unit_fqns[:-1], assignment, uses, tp) if reuse_blocks is not False else {}
+    if reuse_blocks is not False:
+        for unit in group_members:
+            refused[module_fqns[id(unit)]] = f"unit {module_fqns[id(unit)]!r} is several modules (a tuple in wrap)"
+    if refused and reuse_blocks:
+        raise ValueError(f"reuse_blocks: {next(iter(refused.values()))}")
+    if refused:
+        warnings.warn(
+            f"reuse_blocks: {next(iter(refused.values()))}; {len(refused)} unit(s) traced on their own, not as a "
+            "shared body (reuse_blocks=False turns reuse off, and this warning)",
+            stacklevel=2,
+        )
     reshard = _resolve_reshard(reshard_after_forward, strategy, units, unit_fqns, groups.shard_world)
     if tp:
         _check_tp_options(uses, tp, reshard, cpu_offload, sync_module_states)
@@ -190,9 +201,9 @@ def fully_shard(
             is_unit=has_states,
             cast_inputs_to=mp.param_dtype if casts else None,
         )
-    if reuse_blocks:
-        for unit in units:
-            if unit is not model and "_fsdp_states" in unit.__dict__:
+    if reuse_blocks is not False:
+        for unit, unit_fqn in zip(units, unit_fqns):
+            if unit is not model and "_fsdp_states" in unit.__dict__ and unit_fqn not in refused:
                 make_reusable(unit)
     model.__dict__["_fsdp_root"] = root_state
     module_state.install(model)

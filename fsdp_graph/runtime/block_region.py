@@ -1,4 +1,4 @@
-"""Compile once per block (issue 15): `fully_shard(..., reuse_blocks=True)`.
+"""Compile once per block (issue 15; the default where eligible since issue 25): `fully_shard(..., reuse_blocks=...)`.
 
 A unit's compiled forward gathers its flat parameters first, outside any region, then calls `_block_body`, a
 `torch.compiler.nested_compile_region`, with the gathered flats as explicit arguments. Inside, the unit's
@@ -17,14 +17,21 @@ Inside the body, each parameter read is annotated `fsdp_graph.ir.REGION_PARAM_AN
 tags those views of the body's inputs `MUST_RECOMPUTE`, so the body's partition saves the gathered flat (an input)
 rather than copies of the parameters, and the outer graph's reshard tags decide as before whether the backward
 re-gathers (docs/design-notes.md, "Compile once per block").
+
+What torch refuses to reuse a body for never reaches it (docs/design-notes.md, "Block reuse on the models people
+bring"): a call with an argument other than tensors, numbers, strings, None and modules (transformers' KV cache
+objects) runs the unit's own forward, with one warning; a tuple output's non-tensors and returned arguments (T5's
+blocks) are taken out of the body and put back by the caller from a template recorded at trace time.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch._dynamo.comptime import comptime
 
 from fsdp_graph.ir import REGION_PARAM_ANNOTATION
 from fsdp_graph.runtime.flat_param import ParamSlot
@@ -34,6 +41,11 @@ BLOCK_KEY = "_fsdp_block_key"  # the structure key `_reuse_key` returns
 
 _PLAIN = (bool, int, float, str, type(None))
 _REUSING_CLASSES: dict[type, type] = {}
+_UNKEYED = frozenset({"training", BLOCK_KEY})
+# transformers' layers keep their index only to address a KV cache (`cache.update(..., self.layer_idx)`, read
+# nowhere else in forward in the families tested); a call passing a cache object never runs a shared body (it is an
+# argument torch refuses), so the index cannot be baked into one.
+_CACHE_INDEX = frozenset({"layer_idx"})
 
 
 def region_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
@@ -50,34 +62,33 @@ def region_param(
         return param_of(flat, slot)
 
 
-def check_reusable(unit_fqns: list[str], assignment: dict[int, str], uses: dict, tp: dict) -> None:
-    """Before `fully_shard` changes anything: raise ValueError if a unit other than the root ("") could not share a
-    body, that is if its subtree holds another unit, reads a parameter another unit owns (shared weights: the body
-    would gather it inside) or owns a tensor-parallel parameter. `assignment` maps parameter ids to their unit's
-    FQN, `uses` to the (module FQN, module, name) reading them, `tp` holds the tensor-parallel ones."""
+def reuse_refusals(unit_fqns: list[str], assignment: dict[int, str], uses: dict, tp: dict) -> dict[str, str]:
+    """Before `fully_shard` changes anything: for each unit other than the root ("") that cannot share a body, by
+    FQN, why: its subtree holds another unit, it reads a parameter another unit owns (shared weights: the body would
+    gather it inside) or it owns a tensor-parallel parameter. `assignment` maps parameter ids to their unit's FQN,
+    `uses` to the (module FQN, module, name) reading them, `tp` holds the tensor-parallel ones."""
+    refusals = {unit: _refusal(unit, unit_fqns, assignment, uses, tp) for unit in unit_fqns if unit}
+    return {unit: why for unit, why in refusals.items() if why is not None}
 
+
+def _refusal(unit: str, unit_fqns: list[str], assignment: dict[int, str], uses: dict, tp: dict) -> str | None:
     def inside(fqn: str, unit: str) -> bool:
         return fqn == unit or fqn.startswith(unit + ".")
 
-    for unit in unit_fqns:
-        if not unit:
-            continue
-        nested = [other for other in unit_fqns if other and other != unit and inside(other, unit)]
-        if nested:
-            raise ValueError(f"reuse_blocks: unit {unit!r} contains another unit ({nested[0]!r})")
-        for pid, owner in assignment.items():
-            readers = [fqn for fqn, _, _ in uses[pid] if inside(fqn, unit)]
-            if readers and owner != unit:
-                raise ValueError(
-                    f"reuse_blocks: {readers[0]!r} in unit {unit!r} reads a parameter of unit {owner!r} (shared "
-                    "weights): its body would gather it"
-                )
-            if owner == unit and pid in tp:
-                raise ValueError(f"reuse_blocks: unit {unit!r} holds tensor-parallel parameters, not supported")
+    nested = [other for other in unit_fqns if other and other != unit and inside(other, unit)]
+    if nested:
+        return f"unit {unit!r} contains another unit ({nested[0]!r})"
+    for pid, owner in assignment.items():
+        readers = [fqn for fqn, _, _ in uses[pid] if inside(fqn, unit)]
+        if readers and owner != unit:
+            return f"{readers[0]!r} in unit {unit!r} reads a parameter of unit {owner!r} (shared weights): its body would gather it"
+        if owner == unit and pid in tp:
+            return f"unit {unit!r} holds tensor-parallel parameters, not supported"
+    return None
 
 
 def make_reusable(unit: nn.Module) -> None:
-    """Give `unit` (a unit with flat parameters, its class already swapped, `check_reusable` passed) a forward that
+    """Give `unit` (a unit with flat parameters, its class already swapped, no `reuse_refusals` entry) a forward that
     gathers outside a compile region shared by every unit of the same structure."""
     unit.__dict__[BLOCK_KEY] = block_key(unit)
     cls = type(unit)
@@ -96,9 +107,8 @@ def block_key(unit: nn.Module) -> int:
     parts: list = []
     for name, module in unit.named_modules():
         cls = getattr(type(module), "_fsdp_original_class", type(module))
-        attrs = sorted(
-            (k, v) for k, v in vars(module).items() if isinstance(v, _PLAIN) and k != "training" and k != BLOCK_KEY
-        )
+        skipped = _UNKEYED | (_CACHE_INDEX if cls.__module__.startswith("transformers.") else frozenset())
+        attrs = sorted((k, v) for k, v in vars(module).items() if isinstance(v, _PLAIN) and k not in skipped)
         buffers = [
             (b_name, None if b is None else (tuple(b.shape), b.dtype, b.device))
             for b_name, b in module._buffers.items()
@@ -123,19 +133,111 @@ def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
     setattr(self, REGION_FLATS, flats)
     out = type(self)._fsdp_block_forward(self, *args, **kwargs)
     setattr(self, REGION_FLATS, None)
+    template = None  # noqa: F841 (comptime reads it, and `key`, by name at trace time)
+    key = _reuse_key(self, count)  # noqa: F841
+    if isinstance(out, (tuple, list)):
+        inputs = {id(value): place for place, value in _argument_places(args, kwargs)}
+        places = tuple(_output_place(item, inputs) for item in out)
+        if any(place is not None for place in places):
+            # torch reuses a body only if it returns tensors (`is_reuse_eligible`), none of them an input (no
+            # aliasing): return those, and record where the rest goes (T5's None, and the position bias a block
+            # passes on), for the caller to rebuild the output.
+            template = (isinstance(out, list), places)  # noqa: F841
+            out = tuple(item for item, place in zip(out, places) if place is None)
+    # recorded for every body traced, None too: a key's output may take another shape in a later compile
+    comptime(lambda ctx: _OUTPUT_TEMPLATES.__setitem__(*_constants(ctx, "key", "template")))
     return out
 
 
+def _argument_places(args: tuple, kwargs: dict) -> list[tuple[tuple, object]]:
+    return [(("arg", i), value) for i, value in enumerate(args)] + [(("kwarg", k), v) for k, v in kwargs.items()]
+
+
+def _output_place(item: object, inputs: dict) -> tuple | None:
+    """None: a tensor the body returns; ("arg", i) / ("kwarg", name): that argument itself; ("constant", value)."""
+    if isinstance(item, torch.Tensor):
+        return inputs.get(id(item))
+    return ("constant", item)
+
+
 _block_body = torch.compiler.nested_compile_region(_body, reuse_hash_fn=_reuse_key)
+_OUTPUT_TEMPLATES: dict[int, tuple[bool, tuple] | None] = {}  # reuse key -> (a list?, `_output_place`s)
+_WARNED: set[tuple[str, str]] = set()
+_SCALARS = (bool, int, float, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
+_ARGUMENT_TYPES = (torch.Tensor, nn.Module, *_SCALARS)
 
 
 def _gathering_forward(self: nn.Module, *args, **kwargs):
-    """Eager: the unit's own forward. Compiled: its gathers, then the shared body."""
+    """Eager: the unit's own forward. Compiled: its gathers, then the shared body; or, for a call torch could not
+    reuse a body for, the unit's own forward (its parameters gathered as without `reuse_blocks`), with one warning."""
     if not torch.compiler.is_compiling():
+        return type(self)._fsdp_block_forward(self, *args, **kwargs)
+    refused = _refused_argument(args, kwargs)
+    if refused is not None:
+        block = getattr(type(self), "_fsdp_original_class", type(self)).__qualname__
+        message = _refusal_message(block, refused)  # noqa: F841 (comptime reads it at trace time)
+        comptime(lambda ctx: _warn_once(*_constants(ctx, "block", "message")))
         return type(self)._fsdp_block_forward(self, *args, **kwargs)
     from fsdp_graph.runtime.unit import unsharded_flat
 
     flats = tuple(unsharded_flat(self, index) for index in range(len(self.__dict__["_fsdp_states"])))
     # The flats unpacked, not one tuple argument: with only tensors, ints and modules as arguments Dynamo
     # fingerprints a call without pytree-flattening it (`build_fingerprint_fast`), about 0.07 s a call.
-    return _block_body(self, len(flats), *flats, *args, **kwargs)
+    out = _block_body(self, len(flats), *flats, *args, **kwargs)
+    template = _output_template(_reuse_key(self, len(flats)))
+    if template is None or not isinstance(out, tuple):
+        return out
+    is_list, places = template
+    tensors = iter(out)
+    rebuilt = tuple(next(tensors) if place is None else _placed(place, args, kwargs) for place in places)
+    return list(rebuilt) if is_list else rebuilt
+
+
+@torch._dynamo.assume_constant_result
+def _output_template(key: int) -> tuple[bool, tuple] | None:
+    """What `_body` recorded for `key` while tracing it, read at trace time (Dynamo keeps no guard on it: a new
+    trace records it again, for its first body of that key)."""
+    return _OUTPUT_TEMPLATES.get(key)
+
+
+def _placed(place: tuple, args: tuple, kwargs: dict) -> object:
+    what, where = place
+    return where if what == "constant" else args[where] if what == "arg" else kwargs[where]
+
+
+def _refused_argument(args: tuple, kwargs: dict) -> tuple[str, str] | None:
+    """(where, type name) of the first argument torch's reuse check would refuse: anything but a tensor, a symbolic
+    or plain scalar, a string, None or a module, inside tuples, lists and dicts (`classify_vt`)."""
+    named = [(f"positional argument {i}", value) for i, value in enumerate(args)] + list(kwargs.items())
+    for name, value in named:
+        pending = [value]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, (tuple, list)):
+                pending.extend(item)
+            elif isinstance(item, dict):
+                pending.extend(item.values())
+            elif not isinstance(item, _ARGUMENT_TYPES):
+                return name, type(item).__name__
+    return None
+
+
+def _refusal_message(block: str, refused: tuple[str, str]) -> str:
+    name, type_name = refused
+    hint = " (for training: use_cache=False, or model.config.use_cache = False)" if "cache" in name.lower() else ""
+    return (
+        f"reuse_blocks: {block} is traced layer by layer, not as one shared body: its argument {name!r} is a "
+        f"{type_name}, and torch's nested_compile_region reuses a body only for tensors, numbers, strings, None and "
+        f"modules (invoke_subgraph's is_reuse_eligible: 'unsupported input VT types'){hint}"
+    )
+
+
+def _constants(ctx, *names: str) -> list:
+    """The values of the traced frame's locals `names`, which are Python constants, at trace time (`comptime`)."""
+    return [ctx.get_local(name).as_python_constant() for name in names]
+
+
+def _warn_once(block: str, message: str) -> None:
+    if (block, message) not in _WARNED:
+        _WARNED.add((block, message))
+        warnings.warn(message, stacklevel=1)

@@ -1,6 +1,8 @@
 """`fully_shard(reuse_blocks=True)` (issue 15): one block body for every block of the same structure, the gathers
 and reductions outside it (fake process group, world 4)."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -175,6 +177,26 @@ def test_refuses_weights_shared_between_units(fake_pg):
     model.blocks[2].up.weight = model.blocks[0].up.weight  # owned by the root, read by two units
     with pytest.raises(ValueError, match="reads a parameter of unit ''"):
         fsdp_graph.fully_shard(model, reuse_blocks=True)
+
+
+def test_by_default_refused_units_are_traced_alone_with_one_warning(fake_pg):
+    """Issue 25: reuse is the default; where a unit cannot share a body (here two blocks read a weight the root
+    owns) `fully_shard` warns once, naming why, and those units are traced on their own while the others still
+    share one (blocks 1 and 3). `reuse_blocks=False`: no body, no warning."""
+    for reuse in (None, False):
+        model = Mixed()
+        model.blocks[2].up.weight = model.blocks[0].up.weight
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fsdp_graph.fully_shard(model, **({} if reuse is None else {"reuse_blocks": reuse}))
+        messages = [str(w.message) for w in caught if "reuse_blocks" in str(w.message)]
+        (gm,), _ = _compile_step(model, lambda m, x: m(x).sum(), torch.randn(3, 4))
+        if reuse is None:
+            assert len(messages) == 1 and "reads a parameter of unit ''" in messages[0], messages
+            assert "2 unit(s) traced on their own" in messages[0], messages
+            assert body_calls(gm) == ["subgraph_0"] * 2
+        else:
+            assert messages == [] and body_calls(gm) == []
 
 
 def test_one_schema_per_body_while_compiling(fake_pg, monkeypatch):

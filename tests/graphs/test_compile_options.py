@@ -33,7 +33,8 @@ def _spy_config(monkeypatch, names: tuple[str, ...], stop: bool) -> list[dict]:
 def _compiled(backend, **compile_kwargs):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = fsdp_graph.fully_shard(TwoBlock())
+    # without shared block bodies (the default since issue 25): this checks each block's own nodes
+    model = fsdp_graph.fully_shard(TwoBlock(), reuse_blocks=False)
     return torch.compile(model, backend=backend, fullgraph=True, **compile_kwargs)
 
 

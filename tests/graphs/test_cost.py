@@ -284,7 +284,8 @@ def test_explain_defaults_and_errors(fake_pg):
     torch.manual_seed(0)
     with pytest.raises(ValueError, match="fully_shard"):
         fsdp_graph.explain(TwoBlock(), torch.randn(2, 4))
-    model = fsdp_graph.fully_shard(TwoBlock())
+    # without shared block bodies (the default since issue 25): this checks each block's own nodes
+    model = fsdp_graph.fully_shard(TwoBlock(), reuse_blocks=False)
     with pytest.raises(ValueError, match="unknown hardware"):
         fsdp_graph.explain(model, torch.randn(2, 4), hardware="abacus")
     fsdp_graph.explain(model, torch.randn(3, 4))  # an earlier plan of another shape must not make this one dynamic

@@ -16,7 +16,8 @@ from tests.graphs.capture import TwoBlock
 def _compile_two_block(backend, steps: int = 1) -> None:
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = fsdp_graph.fully_shard(TwoBlock(dim=6))
+    # without shared block bodies (the default since issue 25): this checks each block's own nodes
+    model = fsdp_graph.fully_shard(TwoBlock(dim=6), reuse_blocks=False)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     for _ in range(steps):
         compiled(torch.randn(3, 6)).sum().backward()

@@ -1,4 +1,6 @@
-"""Snapshots of each pass on tiny graphs (fake process group, world 4). The snapshots are the spec."""
+"""Snapshots of each pass on tiny graphs (fake process group, world 4). The snapshots are the spec. TwoBlock's two
+blocks would share one body by default (`reuse_blocks`): the snapshots pin it off, being about the passes on a
+block's own nodes (tests/graphs/test_block_reuse*.py cover the passes with bodies)."""
 
 import copy
 
@@ -56,7 +58,7 @@ def forward(self, L_self_fsdp_flat_shards_0_ : torch.Tensor, L_x_ : torch.Tensor
 def test_dedup_gives_one_reduce_per_unit(fake_pg):
     """Without dedup the backward reduces once per property read; with it, once per unit."""
     torch.manual_seed(0)
-    model = fsdp_graph.fully_shard(TwoBlock())
+    model = fsdp_graph.fully_shard(TwoBlock(), reuse_blocks=False)
     x = torch.randn(2, 4)
     without = aot_stages(copy.deepcopy(model), x, tag=tag_reshard, dedup=False)
     with_dedup = aot_stages(model, x, tag=tag_reshard)
@@ -103,7 +105,7 @@ def test_lower_forwards_a_kept_gather_and_reshard_saves_it(fake_pg):
     forwards that input (no all-gather), and the backward still reduce-scatters; the keeping step's gathers are
     forward outputs, tagged MUST_SAVE even under FULL_SHARD (the backward re-gathers nothing)."""
     torch.manual_seed(0)
-    model = fsdp_graph.fully_shard(TwoBlock())
+    model = fsdp_graph.fully_shard(TwoBlock(), reuse_blocks=False)
     model.set_reshard_after_backward(False)
     keeping = aot_stages(model, torch.randn(2, 4), tag=tag_reshard)
     assert_expected_inline(
@@ -159,7 +161,7 @@ def test_dedup_noop_without_fsdp_ops():
 
 def _reshard_stages(strategy: str):
     torch.manual_seed(0)
-    model = fsdp_graph.fully_shard(TwoBlock(), strategy=fsdp_graph.ShardingStrategy[strategy])
+    model = fsdp_graph.fully_shard(TwoBlock(), reuse_blocks=False, strategy=fsdp_graph.ShardingStrategy[strategy])
     stages = aot_stages(model, torch.randn(2, 4), tag=tag_reshard)
     return stages, unshard_count(stages.backward), len(saved_gathers(stages.forward))
 
@@ -238,7 +240,7 @@ def test_reshard_noop_without_fsdp_ops():
 
 def test_lower_forward(fake_pg):
     torch.manual_seed(0)
-    model = fsdp_graph.fully_shard(TwoBlock())
+    model = fsdp_graph.fully_shard(TwoBlock(), reuse_blocks=False)
     fw = aot_stages(model, torch.randn(2, 4), tag=tag_reshard).forward
     assert_expected_inline(
         code(fw),
@@ -314,7 +316,7 @@ def forward(self, primals_1, primals_2, primals_3, primals_4):
 
 def test_lower_backward(fake_pg):
     torch.manual_seed(0)
-    model = fsdp_graph.fully_shard(TwoBlock(), strategy=fsdp_graph.ShardingStrategy.SHARD_GRAD_OP)
+    model = fsdp_graph.fully_shard(TwoBlock(), reuse_blocks=False, strategy=fsdp_graph.ShardingStrategy.SHARD_GRAD_OP)
     bw = aot_stages(model, torch.randn(2, 4), tag=tag_reshard).backward
     lower_fsdp_ops(bw)
     assert_expected_inline(

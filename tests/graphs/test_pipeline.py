@@ -10,7 +10,10 @@ from tests.graphs.capture import TwoBlock
 def _compile(strategy: str, tmp_path=None, **shard_kwargs):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = fsdp_graph.fully_shard(TwoBlock(), strategy=fsdp_graph.ShardingStrategy[strategy], **shard_kwargs)
+    # without shared block bodies (the default since issue 25): this checks each block's own nodes
+    model = fsdp_graph.fully_shard(
+        TwoBlock(), reuse_blocks=False, strategy=fsdp_graph.ShardingStrategy[strategy], **shard_kwargs
+    )
     backend = fsdp_graph.make_backend(inductor=False, dump_dir=str(tmp_path) if tmp_path else None)
     x = torch.randn(2, 4, requires_grad=True)
     torch.compile(model, backend=backend, fullgraph=True)(x).sum().backward()

@@ -26,7 +26,10 @@ def _plan(fused: bool, seq: int):
     with torch.device("meta"):
         model = Llama(cfg)
     mp = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    fsdp_graph.fully_shard(model, device="meta", param_init_fn=model.init_module, mixed_precision=mp)
+    # without shared block bodies (the default since issue 25): this checks each block's own nodes
+    fsdp_graph.fully_shard(
+        model, device="meta", param_init_fn=model.init_module, mixed_precision=mp, reuse_blocks=False
+    )
     idx = torch.zeros(1, seq, dtype=torch.long, device="meta")
 
     def loss(logits: torch.Tensor) -> torch.Tensor:

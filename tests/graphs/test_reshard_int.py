@@ -65,7 +65,8 @@ def test_int_gathers_a_piece_saves_it_and_regathers_within_the_node(fake_pg):
     reduce-scatters over all 4 ranks. blocks.0 is not re-gathered (its input needs no gradient). The flat layout
     (its sizes are the unit's, padded by under one element per rank); the default rows layout is the next test."""
     torch.manual_seed(0)
-    model = fsdp_graph.fully_shard(TwoBlock(), reshard_after_forward=2, layout="flat")
+    # without shared block bodies (the default since issue 25): this checks each block's own nodes
+    model = fsdp_graph.fully_shard(TwoBlock(), reshard_after_forward=2, layout="flat", reuse_blocks=False)
     states = flat_params(model)
     assert [(s.world, s.post_forward_world, s.reshard_after_forward) for s in states] == [(4, 2, True)] * 3
     assert {(tuple(_ranks(s.piece_group)), tuple(_ranks(s.post_forward_group))) for s in states} == {((0, 2), (0, 1))}

@@ -48,7 +48,8 @@ def test_rows_pipeline_one_gather_per_unit_then_copy_out(fake_pg):
     single-parameter head unit's is a view; FULL_SHARD recomputes the copies in backward instead of saving them."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = fsdp_graph.fully_shard(TwoBlock(8), layout="rows")
+    # without shared block bodies (the default since issue 25): this checks each block's own nodes
+    model = fsdp_graph.fully_shard(TwoBlock(8), layout="rows", reuse_blocks=False)
     assert {n: tuple(p.shape) for n, p in model.named_parameters()} == {
         "blocks.0.weight": (2, 8),
         "blocks.0.bias": (2,),

@@ -13,7 +13,8 @@ from tests.graphs.capture import TwoBlock, aot_stages, code
 
 def _lowered(strategy=fsdp_graph.ShardingStrategy.FULL_SHARD, **shard_kwargs):
     torch.manual_seed(0)
-    model = fsdp_graph.fully_shard(TwoBlock(), strategy=strategy, **shard_kwargs)
+    # without shared block bodies (the default since issue 25): this checks each block's own nodes
+    model = fsdp_graph.fully_shard(TwoBlock(), strategy=strategy, reuse_blocks=False, **shard_kwargs)
     stages = aot_stages(model, torch.randn(2, 4), tag=tag_reshard)
     return lower_fsdp_ops(stages.forward), lower_fsdp_ops(stages.backward)
 

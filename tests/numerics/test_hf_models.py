@@ -1,11 +1,13 @@
-"""Hugging Face GPT-2 and Llama (tiny configs, random init), sharded with `fully_shard`, compiled fullgraph with
+"""Hugging Face models (tiny configs, random init), sharded with `fully_shard`, compiled fullgraph with
 the fsdp backend and trained on 2 gloo ranks, equal single-process training on the full batch."""
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
 from fsdp_graph.train.launch import spawn  # noqa: E402
+from tests.workers.hf_families import FAMILIES, train_families  # noqa: E402
 from tests.workers.hf_models import HFResult, run_hf_models  # noqa: E402
 
 PARAM_TOL = 2e-5  # fp32 noise after 5 AdamW steps (measured 5.4e-6 GPT-2, 3.0e-6 Llama)
@@ -42,3 +44,38 @@ def test_gpt2_and_llama_train_with_parity():
 @pytest.mark.slow
 def test_llama_inductor():
     _check(spawn(run_hf_models, 2, (["llama"], True)), INDUCTOR_PARAM_TOL)
+
+
+# T5's encoder output feeds every decoder block's cross-attention, and its position bias every block of its stack:
+# the gradient of such a shared activation is summed inside each block's body and then across blocks, where the
+# model without reuse sums all its uses at once, another fp32 order (measured: gradients 1.3e-8, parameters 1.2e-7
+# after 3 steps). Every other family's activations pass from one block to the next only: bit for bit.
+REUSE_TOL = {"t5": 1e-6}
+# the shared bodies' call counts in the Dynamo graph: one per structure used more than once (a body called once is
+# inlined by Dynamo). Gemma2's sliding and global layers differ in an attribute only, not in the traced graph, which
+# Dynamo installs once.
+REUSE_BODY_USES = {"gemma2": [4], "t5": [2, 2]}
+
+
+def test_families_train_alike_with_and_without_block_reuse():
+    """Issue 25: ten families, each trained with `reuse_blocks` False and True (no KV cache): the same losses and
+    parameters, one Dynamo graph each (no recompile at the second step), and with reuse the layers run shared
+    bodies. Llama given a KV cache (transformers' default) falls back to its own forward per layer, with one
+    warning naming the layer class and torch's check, and trains the same."""
+    results = spawn(train_families, 2, (FAMILIES,))
+    for runs in results:
+        for name, (off, on, *with_cache) in runs.items():
+            tol = REUSE_TOL.get(name, 0.0)
+            diff = max((off["params"][k] - on["params"][k]).abs().max().item() for k in off["params"])
+            assert diff <= tol, (name, diff)
+            assert max(abs(a - b) for a, b in zip(off["losses"], on["losses"])) <= tol, name
+            assert off["graphs"] == on["graphs"] == 1, (name, off["graphs"], on["graphs"])
+            assert off["body_uses"] == [] and on["body_uses"] == REUSE_BODY_USES.get(name, [2]), (name, on)
+            assert off["reuse_warnings"] == on["reuse_warnings"] == [], name
+            for cached in with_cache:
+                assert cached["losses"] == off["losses"] and cached["params"].keys() == off["params"].keys()
+                assert all(torch.equal(cached["params"][k], off["params"][k]) for k in off["params"]), name
+                assert cached["graphs"] == 1 and cached["body_uses"] == [], cached
+                (warning,) = cached["reuse_warnings"]
+                assert "LlamaDecoderLayer" in warning and "'cache' is a DynamicCache" in warning, warning
+                assert "unsupported input VT types" in warning, warning

@@ -1,0 +1,121 @@
+"""Hugging Face Llama: cold compile time and step time with block reuse (the default) and without (issue 25).
+
+    python benchmarks/hf_compile.py                 # 4 and 16 layers, one run each (six cold compiles)
+
+Model: transformers' `LlamaForCausalLM` built from a config (nothing downloaded): hidden 64, 4 heads, 2 KV heads,
+MLP 176, vocabulary 256, sequence 64, batch 4, SDPA, SGD. Each measurement is a fresh process with an empty
+Inductor cache (`TORCHINDUCTOR_CACHE_DIR` in a new temporary directory, `TORCHINDUCTOR_COMPILE_THREADS=1`) on one
+gloo rank; every peer is called with `use_cache=False` (a KV cache object passed to each layer is an argument torch
+cannot reuse a body for: with it our default traces layer by layer, with a warning). Cold compile = the first step
+minus the median of the rest, in wall seconds (CPU seconds beside it); step time = that median. Peers: `fully_shard`
+with its default (`reuse_blocks` where eligible), `fully_shard(reuse_blocks=False)`, and the unsharded model under
+plain `torch.compile(fullgraph=True)`. Prints the ratios issue 25 sets goals for, from this one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ("ours", "ours reuse_blocks=False", "plain torch.compile")
+
+
+def measure(peer: str, layers: int, steps: int = 8) -> dict[str, float]:
+    """One cold compile and `steps - 1` warm steps in this process (the caller gives it a fresh Inductor cache)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import fsdp_graph
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=176, vocab_size=256, max_position_embeddings=64, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    if peer.startswith("ours"):
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        fsdp_graph.fully_shard(model, **({"reuse_blocks": False} if peer == PEERS[1] else {}))
+        compiled = torch.compile(model, backend=fsdp_graph.fsdp_backend, fullgraph=True)
+    else:
+        compiled = torch.compile(model, fullgraph=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    tokens = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))
+    wall, cpu = [], []
+    for _ in range(steps):
+        start, start_cpu = time.perf_counter(), _cpu_seconds()
+        compiled(input_ids=tokens, labels=tokens, use_cache=False).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        wall.append(time.perf_counter() - start)
+        cpu.append(_cpu_seconds() - start_cpu)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    step = statistics.median(wall[1:])
+    return {"compile": wall[0] - step, "compile_cpu": cpu[0] - statistics.median(cpu[1:]), "step": step}
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished children (Inductor's C++ compiler runs)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _cold(peer: str, layers: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as cache:
+        env = {
+            **os.environ,
+            "TORCHINDUCTOR_CACHE_DIR": cache,
+            "PYTHONPATH": str(ROOT),
+            "TORCHINDUCTOR_COMPILE_THREADS": "1",
+        }
+        args = [sys.executable, __file__, "--one", peer, str(layers)]
+        out = subprocess.run(args, check=True, capture_output=True, text=True, env=env, cwd=ROOT).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", nargs=2, type=int, default=[4, 16])
+    parser.add_argument("--one", nargs=2, metavar=("PEER", "LAYERS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one[0], int(args.one[1]))))
+        return
+    results: dict[tuple[str, int], dict[str, float]] = {}
+    for layers in args.layers:
+        for peer in PEERS:
+            results[peer, layers] = r = _cold(peer, layers)
+            print(
+                f"{peer:>24} {layers:>3} layers: cold compile {r['compile']:.1f} s ({r['compile_cpu']:.1f} CPU s), "
+                f"step {r['step'] * 1e3:.1f} ms",
+                flush=True,
+            )
+    low, high = args.layers
+    ours, off, plain = PEERS
+
+    def ratio(a: str, b: str, key: str = "compile") -> float:
+        return results[a, high][key] / results[b, high][key]
+
+    print(
+        f"ours({high} layers) / ours({low} layers) = {results[ours, high]['compile'] / results[ours, low]['compile']:.2f} (goal <= 1.3)"
+    )
+    print(f"reuse_blocks=False({high}) / ({low}) = {results[off, high]['compile'] / results[off, low]['compile']:.2f}")
+    print(f"ours / plain torch.compile at {high} layers = {ratio(ours, plain):.2f} (goal <= 0.8)")
+    print(f"step time, reuse on / off at {high} layers = {ratio(ours, off, 'step'):.3f} (goal <= 1.02)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Hugging Face model families (tiny configs, random init, nothing downloaded), each trained sharded and compiled with
+and without `reuse_blocks` (issue 25): the same losses and parameters bit for bit, one Dynamo graph, and with reuse
+a body shared by the decoder (encoder, vision) layers."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+import torch
+import torch.nn as nn
+
+import fsdp_graph
+from tests.workers.block_reuse import body_calls
+from tests.workers.hf_models import VOCAB, build_hf, make_batch
+
+SEQ = 16
+STEPS = 2  # the second step shows there is no recompile
+# Llama-shaped decoders: (transformers config class, model class, extra config fields)
+DECODERS = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    # alternating sliding-window and global layers: two structures, two bodies
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"head_dim": 16, "sliding_window": 8, "num_hidden_layers": 4, "attn_implementation": "eager"},  # no SDPA
+    ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"bos_token_id": 0, "eos_token_id": 0}),
+}
+FAMILIES = ["llama", *DECODERS, "gpt2", "t5", "vit"]
+
+
+def build_family(name: str) -> tuple[nn.Module, object]:
+    """The model (from the current RNG state) and the wrap policy (None: the default units)."""
+    import transformers
+
+    if name in ("llama", "gpt2"):
+        return build_hf(name), None
+    if name in DECODERS:
+        config_name, model_name, extra = DECODERS[name]
+        fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        fields.update(intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=32)
+        config = getattr(transformers, config_name)(**{"attn_implementation": "sdpa", **fields, **extra})
+        return getattr(transformers, model_name)(config), None
+    if name == "t5":  # encoder and decoder blocks differ (cross-attention), and so does each stack's first block
+        config = transformers.T5Config(
+            vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=3, num_heads=4, dropout_rate=0.0,
+            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        )  # fmt: skip
+        model = transformers.T5ForConditionalGeneration(config)
+        return model, fsdp_graph.ModuleWrapPolicy({type(model.encoder.block[0])})
+    if name == "vit":
+        config = transformers.ViTConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=16,
+            patch_size=4, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        # its loss sets config.problem_type on the first call, which would recompile the second step (plain
+        # torch.compile too): set to what that call sets
+        config.problem_type = "single_label_classification"
+        return transformers.ViTForImageClassification(config), None
+    raise ValueError(name)
+
+
+def family_batch(name: str, gen: torch.Generator) -> dict:
+    if name == "vit":
+        return {
+            "pixel_values": torch.randn(4, 3, 16, 16, generator=gen),
+            "labels": torch.randint(0, 10, (4,), generator=gen),
+        }
+    batch = make_batch(gen, 4)
+    if name == "t5":
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": batch["labels"]}
+    return batch
+
+
+def train_family(name: str, reuse: bool, use_cache: bool = False) -> dict:
+    """STEPS SGD steps (momentum) of `name`, sharded over the world, compiled fullgraph with eager kernels; a
+    decoder called with `use_cache` (True: transformers passes each layer a cache object)."""
+    torch.manual_seed(0)
+    model, wrap = build_family(name)
+    fsdp_graph.fully_shard(model, wrap=wrap, reuse_blocks=reuse)
+    backend = fsdp_graph.make_backend(inductor=False)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return backend(gm, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    extra = {} if name == "vit" else {"use_cache": use_cache}
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(STEPS):
+            loss = compiled(**family_batch(name, gen), **extra).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    with fsdp_graph.summon_full_params(model):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {
+        "losses": losses,
+        "params": params,
+        "graphs": len(graphs),
+        "body_uses": sorted(Counter(body_calls(graphs[0])).values()),
+        "reuse_warnings": [str(w.message) for w in caught if "reuse_blocks" in str(w.message)],
+    }
+
+
+def train_families(rank: int, world: int, names: list[str]) -> dict[str, list[dict]]:
+    """Each family trained without and with `reuse_blocks`; Llama also with reuse and a KV cache passed to every
+    layer (which torch refuses to reuse a body for)."""
+    runs = {name: [train_family(name, False), train_family(name, True)] for name in names}
+    if "llama" in runs:
+        runs["llama"].append(train_family("llama", True, use_cache=True))
+    return runs
