@@ -17,7 +17,7 @@ from fsdp_graph.api.placement import move_buffers, moves_to, parameter_device
 from fsdp_graph.api.wrap import auto_wrap_policy, check_group
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.runtime import offload
-from fsdp_graph.runtime.block_region import make_reusable, reuse_refusals
+from fsdp_graph.runtime.block_region import complex_refusals, make_reusable, reuse_refusals
 from fsdp_graph.runtime.dtensor_views import dtensor_views_mesh, replicated_view_spec, view_spec
 from fsdp_graph.runtime.flat_param import LAYOUTS
 from fsdp_graph.runtime.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
@@ -129,6 +129,7 @@ def fully_shard(
     if reuse_blocks is not False:
         for unit in group_members:
             refused[module_fqns[id(unit)]] = f"unit {module_fqns[id(unit)]!r} is several modules (a tuple in wrap)"
+        refused.update(complex_refusals({fqn: u for fqn, u in zip(unit_fqns[:-1], units) if fqn not in refused}))
     if refused and reuse_blocks:
         raise ValueError(f"reuse_blocks: {next(iter(refused.values()))}")
     if refused:

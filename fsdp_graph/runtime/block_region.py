@@ -71,6 +71,22 @@ def reuse_refusals(unit_fqns: list[str], assignment: dict[int, str], uses: dict,
     return {unit: why for unit, why in refusals.items() if why is not None}
 
 
+def complex_refusals(units: dict[str, nn.Module]) -> dict[str, str]:
+    """For each unit (FQN -> module) holding a complex tensor (torchtitan's complex RoPE cache is a buffer of every
+    layer), why it cannot share a body: torch 2.13's invoke_subgraph has no kernel for the Conjugate dispatch key
+    that complex tensors carry, so such a body fails when it runs (measured on torchtitan's Llama3)."""
+    refusals = {}
+    for fqn, unit in units.items():
+        for name, tensor in [*unit.named_buffers(), *unit.named_parameters()]:
+            if tensor.is_complex():
+                refusals[fqn] = (
+                    f"unit {fqn!r} holds a complex tensor ({name!r}, {tensor.dtype}), and torch's invoke_subgraph has "
+                    "no kernel for complex tensors' Conjugate dispatch key"
+                )
+                break
+    return refusals
+
+
 def _refusal(unit: str, unit_fqns: list[str], assignment: dict[int, str], uses: dict, tp: dict) -> str | None:
     def inside(fqn: str, unit: str) -> bool:
         return fqn == unit or fqn.startswith(unit + ".")

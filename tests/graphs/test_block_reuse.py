@@ -199,6 +199,20 @@ def test_by_default_refused_units_are_traced_alone_with_one_warning(fake_pg):
             assert messages == [] and body_calls(gm) == []
 
 
+def test_refuses_units_holding_complex_tensors(fake_pg):
+    """torchtitan's Llama3 keeps a complex RoPE cache in every layer, and torch's invoke_subgraph has no kernel for
+    complex tensors' Conjugate key: such units are refused (True) or traced on their own (the default)."""
+    model = Mixed()
+    model.blocks[1].register_buffer("rope", torch.ones(4, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="holds a complex tensor \\('rope'"):
+        fsdp_graph.fully_shard(model, reuse_blocks=True)
+    assert not fsdp_graph.runtime.unit.is_sharded(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fsdp_graph.fully_shard(model)
+    assert any("blocks.1' holds a complex tensor" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
 def test_one_schema_per_body_while_compiling(fake_pg, monkeypatch):
     """torch's autograd rule for `invoke_subgraph` asks for the body's schema at every call (a re-trace of the body);
     our backend computes it once per body (`compiler.region_schema`), so compile time does not grow with it."""
