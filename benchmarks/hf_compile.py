@@ -8,7 +8,8 @@ Inductor cache (`TORCHINDUCTOR_CACHE_DIR` in a new temporary directory, `TORCHIN
 gloo rank; every peer is called with `use_cache=False` (a KV cache object passed to each layer is an argument torch
 cannot reuse a body for: with it our default traces layer by layer, with a warning). Cold compile = the first step
 minus the median of the next three, in wall and CPU seconds. Step time: both of our peers in one more process,
-their steps alternating (the machine is shared: a step of milliseconds moves by seconds with other jobs). Peers: `fully_shard`
+their steps alternating (the machine is shared: a step of milliseconds moves by seconds with other jobs), in
+wall seconds and in this process's CPU seconds. Peers: `fully_shard`
 with its default (`reuse_blocks` where eligible), `fully_shard(reuse_blocks=False)`, and the unsharded model under
 plain `torch.compile(fullgraph=True)`. Prints the ratios issue 25 sets goals for, from this one run.
 """
@@ -87,16 +88,18 @@ def step_times(layers: int, rounds: int = 40) -> dict[str, float]:
 
     steps = {peer: _trainer(peer, layers) for peer in PEERS[:2]}
     times: dict[str, list[float]] = {peer: [] for peer in steps}
+    cpu: dict[str, list[float]] = {peer: [] for peer in steps}
     for round_ in range(rounds + 3):
         for peer, step in steps.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             step()
             if round_ >= 3:
                 times[peer].append(time.perf_counter() - start)
+                cpu[peer].append(time.process_time() - start_cpu)
     dist.destroy_process_group()
-    return {
-        f"{peer} {kind}": f(t) for peer, t in times.items() for kind, f in (("median", statistics.median), ("min", min))
-    }
+    kinds = (("median", statistics.median), ("min", min))
+    stats = {f"{peer} {kind}": f(t) for peer, t in times.items() for kind, f in kinds}
+    return stats | {f"{peer} cpu": statistics.median(t) for peer, t in cpu.items()}
 
 
 def _cpu_seconds() -> float:
@@ -155,7 +158,8 @@ def main() -> None:
     )
     print(
         f"step time, reuse on / off = {on_ms / off_ms:.3f} (goal <= 1.02; fastest: "
-        f"{steps[f'{ours} min'] / steps[f'{off} min']:.3f})"
+        f"{steps[f'{ours} min'] / steps[f'{off} min']:.3f}; CPU seconds, medians: "
+        f"{steps[f'{ours} cpu'] / steps[f'{off} cpu']:.3f})"
     )
 
 

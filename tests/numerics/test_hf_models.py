@@ -49,7 +49,7 @@ def test_llama_inductor():
 # T5's encoder output feeds every decoder block's cross-attention, and its position bias every block of its stack:
 # the gradient of such a shared activation is summed inside each block's body and then across blocks, where the
 # model without reuse sums all its uses at once, another fp32 order (measured: gradients 1.3e-8, parameters 1.2e-7
-# after 3 steps). Every other family's activations pass from one block to the next only: bit for bit.
+# after 2 or 3 steps). Every other family's activations pass from one block to the next only: bit for bit.
 REUSE_TOL = {"t5": 1e-6}
 # the shared bodies' call counts in the Dynamo graph: one per structure used more than once (a body called once is
 # inlined by Dynamo). Gemma2's sliding and global layers differ in an attribute only, not in the traced graph, which
