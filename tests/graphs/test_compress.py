@@ -181,7 +181,8 @@ def forward(self, primals_1, tangents_1):
 def test_compress_pass_only_touches_selected_units(fake_pg):
     """FULL_SHARD's backward re-gathers blocks.1 and the root: only blocks.1's gather and reduction are compressed."""
     torch.manual_seed(0)
-    stages = aot_stages(fsdp_graph.fully_shard(TwoBlock()), torch.randn(2, 4), tag=tag_reshard)
+    # Without block reuse: its shared body would also re-gather blocks.0 in backward (one more, uncompressed, gather).
+    stages = aot_stages(fsdp_graph.fully_shard(TwoBlock(), reuse_blocks=False), torch.randn(2, 4), tag=tag_reshard)
     bw = lower_fsdp_ops(stages.backward)
     compress_collectives(bw, weights="fp8", grads="int4", block_size=4, units=frozenset({"blocks.1"}))
     found = {
