@@ -65,24 +65,25 @@ def measure(peer: str, layers: int, steps: int = 4) -> tuple[float, float]:
     tokens = torch.randint(0, cfg.vocab, (4, cfg.seq + 1), generator=torch.Generator().manual_seed(1))
     times, cpu = [], []
     for _ in range(steps):
-        start, start_cpu = time.perf_counter(), _cpu_seconds()
+        start, start_cpu = time.perf_counter(), cpu_seconds()
         llama_loss(compiled, (tokens[:, :-1], tokens[:, 1:])).backward()
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
-        cpu.append(_cpu_seconds() - start_cpu)
+        cpu.append(cpu_seconds() - start_cpu)
     if dist.is_initialized():
         dist.destroy_process_group()
     return times[0] - statistics.median(times[1:]), cpu[0] - statistics.median(cpu[1:])
 
 
-def _cpu_seconds() -> float:
+def cpu_seconds() -> float:
     """CPU seconds of this process and of its finished children (Inductor's C++ compiler runs)."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def _cold(peer: str, layers: int) -> tuple[float, float]:
+def cold_run(script: str, peer: str, layers: int):
+    """`script --one PEER LAYERS` in a fresh process with a fresh Inductor cache: the JSON its last line prints."""
     with tempfile.TemporaryDirectory() as cache:
         # Inductor compiles in this process (no worker pool), so its CPU time is counted.
         env = {
@@ -91,9 +92,13 @@ def _cold(peer: str, layers: int) -> tuple[float, float]:
             "PYTHONPATH": str(ROOT),
             "TORCHINDUCTOR_COMPILE_THREADS": "1",
         }
-        args = [sys.executable, __file__, "--one", peer, str(layers)]
+        args = [sys.executable, script, "--one", peer, str(layers)]
         out = subprocess.run(args, check=True, capture_output=True, text=True, env=env, cwd=ROOT).stdout
-    result = json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _cold(peer: str, layers: int) -> tuple[float, float]:
+    result = cold_run(__file__, peer, layers)
     return result["seconds"], result["cpu_seconds"]
 
 

@@ -19,15 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.compile_depth import cold_run, cpu_seconds  # noqa: E402
+
 PEERS = ("ours", "ours reuse_blocks=False", "plain torch.compile")
 
 
@@ -38,10 +39,10 @@ def measure(peer: str, layers: int, steps: int = 4) -> dict[str, float]:
     step = _trainer(peer, layers)
     wall, cpu = [], []
     for _ in range(steps):
-        start, start_cpu = time.perf_counter(), _cpu_seconds()
+        start, start_cpu = time.perf_counter(), cpu_seconds()
         step()
         wall.append(time.perf_counter() - start)
-        cpu.append(_cpu_seconds() - start_cpu)
+        cpu.append(cpu_seconds() - start_cpu)
     if dist.is_initialized():
         dist.destroy_process_group()
     return {"compile": wall[0] - statistics.median(wall[1:]), "compile_cpu": cpu[0] - statistics.median(cpu[1:])}
@@ -102,23 +103,8 @@ def step_times(layers: int, rounds: int = 40) -> dict[str, float]:
     return stats | {f"{peer} cpu": statistics.median(t) for peer, t in cpu.items()}
 
 
-def _cpu_seconds() -> float:
-    """CPU seconds of this process and of its finished children (Inductor's C++ compiler runs)."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
 def _cold(peer: str, layers: int) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as cache:
-        env = {
-            **os.environ,
-            "TORCHINDUCTOR_CACHE_DIR": cache,
-            "PYTHONPATH": str(ROOT),
-            "TORCHINDUCTOR_COMPILE_THREADS": "1",
-        }
-        args = [sys.executable, __file__, "--one", peer, str(layers)]
-        out = subprocess.run(args, check=True, capture_output=True, text=True, env=env, cwd=ROOT).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return cold_run(__file__, peer, layers)
 
 
 def main() -> None:
