@@ -178,16 +178,9 @@ def test_torchtitan_apply_fsdp_units_and_reshard_flags(fake_pg):
 
     if (why := titan.available()) is not None:
         pytest.skip(why)
-    import torchtitan.distributed.fsdp as titan_fsdp
 
     model = titan.build()
-    native, titan_fsdp.fully_shard = titan_fsdp.fully_shard, fsdp2.fully_shard
-    try:
-        titan_fsdp.apply_fsdp_to_decoder(
-            model, init_device_mesh("cpu", (4,)), torch.float32, torch.float32, pp_enabled=False
-        )
-    finally:
-        titan_fsdp.fully_shard = native
+    titan.apply_fsdp(model, init_device_mesh("cpu", (4,)), fsdp2.fully_shard)
     reshard = {s.name: s.reshard_after_forward for s in flat_params(model)}
     layers = {f"layers.{name}": True for name in model.layers}
     # the embedding and each layer reshard; [norm, lm_head] is one unit that does not (torchtitan's choice); the
@@ -217,18 +210,11 @@ def test_torchtitan_meta_device_flow(fake_pg):
 
     if (why := titan.available()) is not None:
         pytest.skip(why)
-    import torchtitan.distributed.fsdp as titan_fsdp
 
     titan._import_models()
     with torch.device("meta"):
         model = importlib.import_module("torchtitan.models.llama3").llama3_configs["debugmodel"]("flex").build()
-    native, titan_fsdp.fully_shard = titan_fsdp.fully_shard, fsdp2.fully_shard
-    try:
-        titan_fsdp.apply_fsdp_to_decoder(
-            model, init_device_mesh("cpu", (4,)), torch.float32, torch.float32, pp_enabled=False
-        )
-    finally:
-        titan_fsdp.fully_shard = native
+    titan.apply_fsdp(model, init_device_mesh("cpu", (4,)), fsdp2.fully_shard)
     model.to_empty(device="cpu")
     model.init_states()
     params = dict(model.named_parameters())

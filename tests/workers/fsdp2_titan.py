@@ -22,14 +22,7 @@ def _batches(rank: int, world: int, steps: int, vocab: int, batch: int = 2, seq:
 
 
 def _apply_fsdp(model: nn.Module, mesh, fully_shard) -> None:
-    import torchtitan.distributed.fsdp as titan_fsdp
-
-    native = titan_fsdp.fully_shard
-    titan_fsdp.fully_shard = fully_shard
-    try:
-        titan_fsdp.apply_fsdp_to_decoder(model, mesh, torch.float32, torch.float32, pp_enabled=False)
-    finally:
-        titan_fsdp.fully_shard = native
+    titan.apply_fsdp(model, mesh, fully_shard)
     for module in model.modules():
         if isinstance(module, torch.distributed.fsdp.FSDPModule):
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM

@@ -59,3 +59,14 @@ def build(family: str = "llama3", flavor: str = "debugmodel", seed: int = 0, lay
     for layer in model.layers.values():
         layer.attention.inner_attention = ScaledDotProductAttention(None)
     return model
+
+
+def apply_fsdp(model: nn.Module, mesh, fully_shard) -> None:
+    """torchtitan's own `apply_fsdp_to_decoder`, unmodified, with `fully_shard` in place of the name it imports
+    (torch's FSDP2, or `fsdp_graph.fsdp2.fully_shard`: the one-import change), fp32."""
+    from unittest import mock
+
+    import torchtitan.distributed.fsdp as titan_fsdp
+
+    with mock.patch.object(titan_fsdp, "fully_shard", fully_shard):
+        titan_fsdp.apply_fsdp_to_decoder(model, mesh, torch.float32, torch.float32, pp_enabled=False)
