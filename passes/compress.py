@@ -4,17 +4,23 @@ Runs after lowering and bucketing, before `passes.all_to_all` and scheduling. We
 (`passes.quantize`: codes and block scales in one uint8 buffer), the packed rows are all-gathered and every rank
 restores the full flat parameter in the gather's dtype. Gradients: the reduce-scatter's input, one row per receiving
 rank, is packed once and sent by an all-to-all; each rank restores the rows it receives and sums them in float32.
+A gradient all-reduce over replicas (HYBRID_SHARD's replica step, NO_SHARD's) becomes the same all-to-all, a sum of
+this rank's row piece, the summed piece packed again and all-gathered (ZeRO++'s qgZ across nodes).
 The master shard, the optimizer and every dtype outside the collective are unchanged.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.fx as fx
 
 from fsdp_graph.ir import (
     ALL_GATHER,
+    ALL_REDUCE,
     ALL_TO_ALL,
+    META_ALL_REDUCE_STEP,
     META_BUCKET,
     META_COMPRESSED,
     META_ROLE,
@@ -112,12 +118,55 @@ def _compress_reduce_scatter(graph: fx.Graph, node: fx.Node, scheme: str, block_
     return True
 
 
+def _compress_all_reduce(graph: fx.Graph, node: fx.Node, scheme: str, block_size: int, replicas: int) -> bool:
+    a, wait = bind_args(node), _single_wait(node)
+    val = _static_float_1d(a["input"])
+    if val is None or wait is None or a["reduce_op"] != "sum":
+        return False
+    n, group = val.numel(), a["group_name"]
+    chunk = -(-n // replicas)  # row j (the piece replica j sums) holds elements [j * chunk, (j + 1) * chunk)
+    emit = _emitter(graph, node, scheme, node_bytes(a["input"]))
+    before = _emit_call(emit, node)
+    flat = a["input"]
+    if chunk * replicas != n:
+        flat = before(_aten.constant_pad_nd.default, flat, [0, chunk * replicas - n], 0.0)
+    rows = before(_aten.view.default, flat, [replicas, chunk])
+    packed = before(_aten.view.default, pack_rows(rows, replicas, chunk, scheme, block_size, before), [-1])
+    size = packed_bytes(chunk, scheme, block_size)
+    sent_val = packed.meta["val"]
+    issue = emit(ALL_TO_ALL, (packed, [size] * replicas, [size] * replicas, group), before=node, val=sent_val)
+    issue.meta[META_ALL_REDUCE_STEP] = 1
+    arrived = emit(WAIT, (issue,), before=wait, val=sent_val)
+    after = _emit_call(emit, wait)
+    received = after(_aten.view.default, arrived, [replicas, size])
+    summed = after(
+        _aten.sum.dim_IntList, unpack_rows(received, replicas, chunk, torch.float32, scheme, block_size, after), [0]
+    )
+    piece_row = after(_aten.view.default, summed, [1, chunk])
+    piece = after(_aten.view.default, pack_rows(piece_row, 1, chunk, scheme, block_size, after), [-1])
+    gathered_val = sent_val.new_empty(replicas * size)
+    gathered = emit(ALL_GATHER, (piece, replicas, group), before=wait, val=gathered_val)
+    gathered.meta[META_ALL_REDUCE_STEP] = 2
+    pieces = after(_aten.view.default, emit(WAIT, (gathered,), before=wait, val=gathered_val), [replicas, size])
+    restored = unpack_rows(pieces, replicas, chunk, val.dtype, scheme, block_size, after)
+    full = after(_aten.view.default, restored, [replicas * chunk])
+    if chunk * replicas != n:
+        full = after(
+            _aten.clone.default, after(_aten.slice.Tensor, full, 0, 0, n), memory_format=torch.contiguous_format
+        )
+    wait.replace_all_uses_with(full)
+    graph.erase_node(wait)
+    graph.erase_node(node)
+    return True
+
+
 def compress_collectives(
     gm: fx.GraphModule,
     weights: str | None = None,
     grads: str | None = None,
     block_size: int = 256,
     units: frozenset[str] | None = None,
+    replica_sizes: Mapping[str, int] | None = None,
 ) -> fx.GraphModule:
     """In place on a lowered (and bucketed) forward or backward graph.
 
@@ -128,9 +177,17 @@ def compress_collectives(
       `unpack_rows` of the `world` rows to the gather's dtype, flattened;
     - with `grads`: `reduce_scatter_tensor(sum)` of role "reduce_grad" -> `pack_rows` of the input as `world` rows
       + `all_to_all_single` of the packed rows + wait + `unpack_rows` to float32 + sum over the ranks + cast back to
-      the input's dtype (the reduce dtype).
-    The replica all-reduce (HYBRID_SHARD, NO_SHARD) is not matched. Every new node carries the replaced
-    collective's fsdp meta and `meta["fsdp_compressed"] = (scheme, bytes the uncompressed collective moved)`.
+      the input's dtype (the reduce dtype);
+    - with `grads`: `all_reduce(sum)` of role "reduce_grad" over a group of R ranks named in `replica_sizes`
+      ({group name: R}; HYBRID_SHARD's replica all-reduce, NO_SHARD's) -> [zero pad to a multiple of R] + the
+      input viewed as R rows, each packed + `all_to_all_single` + wait + `unpack_rows` to float32 + sum over the
+      replicas (this rank's row, summed) + the sum packed as one row + `all_gather_into_tensor` of the R packed
+      pieces + wait + `unpack_rows` to the input's dtype, flattened [and cut to its length]. Two roundings: each
+      replica's contribution, then the sum. The all-to-all and the all-gather carry `meta["fsdp_all_reduce_step"]`
+      1 and 2. An all-reduce on a group not in `replica_sizes` is left alone.
+    Every new node carries the replaced collective's fsdp meta and `meta["fsdp_compressed"] = (scheme, bytes the
+    uncompressed collective moved)` (an all-reduce: on both of its collectives, which together send what its ring
+    would).
     Guarantees: the values equal the eager `passes.quantize` functions applied per rank (the same ops); collectives
     keep their order and groups; the issue node stays the first node of its reduction. No-op without a scheme.
     """
@@ -146,4 +203,8 @@ def compress_collectives(
             changed |= _compress_gather(graph, node, weights, block_size)
         elif grads is not None and node.target is REDUCE_SCATTER and role == ROLE_REDUCE:
             changed |= _compress_reduce_scatter(graph, node, grads, block_size)
+        elif grads is not None and node.target is ALL_REDUCE and role == ROLE_REDUCE:
+            replicas = (replica_sizes or {}).get(bind_args(node)["group_name"], 1)
+            if replicas > 1:
+                changed |= _compress_all_reduce(graph, node, grads, block_size, replicas)
     return finish(gm, changed)

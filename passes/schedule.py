@@ -19,6 +19,7 @@ from fsdp_graph.ir import (
     ALL_REDUCE,
     ALL_TO_ALL,
     COLLECTIVES,
+    META_ALL_REDUCE_STEP,
     META_ROLE,
     REDUCE_SCATTER,
     ROLE_REDUCE,
@@ -180,11 +181,16 @@ def _wait_chain(wait: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node] | Non
     return sorted(chain, key=order.__getitem__)
 
 
-def _sink_waits(graph: fx.Graph, targets: tuple, serial_groups: frozenset[str]) -> bool:
-    """Each reduction collective of `targets` has its wait (and the reduction's tail after it) moved down to just
-    before the next such collective is issued; the last one waits just before the output. On a serial group the
-    wait stops before the next collective of any kind on that group."""
-    issues = [n for n in graph.nodes if n.target in targets and n.meta.get(META_ROLE) == ROLE_REDUCE]
+def _sink_waits(graph: fx.Graph, kinds: set[tuple], serial_groups: frozenset[str]) -> bool:
+    """Each reduction collective of `kinds` ((target, its `fsdp_all_reduce_step` meta or None) pairs) has its wait
+    (and the reduction's tail after it) moved down to just before the next such collective is issued; the last one
+    waits just before the output. On a serial group the wait stops before the next collective of any kind on that
+    group, not counting those in the tail itself (a compressed all-reduce's all-gather moves with it)."""
+    issues = [
+        n
+        for n in graph.nodes
+        if n.meta.get(META_ROLE) == ROLE_REDUCE and (n.target, n.meta.get(META_ALL_REDUCE_STEP)) in kinds
+    ]
     output = next(n for n in graph.nodes if n.op == "output")
     order = {n: k for k, n in enumerate(graph.nodes)}  # original order: chains only move down, anchors stay
     _, next_on_group = _same_group_neighbours(list(graph.nodes), serial_groups)
@@ -198,6 +204,8 @@ def _sink_waits(graph: fx.Graph, targets: tuple, serial_groups: frozenset[str]) 
             continue
         anchor = issues[i + 1] if i + 1 < len(issues) else output
         following = next_on_group.get(issue)
+        while following in chain:
+            following = next_on_group.get(following)
         if following is not None and order[following] < order[anchor]:
             anchor = following
         if order[anchor] > order[chain[-1]]:
@@ -208,14 +216,18 @@ def _sink_waits(graph: fx.Graph, targets: tuple, serial_groups: frozenset[str]) 
 
 
 def _sink_reduce_waits(graph: fx.Graph, serial_groups: frozenset[str]) -> bool:
-    """Two sweeps of `_sink_waits`. First each reduce-scatter's wait, with everything after it (a replica
+    """Three sweeps of `_sink_waits`. First each reduce-scatter's wait, with everything after it (a replica
     all-reduce's issue included), sinks to the next reduce-scatter's issue, so one reduction is in flight while the
     next unit's backward computes: at most two full-size gradients are held by reductions at any time. Then each
     gradient all-reduce's wait (NO_SHARD's, HYBRID's replica one) sinks to the next all-reduce's issue: HYBRID's
     replica all-reduce of unit k then runs while unit k-1's reduce-scatter waits and unit k-2 computes, NO_SHARD's
-    while unit k-1 computes; each holds one reduced shard (HYBRID) or one gradient (NO_SHARD) more."""
-    changed = _sink_waits(graph, (REDUCE_SCATTER, ALL_TO_ALL), serial_groups)
-    return _sink_waits(graph, (ALL_REDUCE,), serial_groups) | changed
+    while unit k-1 computes; each holds one reduced shard (HYBRID) or one gradient (NO_SHARD) more.
+    A compressed all-reduce (`passes.compress`: an all-to-all, then an all-gather) is an all-reduce in the second
+    sweep through its all-to-all (the all-gather moves with its wait); a third sweep sinks each such all-gather's wait
+    to the next one's issue (on a serial group: to the next collective there, the following all-to-all)."""
+    changed = _sink_waits(graph, {(REDUCE_SCATTER, None), (ALL_TO_ALL, None)}, serial_groups)
+    changed |= _sink_waits(graph, {(ALL_REDUCE, None), (ALL_TO_ALL, 1)}, serial_groups)
+    return _sink_waits(graph, {(ALL_GATHER, 2)}, serial_groups) | changed
 
 
 def _copy_out_after_last_reduction(graph: fx.Graph) -> bool:
@@ -291,7 +303,9 @@ def schedule_collectives(
     - every reduce-scatter's wait, with the scale/cast/copy nodes after it, moves to just before the next
       reduce-scatter's issue (the last one: before the output);
     - then every gradient all-reduce's wait (NO_SHARD; HYBRID's replica all-reduce, issued where its
-      reduce-scatter was waited), with the nodes after it, moves to just before the next all-reduce's issue;
+      reduce-scatter was waited), with the nodes after it, moves to just before the next all-reduce's issue (a
+      compressed all-reduce counts by its all-to-all, `fsdp_all_reduce_step` 1; then its all-gather's wait, step 2,
+      moves to just before the next such all-gather);
     - the reductions' copies to their out_device (CPU offload's device-to-host copies) move to just after the last
       reduction's issue: Inductor syncs the host after each copy into pinned memory.
     `serial_groups` are process groups that must never run two collectives at once (gloo: torch's

@@ -112,13 +112,14 @@ class _LowerPass(CustomGraphPass):
         timed = self.pass_seconds
         start = time.perf_counter()
         passes.cat_flat_grads(gm)
+        replica_sizes = _replica_sizes(gm)  # read before lowering: the lowered all-reduce names its group only
         passes.lower_fsdp_ops(gm)
         lowered = time.perf_counter()
         passes.bucket_collectives(gm, self.options.bucket_bytes)
         compress = self.options.compress
         if compress is not None:
             units = None if compress.units is None else frozenset(compress.units)
-            passes.compress_collectives(gm, compress.weights, compress.grads, compress.block_size, units)
+            passes.compress_collectives(gm, compress.weights, compress.grads, compress.block_size, units, replica_sizes)
         passes.reduce_scatter_as_all_to_all(gm, self.all_to_all_groups)
         bucketed = time.perf_counter()
         passes.schedule_collectives(gm, self.options.prefetch, self.options.max_inflight_bytes, self.serial_groups)
@@ -311,26 +312,25 @@ def _gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
     return frozenset(name for name, device in names if name and ops.is_gloo_group(name, device))
 
 
+def _replica_sizes(gm: fx.GraphModule) -> dict[str, int]:
+    """{replicate group: its size} of the gradient reductions in `gm` (HYBRID_SHARD's replicas, NO_SHARD's world)."""
+    sizes = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in ir.REDUCE_GRAD_TARGETS:
+            a = bind_args(node)
+            if a["replicate_world"] > 1:
+                sizes[a["replicate_group"]] = a["replicate_world"]
+    return sizes
+
+
 def _check_compressible(gm: fx.GraphModule, compress: Compression) -> None:
-    """Refuses what `passes.compress` cannot do, before compiling: gradient compression of a unit whose gradient is
-    all-reduced over replicas (NO_SHARD, HYBRID_SHARD), and a `units` list naming no unit of this graph."""
-    calls = [bind_args(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in ir.UNSHARD_TARGETS]
-    names = {a["unit"] for a in calls}
+    """Refuses a `units` list naming no unit of this graph, before compiling."""
+    names = {bind_args(n)["unit"] for n in gm.graph.nodes if n.op == "call_function" and n.target in ir.UNSHARD_TARGETS}
     if compress.units is not None and names and not names & set(compress.units):
         raise ValueError(
             f"make_backend(compress=Compression(units={compress.units!r})): no such unit in this model; its units "
             f"are {sorted(names)} ('' is the root)"
         )
-    if compress.grads is None:
-        return
-    for a in calls:
-        if a["replicate_world"] > 1 and (compress.units is None or a["unit"] in compress.units):
-            raise ValueError(
-                f"make_backend(compress=...): unit {a['unit'] or '<root>'!r} all-reduces its gradient over "
-                f"{a['replicate_world']} replicas (NO_SHARD or HYBRID_SHARD), which gradient compression does not "
-                "cover. Use Compression(grads=None) (weights only), leave the unit out of Compression(units=...), "
-                "or shard it with FULL_SHARD / SHARD_GRAD_OP."
-            )
 
 
 def _check_sharded(gm: fx.GraphModule, example_inputs) -> None:

@@ -6,6 +6,8 @@ Node meta keys set by passes are namespaced `fsdp_*`:
 - `fsdp_bucket`: on every node `passes.bucket` creates, the tuple of the merged units' FQNs in graph order; their
   `fsdp_unit` is those names joined by "+" (the root's "" included, so "+blocks.1" is the root and blocks.1).
 - `fsdp_compressed`: on every node `passes.compress` creates, (scheme, bytes the uncompressed collective moved).
+- `fsdp_all_reduce_step`: on the two collectives `passes.compress` puts in place of a gradient all-reduce, 1 on its
+  all-to-all (the reduce half), 2 on its all-gather (the gather half); the scheduler treats them as an all-reduce.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ META_UNIT = "fsdp_unit"
 META_ROLE = "fsdp_role"
 META_BUCKET = "fsdp_bucket"
 META_COMPRESSED = "fsdp_compressed"
+META_ALL_REDUCE_STEP = "fsdp_all_reduce_step"
 ROLE_UNSHARD = "unshard"
 ROLE_REDUCE = "reduce_grad"
 # meta["custom"] (torch.fx.traceback.annotate) of a parameter read inside a reused block's body (`reuse_blocks`).
