@@ -1,10 +1,12 @@
 """Compressed collectives against a single-process reference that quantizes the same way (run inside each rank).
 
 The reference, for every rank r of the world (all in this process): each unit's full flat parameter, cut into the
-ranks' shards, goes through `passes.quantize` per shard (what the compressed gather delivers); rank r's batch is run
-through the model with those parameters; the flat gradient is divided by the reduction's `pre`, cut into one row per
-receiving rank and quantized per row (what the compressed all-to-all delivers); the rows from every rank are summed
-in float32 and divided by `post`.
+ranks' shards, goes through `passes.quantize` per shard (what the compressed gather delivers, also with
+`reshard_after_forward=k`, whose node gather re-packs each shard's blocks as they came); rank r's batch is run
+through the model with those parameters; the flat gradient is divided by the reduction's `pre`, cut into one row
+per receiving rank of its shard group and quantized per row (what the compressed all-to-all delivers); the rows are
+summed in float32. Over replicas (HYBRID_SHARD, NO_SHARD) each summed shard is cut into one row per replica,
+quantized, summed per row, each sum quantized again (the all-gather's), and divided by `post`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_graph
 from fsdp_graph.ir import gradient_divide_factors
@@ -31,6 +35,7 @@ class CompressCase:
     block_size: int = 64
     mode: str = "aot"  # "aot": eager kernels; "inductor"
     steps: int = 3  # SGD with momentum; gradients compared at every step
+    reshard_after_forward: bool | int | None = None  # None: the strategy's default
 
 
 @dataclass
@@ -57,26 +62,40 @@ def _quantized_flats(ref: nn.Module, case: CompressCase, states) -> list[torch.T
     return flats
 
 
-def _reduced(grads: list[torch.Tensor], world: int, case: CompressCase) -> torch.Tensor:
-    """The ranks' flat gradients reduced as the compressed graph does (or exactly, without `grads`)."""
-    pre, post = gradient_divide_factors(world)
-    rows = []
-    for grad in grads:
-        g = (grad / pre).view(world, -1)
-        if case.grads is not None:
-            chunk = g.shape[1]
-            g = unpack_rows(
-                pack_rows(g, world, chunk, case.grads, case.block_size),
-                world,
-                chunk,
-                g.dtype,
-                case.grads,
-                case.block_size,
-            )
-        rows.append(g)
-    # Rank j sums row j of every rank, in rank order: the same reduction as the graph's sum over dim 0.
-    summed = torch.stack([torch.stack([r[j] for r in rows]).sum(0) for j in range(world)])
-    return summed.view(-1) / post
+def _quantized_rows(rows: torch.Tensor, case: CompressCase) -> torch.Tensor:
+    if case.grads is None:
+        return rows
+    n, chunk = rows.shape
+    packed = pack_rows(rows.contiguous(), n, chunk, case.grads, case.block_size)
+    return unpack_rows(packed, n, chunk, rows.dtype, case.grads, case.block_size)
+
+
+def _summed(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Row j of every rank summed, in rank order: the same reduction as the graph's sum over dim 0."""
+    return torch.stack([torch.stack([r[j] for r in rows]).sum(0) for j in range(len(rows[0]))])
+
+
+def _replica_all_reduce(shards: list[torch.Tensor], case: CompressCase) -> torch.Tensor:
+    """The compressed all-reduce of one shard over its R replicas (`shards`, in replica order): R row pieces."""
+    replicas, n = len(shards), shards[0].numel()
+    if case.grads is None:
+        return torch.stack(shards).sum(0)
+    chunk = -(-n // replicas)
+    rows = [_quantized_rows(F.pad(s, (0, chunk * replicas - n)).view(replicas, chunk), case) for s in shards]
+    return _quantized_rows(_summed(rows), case).view(-1)[:n]
+
+
+def _reduced(grads: list[torch.Tensor], state, case: CompressCase) -> torch.Tensor:
+    """The ranks' flat gradients (global rank order; rank = replica * world + shard rank) reduced as the compressed
+    graph does (or exactly, without `grads`): over each shard group, then over the replicas."""
+    world, replicas = state.world, state.replicate_world
+    pre, post = gradient_divide_factors(world * replicas)
+    rows = [_quantized_rows((g / pre).view(world, -1), case) if world > 1 else (g / pre).view(1, -1) for g in grads]
+    per_replica = [_summed(rows[i * world : (i + 1) * world]) for i in range(replicas)]
+    if replicas > 1:
+        shards = [_replica_all_reduce([p[j] for p in per_replica], case) for j in range(world)]
+        return torch.cat(shards) / post
+    return per_replica[0].view(-1) / post
 
 
 def reference_grads(ref: nn.Module, loss_fn, states, batches: list, case: CompressCase, quantize: bool = True):
@@ -96,7 +115,7 @@ def reference_grads(ref: nn.Module, loss_fn, states, batches: list, case: Compre
         losses.append(loss.item())
     out = {}
     for state, grads in zip(states, per_rank):
-        reduced = _reduced(grads, state.world, used)
+        reduced = _reduced(grads, state, used)
         for slot, grad in zip(state.layout.slots, state.layout.unflatten(reduced)):
             for fqn in slot.fqns:
                 out[fqn] = grad
@@ -111,7 +130,9 @@ def run_case(case: CompressCase, rank: int, world: int, per_rank_batch: int = 2)
     torch.manual_seed(0)
     model, loss_fn, make_batch = build("gpt")
     ref = copy.deepcopy(model)
-    fsdp_graph.fully_shard(model, strategy=fsdp_graph.ShardingStrategy[case.strategy])
+    strategy = fsdp_graph.ShardingStrategy[case.strategy]
+    mesh = init_device_mesh("cpu", (2, world // 2)) if strategy.is_hybrid else None
+    fsdp_graph.fully_shard(model, mesh, strategy=strategy, reshard_after_forward=case.reshard_after_forward)
     compression = fsdp_graph.Compression(case.weights, case.grads, case.block_size)
     backend = fsdp_graph.make_backend(inductor=case.mode == "inductor", compress=compression)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
