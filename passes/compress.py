@@ -68,23 +68,24 @@ def _emit_call(emit: NodeEmitter, before: fx.Node):
     return call
 
 
-def _compress_gather(graph: fx.Graph, node: fx.Node, scheme: str, block_size: int) -> bool:
+def _compress_gather(graph: fx.Graph, node: fx.Node, scheme: str, block_size: int, rows: int) -> bool:
     a, wait = bind_args(node), _single_wait(node)
     val = _static_float_1d(a["input"])
-    if val is None or wait is None:
+    if val is None or wait is None or val.numel() % rows:
         return False
-    n, world, group = val.numel(), a["group_size"], a["group_name"]
+    n, world, group = val.numel() // rows, a["group_size"], a["group_name"]
     emit = _emitter(graph, node, scheme, node_bytes(node))
     before = _emit_call(emit, node)
-    row = before(_aten.view.default, a["input"], [1, n])
-    packed = before(_aten.view.default, pack_rows(row, 1, n, scheme, block_size, before), [-1])
+    row = before(_aten.view.default, a["input"], [rows, n])
+    packed = before(_aten.view.default, pack_rows(row, rows, n, scheme, block_size, before), [-1])
     size = packed_bytes(n, scheme, block_size)
-    gathered_val = packed.meta["val"].new_empty(world * size)
+    gathered_val = packed.meta["val"].new_empty(world * rows * size)
     gathered = emit(ALL_GATHER, (packed, world, group), before=node, val=gathered_val)
     arrived = emit(WAIT, (gathered,), before=wait, val=gathered_val)
     after = _emit_call(emit, wait)
-    rows = after(_aten.view.default, arrived, [world, size])
-    full = after(_aten.view.default, unpack_rows(rows, world, n, val.dtype, scheme, block_size, after), [world * n])
+    received = after(_aten.view.default, arrived, [world * rows, size])
+    restored = unpack_rows(received, world * rows, n, val.dtype, scheme, block_size, after)
+    full = after(_aten.view.default, restored, [world * rows * n])
     wait.replace_all_uses_with(full)
     graph.erase_node(wait)
     graph.erase_node(node)
@@ -167,6 +168,7 @@ def compress_collectives(
     block_size: int = 256,
     units: frozenset[str] | None = None,
     replica_sizes: Mapping[str, int] | None = None,
+    piece_rows: Mapping[str, int] | None = None,
 ) -> fx.GraphModule:
     """In place on a lowered (and bucketed) forward or backward graph.
 
@@ -174,7 +176,11 @@ def compress_collectives(
     unit), with a static 1-D floating input and a single `wait_tensor`:
     - with `weights` (a `passes.quantize` scheme): `all_gather_into_tensor` of role "unshard" (forward gathers and
       FULL_SHARD's backward re-gathers) -> `pack_rows` of the shard as one row + a gather of the uint8 rows + wait +
-      `unpack_rows` of the `world` rows to the gather's dtype, flattened;
+      `unpack_rows` of the `world` rows to the gather's dtype, flattened. On a group named in `piece_rows`
+      ({group: P}: `reshard_after_forward=k`'s node groups, whose input is a piece of P = world / k shards) the
+      input is packed as P rows, one per shard, so its blocks are the ones the piece gather quantized: their
+      codes come back unchanged and so, as measured, do their scales (docs/design-notes.md), so the weights are
+      in effect quantized once;
     - with `grads`: `reduce_scatter_tensor(sum)` of role "reduce_grad" -> `pack_rows` of the input as `world` rows
       + `all_to_all_single` of the packed rows + wait + `unpack_rows` to float32 + sum over the ranks + cast back to
       the input's dtype (the reduce dtype);
@@ -200,7 +206,8 @@ def compress_collectives(
             continue
         role = node.meta.get(META_ROLE)
         if weights is not None and node.target is ALL_GATHER and role == ROLE_UNSHARD:
-            changed |= _compress_gather(graph, node, weights, block_size)
+            rows = (piece_rows or {}).get(bind_args(node)["group_name"], 1)
+            changed |= _compress_gather(graph, node, weights, block_size, rows)
         elif grads is not None and node.target is REDUCE_SCATTER and role == ROLE_REDUCE:
             changed |= _compress_reduce_scatter(graph, node, grads, block_size)
         elif grads is not None and node.target is ALL_REDUCE and role == ROLE_REDUCE:

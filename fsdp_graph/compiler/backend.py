@@ -12,6 +12,7 @@ import itertools
 import pkgutil
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -101,11 +102,13 @@ class _LowerPass(CustomGraphPass):
         all_to_all_groups: frozenset[str] = frozenset(),
         pass_seconds: Counter | None = None,
         serial_groups: frozenset[str] = frozenset(),
+        piece_rows: Mapping[str, int] | None = None,
     ):
         self.pass_seconds = pass_seconds if pass_seconds is not None else Counter()
         self._uuid, self.dumper, self.reports, self.keep_graphs = uuid, dumper, reports, keep_graphs
         self.options, self.all_to_all_groups, self.serial_groups = options, all_to_all_groups, serial_groups
         self.stage = "fw"
+        self.piece_rows = piece_rows or {}  # `reshard_after_forward=k`: node group -> shards in its input piece
 
     def __call__(self, graph: fx.Graph) -> None:
         gm = graph.owning_module
@@ -119,7 +122,9 @@ class _LowerPass(CustomGraphPass):
         compress = self.options.compress
         if compress is not None:
             units = None if compress.units is None else frozenset(compress.units)
-            passes.compress_collectives(gm, compress.weights, compress.grads, compress.block_size, units, replica_sizes)
+            passes.compress_collectives(
+                gm, compress.weights, compress.grads, compress.block_size, units, replica_sizes, self.piece_rows
+            )
         passes.reduce_scatter_as_all_to_all(gm, self.all_to_all_groups)
         bucketed = time.perf_counter()
         passes.schedule_collectives(gm, self.options.prefetch, self.options.max_inflight_bytes, self.serial_groups)
@@ -193,7 +198,15 @@ class FSDPBackend:
         uuid = hashlib.sha256(key.encode()).hexdigest()
         reshard = _ReshardPass(uuid, dumper, self.pass_seconds)
         lower = _LowerPass(
-            uuid, dumper, self.reports, self.schedule, self.keep_graphs, all_to_all, self.pass_seconds, gloo
+            uuid,
+            dumper,
+            self.reports,
+            self.schedule,
+            self.keep_graphs,
+            all_to_all,
+            self.pass_seconds,
+            gloo,
+            _piece_rows(gm),
         )
         budget = self.schedule.activation_memory_budget
         functorch_patches = {} if budget is None else {"activation_memory_budget": budget}
@@ -310,6 +323,18 @@ def _gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
             for arg in ("group", "reduce_group", "replicate_group", "piece_group", "post_forward_group"):
                 names.add((args[arg] or "", device))
     return frozenset(name for name, device in names if name and ops.is_gloo_group(name, device))
+
+
+def _piece_rows(gm: fx.GraphModule) -> dict[str, int]:
+    """{node group: world / k} of the `reshard_after_forward=k` gathers in `gm` (before the reshard pass splits them):
+    the node group gathers pieces of world / k shards."""
+    rows = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in ir.UNSHARD_TARGETS:
+            a = bind_args(node)
+            if a["post_forward_world"] > 1:
+                rows[a["post_forward_group"]] = a["world"] // a["post_forward_world"]
+    return rows
 
 
 def _replica_sizes(gm: fx.GraphModule) -> dict[str, int]:
