@@ -5,8 +5,24 @@ import torch
 from expecttest import assert_expected_inline
 
 import fsdp_graph
-from fsdp_graph.ir import ALL_GATHER, ALL_TO_ALL, META_COMPRESSED, REDUCE_SCATTER
-from passes import compress_collectives, lower_fsdp_ops, tag_reshard
+from fsdp_graph.ir import (
+    ALL_GATHER,
+    ALL_TO_ALL,
+    COLLECTIVES,
+    META_ALL_REDUCE_STEP,
+    META_COMPRESSED,
+    META_UNIT,
+    REDUCE_SCATTER,
+    WAIT,
+)
+from passes import (
+    check_collectives,
+    compress_collectives,
+    lower_fsdp_ops,
+    reduce_scatter_as_all_to_all,
+    schedule_collectives,
+    tag_reshard,
+)
 from passes.quantize import pack_rows, packed_bytes, round_trip, unpack_rows
 from tests.graphs.capture import TwoBlock, aot_stages, code
 
@@ -215,12 +231,222 @@ def test_compression_options():
     assert repr(fsdp_graph.make_backend().schedule.compress) == "None"  # off by default
 
 
-def test_backend_refuses_gradient_compression_of_replicated_units(fake_pg):
+def test_compress_pass_hybrid_snapshot(fake_pg):
+    """HYBRID_SHARD on a (2, 2) mesh, int8 gradients in blocks of 4, a 6-element weight: the reduce-scatter over the
+    shard group is an all-to-all of packed rows; the replica all-reduce of the 3-element shard becomes: padded to
+    2 row pieces of 2 (one per replica), packed, all-to-all over the replica group ('1'), restored and summed in
+    float32, the summed piece packed again, all-gathered over the replica group, restored and cut to 3 elements."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2))
+    hybrid = fsdp_graph.ShardingStrategy.HYBRID_SHARD
+    model = fsdp_graph.fully_shard(torch.nn.Linear(3, 2, bias=False), mesh, strategy=hybrid)
+    bw = lower_fsdp_ops(aot_stages(model, torch.randn(2, 3), tag=tag_reshard).backward)
+    compress_collectives(bw, grads="int8", block_size=4, replica_sizes={"1": 2})
+    assert_expected_inline(
+        code(bw),
+        """\
+def forward(self, primals_1, tangents_1):
+    t_1 = torch.ops.aten.t.default(tangents_1);  tangents_1 = None
+    mm_1 = torch.ops.aten.mm.default(t_1, primals_1);  t_1 = primals_1 = None
+    t_2 = torch.ops.aten.t.default(mm_1);  mm_1 = None
+    t_3 = torch.ops.aten.t.default(t_2);  t_2 = None
+    view_2 = torch.ops.aten.view.default(t_3, [2, 3]);  t_3 = None
+    view_3 = torch.ops.aten.view.default(view_2, [6]);  view_2 = None
+    div_tensor = torch.ops.aten.div.Tensor(view_3, 2);  view_3 = None
+    view_default = torch.ops.aten.view.default(div_tensor, [2, 3]);  div_tensor = None
+    constant_pad_nd_default = torch.ops.aten.constant_pad_nd.default(view_default, [0, 1], 0.0);  view_default = None
+    view_default_1 = torch.ops.aten.view.default(constant_pad_nd_default, [2, 1, 4]);  constant_pad_nd_default = None
+    abs_default = torch.ops.aten.abs.default(view_default_1)
+    amax_default = torch.ops.aten.amax.default(abs_default, [2], True);  abs_default = None
+    div_tensor_2 = torch.ops.aten.div.Tensor(amax_default, 127.0);  amax_default = None
+    clamp_min_default = torch.ops.aten.clamp_min.default(div_tensor_2, 1.1754943508222875e-38);  div_tensor_2 = None
+    div_tensor_3 = torch.ops.aten.div.Tensor(view_default_1, clamp_min_default);  view_default_1 = None
+    round_default = torch.ops.aten.round.default(div_tensor_3);  div_tensor_3 = None
+    clamp_min_default_1 = torch.ops.aten.clamp_min.default(round_default, -127.0);  round_default = None
+    clamp_max_default = torch.ops.aten.clamp_max.default(clamp_min_default_1, 127.0);  clamp_min_default_1 = None
+    convert_element_type_default = torch.ops.prims.convert_element_type.default(clamp_max_default, torch.int8);  clamp_max_default = None
+    view_default_2 = torch.ops.aten.view.default(convert_element_type_default, [2, 4]);  convert_element_type_default = None
+    view_dtype = torch.ops.aten.view.dtype(view_default_2, torch.uint8);  view_default_2 = None
+    view_default_3 = torch.ops.aten.view.default(clamp_min_default, [2, 1]);  clamp_min_default = None
+    view_dtype_1 = torch.ops.aten.view.dtype(view_default_3, torch.uint8);  view_default_3 = None
+    cat_default = torch.ops.aten.cat.default([view_dtype, view_dtype_1], 1);  view_dtype = view_dtype_1 = None
+    view_default_4 = torch.ops.aten.view.default(cat_default, [-1]);  cat_default = None
+    all_to_all_single_default = torch.ops._c10d_functional.all_to_all_single.default(view_default_4, [8, 8], [8, 8], '3');  view_default_4 = None
+    wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_default);  all_to_all_single_default = None
+    view_default_5 = torch.ops.aten.view.default(wait_tensor_default_2, [2, 8]);  wait_tensor_default_2 = None
+    slice_tensor = torch.ops.aten.slice.Tensor(view_default_5, 1, 0, 4)
+    slice_tensor_1 = torch.ops.aten.slice.Tensor(view_default_5, 1, 4, 8);  view_default_5 = None
+    clone_default = torch.ops.aten.clone.default(slice_tensor_1, memory_format = torch.contiguous_format);  slice_tensor_1 = None
+    view_dtype_2 = torch.ops.aten.view.dtype(clone_default, torch.float32);  clone_default = None
+    view_default_6 = torch.ops.aten.view.default(view_dtype_2, [2, 1, 1]);  view_dtype_2 = None
+    view_dtype_3 = torch.ops.aten.view.dtype(slice_tensor, torch.int8);  slice_tensor = None
+    convert_element_type_default_1 = torch.ops.prims.convert_element_type.default(view_dtype_3, torch.float32);  view_dtype_3 = None
+    view_default_7 = torch.ops.aten.view.default(convert_element_type_default_1, [2, 1, 4]);  convert_element_type_default_1 = None
+    mul_tensor = torch.ops.aten.mul.Tensor(view_default_7, view_default_6);  view_default_7 = view_default_6 = None
+    view_default_8 = torch.ops.aten.view.default(mul_tensor, [2, 4]);  mul_tensor = None
+    slice_tensor_2 = torch.ops.aten.slice.Tensor(view_default_8, 1, 0, 3);  view_default_8 = None
+    clone_default_1 = torch.ops.aten.clone.default(slice_tensor_2, memory_format = torch.contiguous_format);  slice_tensor_2 = None
+    sum_dim_int_list = torch.ops.aten.sum.dim_IntList(clone_default_1, [0]);  clone_default_1 = None
+    constant_pad_nd_default_1 = torch.ops.aten.constant_pad_nd.default(sum_dim_int_list, [0, 1], 0.0);  sum_dim_int_list = None
+    view_default_9 = torch.ops.aten.view.default(constant_pad_nd_default_1, [2, 2]);  constant_pad_nd_default_1 = None
+    constant_pad_nd_default_2 = torch.ops.aten.constant_pad_nd.default(view_default_9, [0, 2], 0.0);  view_default_9 = None
+    view_default_10 = torch.ops.aten.view.default(constant_pad_nd_default_2, [2, 1, 4]);  constant_pad_nd_default_2 = None
+    abs_default_1 = torch.ops.aten.abs.default(view_default_10)
+    amax_default_1 = torch.ops.aten.amax.default(abs_default_1, [2], True);  abs_default_1 = None
+    div_tensor_4 = torch.ops.aten.div.Tensor(amax_default_1, 127.0);  amax_default_1 = None
+    clamp_min_default_2 = torch.ops.aten.clamp_min.default(div_tensor_4, 1.1754943508222875e-38);  div_tensor_4 = None
+    div_tensor_5 = torch.ops.aten.div.Tensor(view_default_10, clamp_min_default_2);  view_default_10 = None
+    round_default_1 = torch.ops.aten.round.default(div_tensor_5);  div_tensor_5 = None
+    clamp_min_default_3 = torch.ops.aten.clamp_min.default(round_default_1, -127.0);  round_default_1 = None
+    clamp_max_default_1 = torch.ops.aten.clamp_max.default(clamp_min_default_3, 127.0);  clamp_min_default_3 = None
+    convert_element_type_default_2 = torch.ops.prims.convert_element_type.default(clamp_max_default_1, torch.int8);  clamp_max_default_1 = None
+    view_default_11 = torch.ops.aten.view.default(convert_element_type_default_2, [2, 4]);  convert_element_type_default_2 = None
+    view_dtype_4 = torch.ops.aten.view.dtype(view_default_11, torch.uint8);  view_default_11 = None
+    view_default_12 = torch.ops.aten.view.default(clamp_min_default_2, [2, 1]);  clamp_min_default_2 = None
+    view_dtype_5 = torch.ops.aten.view.dtype(view_default_12, torch.uint8);  view_default_12 = None
+    cat_default_1 = torch.ops.aten.cat.default([view_dtype_4, view_dtype_5], 1);  view_dtype_4 = view_dtype_5 = None
+    view_default_13 = torch.ops.aten.view.default(cat_default_1, [-1]);  cat_default_1 = None
+    all_to_all_single_default_1 = torch.ops._c10d_functional.all_to_all_single.default(view_default_13, [8, 8], [8, 8], '1');  view_default_13 = None
+    wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_default_1);  all_to_all_single_default_1 = None
+    view_default_14 = torch.ops.aten.view.default(wait_tensor_default_3, [2, 8]);  wait_tensor_default_3 = None
+    slice_tensor_3 = torch.ops.aten.slice.Tensor(view_default_14, 1, 0, 4)
+    slice_tensor_4 = torch.ops.aten.slice.Tensor(view_default_14, 1, 4, 8);  view_default_14 = None
+    clone_default_2 = torch.ops.aten.clone.default(slice_tensor_4, memory_format = torch.contiguous_format);  slice_tensor_4 = None
+    view_dtype_6 = torch.ops.aten.view.dtype(clone_default_2, torch.float32);  clone_default_2 = None
+    view_default_15 = torch.ops.aten.view.default(view_dtype_6, [2, 1, 1]);  view_dtype_6 = None
+    view_dtype_7 = torch.ops.aten.view.dtype(slice_tensor_3, torch.int8);  slice_tensor_3 = None
+    convert_element_type_default_3 = torch.ops.prims.convert_element_type.default(view_dtype_7, torch.float32);  view_dtype_7 = None
+    view_default_16 = torch.ops.aten.view.default(convert_element_type_default_3, [2, 1, 4]);  convert_element_type_default_3 = None
+    mul_tensor_1 = torch.ops.aten.mul.Tensor(view_default_16, view_default_15);  view_default_16 = view_default_15 = None
+    view_default_17 = torch.ops.aten.view.default(mul_tensor_1, [2, 4]);  mul_tensor_1 = None
+    slice_tensor_5 = torch.ops.aten.slice.Tensor(view_default_17, 1, 0, 2);  view_default_17 = None
+    clone_default_3 = torch.ops.aten.clone.default(slice_tensor_5, memory_format = torch.contiguous_format);  slice_tensor_5 = None
+    sum_dim_int_list_1 = torch.ops.aten.sum.dim_IntList(clone_default_3, [0]);  clone_default_3 = None
+    view_default_18 = torch.ops.aten.view.default(sum_dim_int_list_1, [1, 2]);  sum_dim_int_list_1 = None
+    constant_pad_nd_default_3 = torch.ops.aten.constant_pad_nd.default(view_default_18, [0, 2], 0.0);  view_default_18 = None
+    view_default_19 = torch.ops.aten.view.default(constant_pad_nd_default_3, [1, 1, 4]);  constant_pad_nd_default_3 = None
+    abs_default_2 = torch.ops.aten.abs.default(view_default_19)
+    amax_default_2 = torch.ops.aten.amax.default(abs_default_2, [2], True);  abs_default_2 = None
+    div_tensor_6 = torch.ops.aten.div.Tensor(amax_default_2, 127.0);  amax_default_2 = None
+    clamp_min_default_4 = torch.ops.aten.clamp_min.default(div_tensor_6, 1.1754943508222875e-38);  div_tensor_6 = None
+    div_tensor_7 = torch.ops.aten.div.Tensor(view_default_19, clamp_min_default_4);  view_default_19 = None
+    round_default_2 = torch.ops.aten.round.default(div_tensor_7);  div_tensor_7 = None
+    clamp_min_default_5 = torch.ops.aten.clamp_min.default(round_default_2, -127.0);  round_default_2 = None
+    clamp_max_default_2 = torch.ops.aten.clamp_max.default(clamp_min_default_5, 127.0);  clamp_min_default_5 = None
+    convert_element_type_default_4 = torch.ops.prims.convert_element_type.default(clamp_max_default_2, torch.int8);  clamp_max_default_2 = None
+    view_default_20 = torch.ops.aten.view.default(convert_element_type_default_4, [1, 4]);  convert_element_type_default_4 = None
+    view_dtype_8 = torch.ops.aten.view.dtype(view_default_20, torch.uint8);  view_default_20 = None
+    view_default_21 = torch.ops.aten.view.default(clamp_min_default_4, [1, 1]);  clamp_min_default_4 = None
+    view_dtype_9 = torch.ops.aten.view.dtype(view_default_21, torch.uint8);  view_default_21 = None
+    cat_default_2 = torch.ops.aten.cat.default([view_dtype_8, view_dtype_9], 1);  view_dtype_8 = view_dtype_9 = None
+    view_default_22 = torch.ops.aten.view.default(cat_default_2, [-1]);  cat_default_2 = None
+    all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(view_default_22, 2, '1');  view_default_22 = None
+    wait_tensor_default_4 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
+    view_default_23 = torch.ops.aten.view.default(wait_tensor_default_4, [2, 8]);  wait_tensor_default_4 = None
+    slice_tensor_6 = torch.ops.aten.slice.Tensor(view_default_23, 1, 0, 4)
+    slice_tensor_7 = torch.ops.aten.slice.Tensor(view_default_23, 1, 4, 8);  view_default_23 = None
+    clone_default_4 = torch.ops.aten.clone.default(slice_tensor_7, memory_format = torch.contiguous_format);  slice_tensor_7 = None
+    view_dtype_10 = torch.ops.aten.view.dtype(clone_default_4, torch.float32);  clone_default_4 = None
+    view_default_24 = torch.ops.aten.view.default(view_dtype_10, [2, 1, 1]);  view_dtype_10 = None
+    view_dtype_11 = torch.ops.aten.view.dtype(slice_tensor_6, torch.int8);  slice_tensor_6 = None
+    convert_element_type_default_5 = torch.ops.prims.convert_element_type.default(view_dtype_11, torch.float32);  view_dtype_11 = None
+    view_default_25 = torch.ops.aten.view.default(convert_element_type_default_5, [2, 1, 4]);  convert_element_type_default_5 = None
+    mul_tensor_2 = torch.ops.aten.mul.Tensor(view_default_25, view_default_24);  view_default_25 = view_default_24 = None
+    view_default_26 = torch.ops.aten.view.default(mul_tensor_2, [2, 4]);  mul_tensor_2 = None
+    slice_tensor_8 = torch.ops.aten.slice.Tensor(view_default_26, 1, 0, 2);  view_default_26 = None
+    clone_default_5 = torch.ops.aten.clone.default(slice_tensor_8, memory_format = torch.contiguous_format);  slice_tensor_8 = None
+    view_default_27 = torch.ops.aten.view.default(clone_default_5, [4]);  clone_default_5 = None
+    slice_tensor_9 = torch.ops.aten.slice.Tensor(view_default_27, 0, 0, 3);  view_default_27 = None
+    clone_default_6 = torch.ops.aten.clone.default(slice_tensor_9, memory_format = torch.contiguous_format);  slice_tensor_9 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(clone_default_6, 2);  clone_default_6 = None
+    return (None, div_tensor_1)""",
+    )
+    steps = [
+        (n.target, n.meta.get(META_ALL_REDUCE_STEP), n.meta[META_COMPRESSED])
+        for n in bw.graph.nodes
+        if n.target in COLLECTIVES
+    ]
+    assert steps == [(ALL_TO_ALL, None, ("int8", 24)), (ALL_TO_ALL, 1, ("int8", 12)), (ALL_GATHER, 2, ("int8", 12))]
+
+
+def test_compressed_all_reduce_is_scheduled_like_an_all_reduce(fake_pg):
+    """HYBRID, every group serial (gloo): each replica all-to-all stays in flight over the next unit's backward
+    compute (its wait sinks to the next replica all-to-all), like the all-reduce it replaces; its all-gather follows
+    the wait, and no group ever has two collectives in flight (`check_collectives`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    hybrid = fsdp_graph.ShardingStrategy.HYBRID_SHARD
+    model = fsdp_graph.fully_shard(TwoBlock(), init_device_mesh("cpu", (2, 2)), strategy=hybrid, reuse_blocks=False)
+    bw = lower_fsdp_ops(aot_stages(model, torch.randn(2, 4), tag=tag_reshard).backward)
+    compress_collectives(bw, grads="int8", block_size=4, replica_sizes={"1": 2})
+    serial = frozenset({"0", "1", "3"})
+    schedule_collectives(reduce_scatter_as_all_to_all(bw, serial), serial_groups=serial)
+    check_collectives(bw, serial)
+    lines = []
+    for n in bw.graph.nodes:
+        if n.target in COLLECTIVES:
+            step = n.meta.get(META_ALL_REDUCE_STEP)
+            lines.append(
+                f"{n.target.__name__.split('.')[0]} {n.meta[META_UNIT] or '<root>'}" + (f" step {step}" if step else "")
+            )
+        elif n.target is WAIT:
+            lines.append(f"  wait {n.args[0].target.__name__.split('.')[0]} {n.args[0].meta[META_UNIT] or '<root>'}")
+        elif n.target is torch.ops.aten.mm.default and (not lines or lines[-1] != "  mm"):
+            lines.append("  mm")
+    assert_expected_inline(
+        "\n".join(lines),
+        """\
+  mm
+all_gather_into_tensor <root>
+  wait all_gather_into_tensor <root>
+  mm
+all_gather_into_tensor blocks.1
+  wait all_gather_into_tensor blocks.1
+all_to_all_single <root>
+  mm
+  wait all_to_all_single <root>
+all_to_all_single <root> step 1
+all_to_all_single blocks.1
+  mm
+  wait all_to_all_single blocks.1
+  wait all_to_all_single <root>
+all_gather_into_tensor <root> step 2
+  wait all_gather_into_tensor <root>
+all_to_all_single blocks.1 step 1
+all_to_all_single blocks.0
+  wait all_to_all_single blocks.0
+  wait all_to_all_single blocks.1
+all_gather_into_tensor blocks.1 step 2
+  wait all_gather_into_tensor blocks.1
+all_to_all_single blocks.0 step 1
+  wait all_to_all_single blocks.0
+all_gather_into_tensor blocks.0 step 2
+  wait all_gather_into_tensor blocks.0""",
+    )
+
+
+def test_backend_compresses_replica_all_reduces_and_checks_units(fake_pg):
+    """NO_SHARD: each unit's gradient all-reduce over the world (4 replicas) is compressed, no longer refused;
+    `explain` counts its two collectives as sending what the ring all-reduce would have."""
+    torch.manual_seed(0)
     model = fsdp_graph.fully_shard(TwoBlock(), strategy=fsdp_graph.ShardingStrategy.NO_SHARD)
-    backend = fsdp_graph.make_backend(inductor=False, compress="int8", verify_collectives=False)
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match="all-reduces its gradient over 4 replicas"):
-        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 4))
+    x = torch.randn(2, 4)
+    plain = fsdp_graph.explain(model, x, hardware="nvlink")
+    packed = fsdp_graph.explain(model, x, hardware="nvlink", compress="grads=int8,block=4")
+    kinds = [
+        (n.target, n.args[0].meta["val"].dtype)
+        for g in packed.graphs
+        for n in g.graph.graph.nodes
+        if n.target in COLLECTIVES
+    ]
+    assert kinds == [(ALL_TO_ALL, torch.uint8), (ALL_GATHER, torch.uint8)] * 3, kinds
+    assert packed.compression.collectives == 6
+    assert packed.compression.uncompressed_sent_bytes == pytest.approx(plain.sent_bytes)
+    assert packed.sent_bytes == pytest.approx(packed.compression.sent_bytes)
+    assert packed.sent_bytes < plain.sent_bytes
     units = fsdp_graph.make_backend(inductor=False, compress=fsdp_graph.Compression(units=("block.0",)))
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"no such unit in this model; its units are \['', 'blocks.0', 'blocks.1'\]"):
