@@ -85,11 +85,12 @@ class Compression:
     - weights: each rank's shard is quantized before every all-gather ("int8", "fp8": float8_e4m3fn; None: off) and
       the gathered parameter restored to the compute dtype; the master shard stays full precision.
     - grads: each gradient is quantized once ("int8", "int4", "fp8"; None: off), sent by an all-to-all instead of a
-      reduce-scatter, and each rank sums what it receives in float32, then casts to the reduce dtype.
+      reduce-scatter, and each rank sums what it receives in float32, then casts to the reduce dtype. An all-reduce
+      over replicas (HYBRID_SHARD, NO_SHARD) is the same all-to-all of row pieces, then the summed piece is
+      quantized again and all-gathered (two roundings).
     - block_size: elements per scale (a multiple of 4); each block's float32 scale travels in the same buffer.
     - units: the unit FQNs to compress ("" is the root; None: every unit). A bucket is compressed when all its
       units are.
-    Not supported: the replica all-reduce of HYBRID_SHARD and NO_SHARD (the backend refuses `grads` there).
     """
 
     weights: str | None = "int8"
