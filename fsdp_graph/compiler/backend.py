@@ -193,8 +193,12 @@ class FSDPBackend:
         gloo = _gloo_groups(gm)
         all_to_all = frozenset() if self.schedule.reduce_scatter == "native" else gloo
         # The process groups' backends decide the lowering, and torch.compile's options what Inductor makes of it:
-        # both are part of the compiled code's cache key.
+        # both are part of the compiled code's cache key; so are the node groups' piece sizes, which the backward
+        # graph does not show.
+        piece_rows = _piece_rows(gm)
         key = f"{self._cache_key()}{sorted(all_to_all)}{sorted(gloo)}{patches_key(inductor_patches)}"
+        if piece_rows:
+            key += f"{sorted(piece_rows.items())}"
         uuid = hashlib.sha256(key.encode()).hexdigest()
         reshard = _ReshardPass(uuid, dumper, self.pass_seconds)
         lower = _LowerPass(
@@ -206,7 +210,7 @@ class FSDPBackend:
             all_to_all,
             self.pass_seconds,
             gloo,
-            _piece_rows(gm),
+            piece_rows,
         )
         budget = self.schedule.activation_memory_budget
         functorch_patches = {} if budget is None else {"activation_memory_budget": budget}
