@@ -36,6 +36,7 @@ class CompressCase:
     mode: str = "aot"  # "aot": eager kernels; "inductor"
     steps: int = 3  # SGD with momentum; gradients compared at every step
     reshard_after_forward: bool | int | None = None  # None: the strategy's default
+    model: str = "gpt"  # a `tests.workers.training.build` name
 
 
 @dataclass
@@ -128,7 +129,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 def run_case(case: CompressCase, rank: int, world: int, per_rank_batch: int = 2) -> CompressResult:
     torch.manual_seed(0)
-    model, loss_fn, make_batch = build("gpt")
+    model, loss_fn, make_batch = build(case.model)
     ref = copy.deepcopy(model)
     strategy = fsdp_graph.ShardingStrategy[case.strategy]
     mesh = init_device_mesh("cpu", (2, world // 2)) if strategy.is_hybrid else None
