@@ -10,8 +10,9 @@ issued for a unit the forward then does not read is waited for and dropped when 
 
 Not prefetched (gathered by the op as before): the backward (activation-checkpoint recomputes), world 1 (nothing
 to gather), `reshard_after_forward=k` (a gather in two steps) and units that keep their gathers
-(`set_reshard_after_backward(False)`: the next forward reuses the kept one). On gloo the shard groups are
-single-thread copies (`runtime.gloo`), where two gathers in flight on one group are safe.
+(`set_reshard_after_backward(False)`: the next forward reuses the kept one), and groups that run the gathers on
+torch's two-thread gloo (a mixed group's CPU side): fully_shard's gloo shard groups are single-thread copies
+(`runtime.gloo`), where two gathers in flight on one group are safe.
 """
 
 from __future__ import annotations
@@ -40,8 +41,16 @@ class _FlatParam(Protocol):
     def flat_shard(self) -> torch.Tensor: ...
 
 
-def prefetchable(state: _FlatParam) -> bool:
-    return state.world > 1 and state.post_forward_world == 1 and state.reshard_after_backward
+def _two_thread_gloo(state: _FlatParam) -> bool:
+    """Whether `state`'s group runs its gathers on torch's own gloo (two worker threads: two collectives in flight
+    can corrupt the heap, issue 10). fully_shard's gloo groups are single-thread copies; a mixed
+    `cpu:gloo,cuda:nccl` group's CPU side is not."""
+    import torch.distributed as dist
+
+    from fsdp_graph.runtime.devices import backend_for
+
+    group = dist.distributed_c10d._resolve_process_group(state.group_name)
+    return backend_for(group, state.compute_device or state.flat_shard.device) == "gloo"
 
 
 @dataclass(eq=False)
@@ -51,12 +60,18 @@ class ForwardPrefetch:
     order: list[str] | None = None  # flat parameter names in the first eager forward's gather order
     recording: list[str] = field(default_factory=list)
     issued: dict[str, torch.Tensor] = field(default_factory=dict)  # gathers issued and not yet waited for
+    eligible: dict[str, bool] = field(default_factory=dict)  # per flat parameter name, `prefetchable`
+
+    def prefetchable(self, state: _FlatParam) -> bool:
+        if state.name not in self.eligible:  # the groups are the model's for good: resolved once
+            self.eligible[state.name] = state.world > 1 and not _two_thread_gloo(state)
+        return self.eligible[state.name] and state.post_forward_world == 1 and state.reshard_after_backward
 
     def gather(self, state: _FlatParam, states: Sequence[_FlatParam], gathered: Container[str]) -> torch.Tensor | None:
         """`state`'s full flat parameter, waited for, with the next flat parameter's gather issued before the wait
         (no autograd: the caller attaches it). None: not prefetched here, the caller gathers with the op. `states`:
         every flat parameter of the root; `gathered`: the names this forward has gathered already."""
-        if not prefetchable(state):
+        if not self.prefetchable(state):
             return None
         if self.order is None:
             if state.name not in self.recording:
@@ -76,7 +91,7 @@ class ForwardPrefetch:
         by_name = {s.name: s for s in states}
         for following in self.order[self.order.index(name) + 1 :]:
             state = by_name.get(following)
-            if following in self.issued or following in gathered or state is None or not prefetchable(state):
+            if following in self.issued or following in gathered or state is None or not self.prefetchable(state):
                 continue
             return state
         return None
