@@ -46,3 +46,8 @@ def test_eager_forward_issues_the_next_gather_before_waiting(fake_pg):
     ], order.events  # fmt: skip
     root = model._fsdp_root
     assert root.prefetch.order == [s.name for s in root.flat_params] and not root.prefetch.issued
+    alone = _CollectiveOrder()
+    with alone:
+        model[0](x)  # unit 1's gather goes out as predicted; the forward ends without it: waited for, dropped
+    assert alone.events == [("gather", 0), ("gather", 1), ("wait", 0), ("wait", 1)], alone.events
+    assert not root.prefetch.issued
