@@ -1,6 +1,6 @@
 """fsdp_graph on one GPU in one command: writes docs/benchmarks-gpu.md (sized for under 8 minutes on one H100).
 
-    python benchmarks/gpu.py [--quick] [--out docs/benchmarks-gpu.md] [--only train plan offload overlap]
+    python benchmarks/gpu.py [--quick] [--out docs/benchmarks-gpu.md] [--only train plan offload overlap ...]
 
 1. train: the main job (`python -m fsdp_graph train --preset small --mixed-precision bf16`) as one torchrun-style
    NCCL rank, against plain `torch.compile` of the same model without FSDP: step time and peak CUDA memory.
@@ -10,8 +10,14 @@
 4. overlap: one training step under torch.profiler with CUDA activity: a timeline PNG of NCCL against compute
    kernels (next to the report) and the share of NCCL time that compute overlaps. NCCL kernels need 2+ GPUs (world
    1 has nothing to communicate); with one GPU the picture has the compute lane only, and the report says so.
+5. hybrid: Llama `small` forward + backward as rank 0 of a fake 8-rank group, HYBRID_SHARD on a (2, 4) mesh against
+   FULL_SHARD over 8: step time, memory and bytes sent on this GPU, and explain()'s prediction (`_small_params`
+   says why a fake group and not a (1, 1) mesh on NCCL).
+6. compress: the same FULL_SHARD run against `compress=weights=int8,grads=int8` (the job's `--compress`): step
+   time (the cost of quantizing), memory, and the bytes each collective sends.
 
-Each measurement runs in a fresh child process (its own CUDA memory statistics, process group and Dynamo state);
+Sections run in the order 1, 3, 5, 6, 2, 4, so a spent budget leaves out the long 1b plan and the overlap picture
+first. Each measurement runs in a fresh child process (its own CUDA memory statistics, process group and Dynamo state);
 all share one new Inductor cache. A section that fails or runs past the time budget is reported as such. Without
 CUDA the script exits with status 2 and a message, and writes nothing. The parts that need no GPU live in
 `benchmarks/gpu_report.py`.
@@ -48,6 +54,21 @@ from benchmarks.gpu_report import (  # noqa: E402
 
 _TRAIN = ["--preset", "small", "--mixed-precision", "bf16", "--plot", "none", "--world", "1"]
 _SECTION_CAP_S = {"train": 150.0, "plain": 150.0, "plan": 240.0, "overlap": 150.0}
+_HYBRID = {"strategy": "HYBRID_SHARD"}
+_COMPRESSED = {"strategy": "FULL_SHARD", "compress": "weights=int8,grads=int8"}
+
+
+def _small_params(quick: bool) -> dict:
+    """The hybrid and compress sections' plan children: Llama `small` (the job's preset and batch) as rank 0 of a
+    fake group of 8, each measured against the same FULL_SHARD run.
+
+    Why a fake group: one GPU under NCCL is a world of 1, which sends nothing (the lowering emits no collective for
+    one rank, so `--compress` has nothing to compress) and where a (1, 1) HYBRID mesh shards and replicates
+    nothing: both would measure FULL_SHARD at world 1. As rank 0 of 8 the HYBRID model holds 1/4 of each
+    parameter (2 replicas x 4 shards) against FULL_SHARD's 1/8 and runs its replica all-reduce, and compression
+    quantizes every gather and gradient reduction; the collectives move no data, so communication is free and the
+    memory, compute and bytes sent are real."""
+    return {"preset": "small", "seq": 256, "batch": 8, "world": 8, "repeats": 3 if quick else 10}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,18 +89,25 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    def child(kind: str, **params) -> dict:
-        return _run_child(kind, {"steps": args.steps, **params}, deadline, cache)
+    def child(kind: str, cap: float | None = None, **params) -> dict:
+        return _run_child(kind, {"steps": args.steps, **params}, deadline, cache, cap)
 
     results: dict[str, dict] = {}
-    if "train" in args.only or "offload" in args.only:
+    if {"train", "offload"} & set(args.only):
         ours = child("train", offload=False)
     if "train" in args.only:
         results["train"] = _pair(ours=ours, plain=child("plain"))
-    if "plan" in args.only:
-        results["plan"] = child("plan", seq=args.plan_seq, batch=1, repeats=2 if args.quick else 4)
     if "offload" in args.only:
         results["offload"] = _pair(off=ours, on=child("train", offload=True))
+    small = _small_params(args.quick)
+    if {"hybrid", "compress"} & set(args.only):
+        full_shard = child("plan", cap=150.0, strategy="FULL_SHARD", **small)
+    if "hybrid" in args.only:
+        results["hybrid"] = _pair(FULL_SHARD=full_shard, HYBRID_SHARD=child("plan", cap=150.0, **_HYBRID, **small))
+    if "compress" in args.only:
+        results["compress"] = _pair(off=full_shard, on=child("plan", cap=150.0, **_COMPRESSED, **small))
+    if "plan" in args.only:
+        results["plan"] = child("plan", seq=args.plan_seq, batch=1, repeats=2 if args.quick else 4)
     if "overlap" in args.only:
         results["overlap"] = child("overlap", png=str(out.with_name(f"{out.stem}-timeline.png")))
     meta = {
@@ -103,9 +131,10 @@ def _pair(**runs: dict) -> dict:
     return {"error": "\n".join(failed)} if failed else runs
 
 
-def _run_child(kind: str, params: dict, deadline: float, cache: str) -> dict:
-    """Run `gpu.py --child kind` in a new session (so a timeout ends its workers too) and return its result."""
-    timeout = min(_SECTION_CAP_S[kind], deadline - time.perf_counter())
+def _run_child(kind: str, params: dict, deadline: float, cache: str, cap: float | None = None) -> dict:
+    """Run `gpu.py --child kind` in a new session (so a timeout ends its workers too) and return its result; `cap`
+    replaces the kind's time limit."""
+    timeout = min(cap or _SECTION_CAP_S[kind], deadline - time.perf_counter())
     if timeout < 20:
         return {"error": "not run: the time budget (--budget) was spent by the sections before it"}
     fd, result_path = tempfile.mkstemp(prefix=f"gpu_{kind}_", suffix=".json")
@@ -246,9 +275,11 @@ def _loss_of(model, loss_fn, inputs):
 
 
 def _plan_child(params: dict) -> dict:
-    """Llama 1b, FULL_SHARD over a fake group of 8 on this GPU: explain()'s plan, then the same forward + backward
-    compiled with Inductor and measured as tests/workers/explaining.py measures on CPU (peak above the step's start)."""
+    """Llama 1b (or `preset`), FULL_SHARD (or `strategy`; a hybrid one on a (2, world / 2) mesh) as rank 0 of a fake
+    group of 8 (or `world`) on this GPU: explain()'s plan, then the same forward + backward compiled with Inductor
+    and measured as tests/workers/explaining.py measures on CPU (peak above the step's start)."""
     import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import fsdp_graph
@@ -256,22 +287,28 @@ def _plan_child(params: dict) -> dict:
     from fsdp_graph.train.llama import Llama, preset
 
     device = _device(params)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    world = params.get("world", 8)
+    strategy = fsdp_graph.ShardingStrategy[params.get("strategy", "FULL_SHARD")]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         cfg = preset(params.get("preset", "1b"), seq=params["seq"])
         torch.manual_seed(0)
         with torch.device("meta"):
             model = Llama(cfg)
         mp = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        fsdp_graph.fully_shard(model, mixed_precision=mp, param_init_fn=model.init_module, device=device)
+        mesh = init_device_mesh(device.type, (2, world // 2)) if strategy.is_hybrid else None
+        fsdp_graph.fully_shard(
+            model, mesh, strategy=strategy, mixed_precision=mp, param_init_fn=model.init_module, device=device
+        )
         inputs, targets = (t.to(device) for t in batch_at(load_tokens(), 0, 0, params["batch"], params["seq"]))
 
         def loss_fn(logits):
             return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
-        report = fsdp_graph.explain(model, inputs, loss_fn=loss_fn, hardware="nvlink")
+        compress = fsdp_graph.Compression.parse(params["compress"]) if params.get("compress") else None
+        report = fsdp_graph.explain(model, inputs, loss_fn=loss_fn, hardware="nvlink", compress=compress)
         free_comm = report.with_hardware("nvlink", link_bytes_per_s=1e30, link_latency_s=0.0)
-        backend = fsdp_graph.make_backend(inductor=params.get("inductor", True))
+        backend = fsdp_graph.make_backend(inductor=params.get("inductor", True), compress=compress)
         compiled = torch.compile(_loss_of, backend=backend, fullgraph=True)
         times, peaks, persistent = [], [], None
         for _ in range(1 + params["repeats"]):
@@ -285,10 +322,14 @@ def _plan_child(params: dict) -> dict:
             peak = _peak(device)  # synchronises
             times.append(time.perf_counter() - began)
             peaks.append(peak - start)
+        sent = _bytes_sent(model, compiled, loss_fn, inputs, 2 if strategy.is_hybrid else None)
     finally:
         dist.destroy_process_group()
     step = statistics.median(times[1:])
     return {
+        "strategy": strategy.name,
+        "compress": params.get("compress"),
+        "sent_bytes": sent,
         "params": cfg.num_params(),
         "seq": params["seq"],
         "batch": params["batch"],
@@ -301,6 +342,19 @@ def _plan_child(params: dict) -> dict:
         "predicted_step_s": report.step_time,
         "predicted_compute_s": free_comm.step_time,
     }
+
+
+def _bytes_sent(model, compiled, loss_fn, inputs, replicas: int | None) -> dict[str, float]:
+    """Per collective kind, the bytes this rank sends in one more forward + backward (ring algorithms, counted from
+    the executed ops' shapes by `executed_collectives`: real for the world size even on a fake group)."""
+    from fsdp_graph.planning.measure import executed_collectives
+
+    for p in model.parameters():
+        p.grad = None
+    counted = executed_collectives(
+        lambda: compiled(model, loss_fn, (inputs,)).backward(), group_size_of_all_reduce=replicas
+    )
+    return dict(counted.wire_bytes)
 
 
 def _overlap_child(params: dict) -> dict:

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 
 Interval = tuple[float, float]  # (start, end) in microseconds, as in a Chrome trace
 
-SECTIONS = ("train", "plan", "offload", "overlap")
+SECTIONS = ("train", "plan", "offload", "overlap", "hybrid", "compress")
 _MIB = 2**20
 
 
@@ -227,6 +227,72 @@ def _overlap_section(result: dict | None) -> list[str]:
     return lines
 
 
+def _sent(run: dict, *kinds: str) -> str:
+    return _mib(sum(run["sent_bytes"].get(kind, 0) for kind in kinds))
+
+
+_SMALL_RUNS = [
+    "One GPU under NCCL is a world of 1, which sends nothing (no collective is emitted for one rank, so compression",
+    "has nothing to compress) and where a (1, 1) HYBRID mesh shards and replicates nothing. So these runs are rank",
+    "0 of a fake group of 8 on this GPU: collectives move no data, so the figures are one rank's memory, compute",
+    "and bytes sent (ring algorithms, from the executed collectives' shapes) with communication free. Llama small,",
+    "bf16, Inductor, forward + backward (no optimizer); step: median of the timed steps; peak: above the step's",
+    "start; explain(): its plan of the same step with NVLink.",
+]
+
+
+def _hybrid_section(result: dict | None) -> list[str]:
+    lines = ["## 5. HYBRID_SHARD against FULL_SHARD: Llama `small` as rank 0 of 8 (fake process group)", ""]
+    failed = _error("hybrid", result)
+    if failed:
+        return lines + failed
+    full, hybrid = result["FULL_SHARD"], result["HYBRID_SHARD"]
+    lines += [
+        *_SMALL_RUNS,
+        "",
+        "HYBRID_SHARD on a (2 replicas, 4 shards) mesh holds 1/4 of each parameter, FULL_SHARD over 8 ranks 1/8;",
+        f"HYBRID adds an all-reduce of each gradient shard over the 2 replicas. Batch {full['batch']} x "
+        f"{full['seq']} tokens.",
+        "",
+        "| strategy | forward + backward | vs FULL_SHARD | peak above start | persistent | sent: gathers "
+        "| sent: reductions | explain() peak | explain() step |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in (("FULL_SHARD", full), ("HYBRID_SHARD", hybrid)):
+        lines.append(
+            f"| {name} | {r['step_s'] * 1e3:.1f} ms | {_ratio(r['step_s'], full['step_s'])} | {_mib(r['peak_bytes'])} "
+            f"| {_mib(r['persistent_bytes'])} | {_sent(r, 'all_gather')} "
+            f"| {_sent(r, 'reduce_scatter', 'all_to_all', 'all_reduce')} | {_mib(r['predicted_peak_bytes'])} "
+            f"| {r['predicted_step_s'] * 1e3:.1f} ms |"
+        )
+    return lines
+
+
+def _compress_section(result: dict | None) -> list[str]:
+    lines = ["## 6. Compressed collectives: `compress=weights=int8,grads=int8` (the job's `--compress`)", ""]
+    failed = _error("compress", result)
+    if failed:
+        return lines + failed
+    off, on = result["off"], result["on"]
+    lines += [
+        "Measured as section 5 (rank 0 of a fake group of 8 on this GPU: world 1 emits no collective, so there would",
+        "be nothing to compress): its FULL_SHARD run without and with int8 weight gathers and int8 gradient",
+        "all-to-alls (ZeRO++'s qwZ and qgZ). The step time is the cost of quantizing; the bandwidth saved is not",
+        "measured here (explain() predicts it).",
+        "",
+        "| run | forward + backward | vs uncompressed | peak above start | sent: gathers | sent: gradients "
+        "| explain() step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in (("uncompressed", off), ("int8 weights and gradients", on)):
+        lines.append(
+            f"| {name} | {r['step_s'] * 1e3:.1f} ms | {_ratio(r['step_s'], off['step_s'])} | {_mib(r['peak_bytes'])} "
+            f"| {_sent(r, 'all_gather')} | {_sent(r, 'reduce_scatter', 'all_to_all')} "
+            f"| {r['predicted_step_s'] * 1e3:.1f} ms |"
+        )
+    return lines
+
+
 def render_markdown(results: dict, meta: dict) -> str:
     """The report. `results` maps a section name to its result (missing: not run; `{"error": ...}`: failed);
     `meta` has `date`, `device`, `torch`, `command`, `elapsed_s` and `quick`."""
@@ -244,5 +310,9 @@ def render_markdown(results: dict, meta: dict) -> str:
         *_offload_section(results.get("offload")),
         "",
         *_overlap_section(results.get("overlap")),
+        "",
+        *_hybrid_section(results.get("hybrid")),
+        "",
+        *_compress_section(results.get("compress")),
     ]
     return "\n".join(lines) + "\n"

@@ -229,11 +229,11 @@ def reduce_grad(
     divided by `post`).
 
     Sums and divisions: "avg" has no autograd formula and is not supported by every process-group backend.
+    Eagerly, a wide-range reduce dtype moves the division by `pre` after the reduction (`_prepared_for_reduction`:
+    the same bits, one pass over the full gradient fewer); the lowered graph divides as written above.
     """
     pre, post = gradient_divide_factors(world * replicate_world, divide_factor)
-    grad = _cast(full_grad, dtype).contiguous()
-    if pre > 1:
-        grad = grad / pre
+    grad, undivided = _prepared_for_reduction(full_grad, dtype, pre)
     if world > 1 and is_gloo_group(
         group, grad.device
     ):  # as passes.all_to_all lowers it: gloo has no native reduce-scatter
@@ -242,6 +242,8 @@ def reduce_grad(
         grad = grad.view(world, chunk).sum(0)
     elif world > 1:
         grad = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, "sum", world, group))
+    if undivided > 1 and (partial is not None or not all_reduce):  # a partial sum is divided by `pre`
+        grad, undivided = grad / undivided, 1
     if partial is not None:
         grad = grad + partial.to(grad.device, grad.dtype)
     if not all_reduce:
@@ -249,8 +251,22 @@ def reduce_grad(
         return averaged if out_device is None else averaged.to(out_device, non_blocking=True)
     if replicate_world > 1:
         grad = _c10d.wait_tensor(_c10d.all_reduce(grad, "sum", replicate_group))
-    averaged = _cast(grad / post, out_dtype)
+    averaged = _cast(grad / (post * undivided), out_dtype)
     return averaged if out_device is None else averaged.to(out_device, non_blocking=True)
+
+
+def _prepared_for_reduction(full_grad: torch.Tensor, dtype: torch.dtype | None, pre: int) -> tuple[torch.Tensor, int]:
+    """(`full_grad` contiguous in the reduce dtype, the part of `pre` it still has to be divided by: `pre` or 1).
+
+    A reduce dtype with fp32's range (fp32, bf16, fp64): no pass of its own; the shard is divided by `pre` after
+    the reduction, together with `post`. `pre` is a power of two, so dividing by it commutes with every rounding
+    of the sum (short of under- or overflow near 1e-38 / 3e38): the same bits as dividing first, one pass over the
+    full gradient fewer (the cast, when there is one, is the only pass). fp16 (max 65504): dividing first is what
+    keeps the sum finite (`gradient_divide_factors`), so it stays before the reduction."""
+    grad = _cast(full_grad, dtype).contiguous()
+    if pre == 1 or torch.finfo(grad.dtype).max >= 1e38:
+        return grad, pre
+    return grad / pre, 1
 
 
 REDUCE_SIGNATURE = OpSignature(torch.ops.fsdp.reduce_grad.default)

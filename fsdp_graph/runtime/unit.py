@@ -25,6 +25,7 @@ from fsdp_graph.ir.ops import UNSHARD_SIGNATURE, gather_pieces, piece_of, reuse_
 from fsdp_graph.runtime import eager_reshard, offload
 from fsdp_graph.runtime.block_region import region_flat, region_param
 from fsdp_graph.runtime.dtensor_views import hide_views, restore_views, set_local
+from fsdp_graph.runtime.eager_prefetch import ForwardPrefetch
 from fsdp_graph.runtime.flat_param import Layout
 from fsdp_graph.runtime.grads import install_grad_hook
 from fsdp_graph.runtime.tensor_parallel import TPSpec
@@ -47,6 +48,7 @@ class RootState:
     saved_hooks: object = None  # that forward's saved_tensors_hooks, entered by the outermost pre-hook
     unsharded: dict[str, torch.Tensor] = field(default_factory=dict)  # FSDPModule.unshard's flats, outside forward
     held: dict[str, HeldGather] = field(default_factory=dict)  # set_reshard_after_backward(False)'s kept gathers
+    prefetch: ForwardPrefetch = field(default_factory=ForwardPrefetch)  # the eager forward's gathers, one ahead
 
 
 @dataclass(eq=False)
@@ -175,7 +177,10 @@ def _forward_gather(shard: torch.Tensor, state: FlatParamState, in_backward: boo
     one) consumes the kept one, as FSDP2's post-forward reshard does; otherwise it stays kept."""
     held = _valid_held(state)
     if held is None:
-        flat = _call_unshard(shard, state)
+        root = state.root  # a prefetched gather (no autograd) takes the op's backward as a kept one does
+        early = None if in_backward else root.prefetch.gather(state, root.flat_params, root.gathered)
+        args = () if early is None else UNSHARD_SIGNATURE.call_args(_unshard_values(shard, state))
+        flat = _call_unshard(shard, state) if early is None else reuse_gathered(early, *args)
         if _keeps(state) and (in_backward or not resharded_in_eager(state)):
             _hold(state, flat)
         return flat
@@ -471,6 +476,7 @@ def exit_forward(root: RootState, own_states: list[FlatParamState]) -> None:
     if root.forward_depth == 0:
         root.gathered.clear()
         root.recompute_task = -1
+        root.prefetch.end_forward()
         if root.saved_hooks is not None:
             eager_reshard.end(root.saved_hooks)
             root.session = root.saved_hooks = None

@@ -26,7 +26,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 def test_parse_args_defaults_and_quick():
     full = parse_args([])
     assert (full.steps, full.plan_seq, full.budget, full.quick) == (30, 2048, 470.0, False)
-    assert full.out == "docs/benchmarks-gpu.md" and full.only == ["train", "plan", "offload", "overlap"]
+    assert full.out == "docs/benchmarks-gpu.md"
+    assert full.only == ["train", "plan", "offload", "overlap", "hybrid", "compress"]
     quick = parse_args(["--quick", "--only", "plan", "overlap"])
     assert (quick.steps, quick.plan_seq, quick.budget, quick.only) == (8, 512, 360.0, ["plan", "overlap"])
     assert parse_args(["--quick", "--steps", "5"]).steps == 5
@@ -75,35 +76,44 @@ def _run(step_s: float, peak: int) -> dict:
     return {"median_step_s": step_s, "peak_bytes": peak, "compile_s": 40.0, "first_loss": 5.5, "last_loss": 3.25}
 
 
+def _plan(step_s: float, peak: int, persistent: int, sent: dict | None = None) -> dict:
+    return {"params": 1.24e9, "seq": 2048, "batch": 1, "compile_s": 95.0, "step_s": step_s, "peak_bytes": peak,
+            "persistent_bytes": persistent, "predicted_peak_bytes": 8400 * 2**20, "sent_bytes": sent or {},
+            "predicted_persistent_bytes": 690 * 2**20, "predicted_step_s": 0.25, "predicted_compute_s": 0.18}  # fmt: skip
+
+
 def test_render_markdown_reports_ratios_errors_and_missing_sections():
     mib = 2**20
     results = {
         "train": {"ours": _run(0.05, 900 * mib), "plain": _run(0.04, 1200 * mib)},
-        "plan": {
-            "params": 1.24e9,
-            "seq": 2048,
-            "batch": 1,
-            "compile_s": 95.0,
-            "step_s": 0.2,
-            "peak_bytes": 8000 * mib,
-            "persistent_bytes": 700 * mib,
-            "predicted_peak_bytes": 8400 * mib,
-            "predicted_persistent_bytes": 690 * mib,
-            "predicted_step_s": 0.25,
-            "predicted_compute_s": 0.18,
-        },  # fmt: skip
+        "plan": _plan(0.2, 8000 * mib, 700 * mib),
         "offload": {"off": _run(0.05, 900 * mib), "on": _run(0.1, 300 * mib)},
         "overlap": {"world": 2, "comm_ms": 10.0, "compute_ms": 40.0, "overlap_fraction": 0.75, "png": "t.png"},
-    }
+        "hybrid": {
+            "FULL_SHARD": _plan(0.2, 8000 * mib, 700 * mib, {"all_gather": 200 * mib, "reduce_scatter": 400 * mib}),
+            "HYBRID_SHARD": _plan(0.3, 9000 * mib, 1400 * mib, {"all_gather": 150 * mib, "reduce_scatter": 300 * mib,
+                                                                 "all_reduce": 50 * mib}),
+        },
+        "compress": {
+            "off": _plan(0.2, 8000 * mib, 700 * mib, {"all_gather": 200 * mib, "reduce_scatter": 400 * mib}),
+            "on": _plan(0.24, 7000 * mib, 700 * mib, {"all_gather": 100 * mib, "all_to_all": 100 * mib}),
+        },
+    }  # fmt: skip
     text = render_markdown(results, _META)
     assert "| fsdp_graph (ours) | 50.0 ms | 1.25x | 900 MiB | 0.75x | 40.0 s | 5.500 -> 3.250 |" in text
     assert "| peak memory above the step's start | 8,000 MiB | 8,400 MiB | +5.0% |" in text
     assert "Saved: 600 MiB (66.7% of the peak), for 2.00x the step time." in text
     assert "75% of the NCCL time" in text and "![kernel timeline of one step](t.png)" in text
+    assert (
+        "| HYBRID_SHARD | 300.0 ms | 1.50x | 9,000 MiB | 1,400 MiB | 150 MiB | 350 MiB | 8,400 MiB | 250.0 ms |" in text
+    )
+    assert "| uncompressed | 200.0 ms | 1.00x | 8,000 MiB | 200 MiB | 400 MiB | 250.0 ms |" in text
+    assert "| int8 weights and gradients | 240.0 ms | 1.20x | 7,000 MiB | 100 MiB | 100 MiB | 250.0 ms |" in text
 
     failed = render_markdown({"train": {"error": "Traceback ...\nRuntimeError: boom"}}, _META)
     assert "**Failed**" in failed and "RuntimeError: boom" in failed
     assert "Not run (`--only` left out plan)" in failed and "Not run (`--only` left out overlap)" in failed
+    assert "Not run (`--only` left out hybrid)" in failed and "Not run (`--only` left out compress)" in failed
     single = dict(results, overlap={"world": 1, "comm_ms": 0.0, "compute_ms": 40.0, "overlap_fraction": None,
                                     "png": None})  # fmt: skip
     assert "no NCCL kernel ran" in render_markdown(single, _META)
@@ -114,6 +124,31 @@ def test_main_without_cuda_exits_with_a_message(tmp_path, monkeypatch, capsys):
     out = tmp_path / "report.md"
     assert gpu.main(["--quick", "--out", str(out)]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err and not out.exists()
+
+
+def test_main_runs_the_hybrid_and_compress_children(tmp_path, monkeypatch):
+    """`--only hybrid compress`: the children each section needs (CUDA and the children replaced; their own code runs
+    in test_children_run_on_cpu), and a report with both sections."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "test GPU")
+    asked = []
+
+    def run_child(kind, params, deadline, cache, cap=None):
+        asked.append((kind, params.get("preset"), params.get("strategy"), params.get("compress")))
+        return _plan(0.2, 2**30, 2**28)
+
+    monkeypatch.setattr(gpu, "_run_child", run_child)
+    out = tmp_path / "report.md"
+    assert gpu.main(["--quick", "--only", "hybrid", "compress", "--out", str(out)]) == 0
+    assert asked == [
+        ("plan", "small", "FULL_SHARD", None),  # the baseline of both sections, run once
+        ("plan", "small", "HYBRID_SHARD", None),
+        ("plan", "small", "FULL_SHARD", "weights=int8,grads=int8"),
+    ]
+    text = out.read_text()
+    assert "| HYBRID_SHARD | 200.0 ms | 1.00x |" in text and "| int8 weights and gradients | 200.0 ms |" in text
+    assert "Not run (`--only` left out train)" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
@@ -136,9 +171,22 @@ def test_children_run_on_cpu(monkeypatch):
     extra = ["--preset", "tiny", "--backend-mode", "aot", "--batch", "2", "--seq", "32"]
     train = gpu._train_child({"steps": 3, "extra": extra, "offload": True})
     assert train["median_step_s"] > 0 and train["last_loss"] < train["first_loss"], train
-    plan = gpu._plan_child({"seq": 32, "batch": 1, "repeats": 1, "preset": "tiny", "device": "cpu", "inductor": False})
+    tiny = {"seq": 32, "batch": 1, "repeats": 1, "preset": "tiny", "device": "cpu", "inductor": False}
+    plan = gpu._plan_child(tiny)
     assert plan["step_s"] > 0 and plan["predicted_peak_bytes"] > 0, plan
     assert 0 < plan["predicted_compute_s"] < plan["predicted_step_s"], plan
+    assert set(plan["sent_bytes"]) == {"all_gather", "reduce_scatter"}, plan["sent_bytes"]
+    # One child covers both sections' parameters: HYBRID_SHARD with int8 gathers (gradient compression refuses the
+    # replica all-reduce; the compress section's FULL_SHARD run passes its scheme through the same parameter).
+    hybrid = gpu._plan_child({**tiny, **gpu._HYBRID, "compress": "weights=int8"})
+    assert hybrid["step_s"] > 0 and (hybrid["strategy"], hybrid["compress"]) == ("HYBRID_SHARD", "weights=int8")
+    # Rank 0 of (2 replicas, 4 shards) holds twice FULL_SHARD's 1/8 (the rest, buffers and batch, is alike).
+    assert 1.5 < hybrid["predicted_persistent_bytes"] / plan["predicted_persistent_bytes"] < 2.0, (plan, hybrid)
+    sent, packed = plan["sent_bytes"], hybrid["sent_bytes"]
+    assert set(packed) == {"all_gather", "reduce_scatter", "all_reduce"} and packed["all_reduce"] > 0, packed
+    # Uncompressed, gathers over 4 ranks of twice the shard send 6/7 of FULL_SHARD's over 8; int8 codes and block
+    # scales send about half of that.
+    assert packed["all_gather"] < sent["all_gather"] / 1.8, (sent, packed)
 
 
 def test_train_cpu_offload_flag(fake_pg):
