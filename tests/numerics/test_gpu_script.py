@@ -176,8 +176,8 @@ def test_children_run_on_cpu(monkeypatch):
     assert plan["step_s"] > 0 and plan["predicted_peak_bytes"] > 0, plan
     assert 0 < plan["predicted_compute_s"] < plan["predicted_step_s"], plan
     assert set(plan["sent_bytes"]) == {"all_gather", "reduce_scatter"}, plan["sent_bytes"]
-    # One child covers both sections' parameters: HYBRID_SHARD with int8 gathers (gradient compression refuses the
-    # replica all-reduce; the compress section's FULL_SHARD run passes its scheme through the same parameter).
+    # One child covers both sections' parameters: HYBRID_SHARD with int8 gathers (weights only, so the replica
+    # all-reduce stays one collective to count; the compress section's FULL_SHARD run passes its scheme the same way).
     hybrid = gpu._plan_child({**tiny, **gpu._HYBRID, "compress": "weights=int8"})
     assert hybrid["step_s"] > 0 and (hybrid["strategy"], hybrid["compress"]) == ("HYBRID_SHARD", "weights=int8")
     # Rank 0 of (2 replicas, 4 shards) holds twice FULL_SHARD's 1/8 (the rest, buffers and batch, is alike).
