@@ -13,7 +13,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import fsdp_graph
 from fsdp_graph.ir import META_ROLE, META_UNIT, ROLE_REDUCE, ROLE_UNSHARD
 from fsdp_graph.runtime.unit import flat_params
-from passes.cost import Hardware, collective_cost, estimate_memory, node_flops, simulate, unit_labels
+from passes.cost import Hardware, collective_cost, node_flops, simulate, unit_labels
+from passes.memory import estimate_memory
 from tests.graphs.capture import TwoBlock
 from tests.workers.models import GPT, GPTConfig
 
