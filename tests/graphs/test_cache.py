@@ -90,7 +90,10 @@ cpu_vec_isa.VecISA.check_build = counting
 patches = vec_isa_patches(sys.argv[1])
 with config.patch(patches):  # as the backend compiles
     picked = str(cpu_vec_isa.pick_vec_isa())
-print(json.dumps({"patches": patches, "picked": picked, "probed": probed}))
+usable = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # torch's verdict (probed, or trusted by the patch)
+with config.patch({"cpp.vec_isa_ok": True}):
+    reported = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list.__wrapped__()]
+print(json.dumps({"patches": patches, "picked": picked, "probed": probed, "all_usable": usable == reported}))
 """
 
 
@@ -114,8 +117,9 @@ def test_vec_isa_is_probed_once_per_machine_not_per_process(tmp_path, monkeypatc
     assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
     first, second = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
     assert first["probed"], first  # torch's own probe decided, once
+    # every reported ISA usable: the patch, and no probe again; else torch keeps probing in every process
+    assert first["patches"] == ({"cpp.vec_isa_ok": True} if first["all_usable"] else {}), first
     assert second["picked"] == first["picked"] and second["patches"] == first["patches"]
-    # every reported ISA usable (the patch): no probe again; else torch keeps probing in every process
     assert bool(second["probed"]) == (not second["patches"]), second
     monkeypatch.setattr(config.cpp, "vec_isa_ok", False)  # a user's setting is never overridden
     assert vec_isa_patches() == {}
