@@ -44,7 +44,10 @@ def vec_isa_patches(record_dir: str | None = None) -> dict[str, bool]:
         usable = json.loads(record.read_text())
     except (OSError, ValueError):
         usable = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # torch's own probe, once per machine
-        _write_atomically(record, json.dumps(usable))
+        try:
+            _write_atomically(record, json.dumps(usable))
+        except OSError:  # a read-only cache: every process probes, as without the record, and decides alike
+            pass
     return {"cpp.vec_isa_ok": True} if usable == reported else {}
 
 
