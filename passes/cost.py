@@ -1,10 +1,8 @@
-"""Read-only cost model of lowered forward/backward graphs: peak memory per rank and a two-lane step timeline.
+"""Read-only cost model of lowered forward/backward graphs: a two-lane step timeline per rank.
 
-`estimate_memory` computes the liveness of every tensor storage across the forward and the backward graph (saved
-activations, gathered parameters, gradients, communication buffers) and returns the predicted peak and where it
-happens. `simulate` replays one graph on a compute lane and a communication lane with a roofline cost per
+(The peak memory is `passes.memory`'s, which uses this module's collective and unit helpers.) `simulate` replays one graph on a compute lane and a communication lane with a roofline cost per
 kernel and an alpha-beta (ring) cost per collective, and returns the step time and the communication the compute
-lane had to wait for (exposed communication). Both read only node targets, arguments and `meta["val"]`
+lane had to wait for (exposed communication). It reads only node targets, arguments and `meta["val"]`
 (FakeTensors; symbolic sizes count at their hints), plus the `fsdp_*` meta keys of `fsdp_graph.ir`.
 """
 
@@ -20,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
 from fsdp_graph.ir import META_COMPRESSED, META_ROLE, META_UNIT, ROLE_UNSHARD, WAIT
-from passes.fx_nodes import alias_source, bind_args, fake_value, hint, tensor_bytes, value_bytes, written_args
+from passes.fx_nodes import alias_source, bind_args, fake_value, hint, value_bytes, written_args
 
 _aten = torch.ops.aten
 
@@ -79,174 +77,6 @@ def unit_labels(gm: fx.GraphModule) -> list[str | None]:
         labels.append(current)
     first = next((label for label in labels if label is not None), None)
     return [first if label is None else label for label in labels]
-
-
-@dataclass(eq=False)
-class _Storage:
-    nbytes: int
-    persistent: bool = False
-    alloc: int = 0
-    last_use: int = 0
-
-
-class _Liveness:
-    """Storages of the nodes of one or two graphs laid out on one position axis."""
-
-    def __init__(self):
-        self.storages: list[_Storage] = []
-        self.refs: dict[fx.Node, list[_Storage]] = {}  # a tensor node -> the storages it keeps alive
-        self.elems: dict[fx.Node, list[list[_Storage]]] = {}  # a tuple/list node -> per element
-
-    def new(self, nbytes: int, position: int, persistent: bool = False) -> _Storage:
-        storage = _Storage(nbytes, persistent, position, position)
-        self.storages.append(storage)
-        return storage
-
-    def allocate(self, node: fx.Node, position: int, persistent: bool = False) -> None:
-        val = fake_value(node)
-        if isinstance(val, (tuple, list)):
-            self.elems[node] = [
-                [self.new(tensor_bytes(v), position, persistent)] if isinstance(v, torch.Tensor) else [] for v in val
-            ]
-            self.refs[node] = [s for elem in self.elems[node] for s in elem]
-        elif isinstance(val, torch.Tensor):
-            self.refs[node] = [self.new(tensor_bytes(val), position, persistent)]
-        else:
-            self.refs[node] = []
-
-    def define(self, node: fx.Node, position: int) -> None:
-        if node.target is operator.getitem:
-            base, index = node.args
-            elems = self.elems.get(base)
-            self.refs[node] = elems[index] if elems is not None and index < len(elems) else self.refs.get(base, [])
-            return
-        source = alias_source(node)
-        if source is not None:
-            self.refs[node] = self.refs.get(source, [])
-            val = fake_value(node)
-            if isinstance(val, (tuple, list)):  # split/unbind/chunk: every piece views the input
-                self.elems[node] = [self.refs[node]] * len(val)
-            return
-        self.allocate(node, position)
-
-    def use(self, nodes, position: int) -> None:
-        for node in nodes:
-            for storage in self.refs.get(node, ()):
-                storage.last_use = max(storage.last_use, position)
-
-
-@dataclass(frozen=True)
-class MemoryPoint:
-    """Bytes live (above the persistent baseline) while the node at `index` of the `stage` graph runs."""
-
-    stage: str
-    index: int
-    node: str
-    unit: str | None
-    bytes: int
-
-
-@dataclass
-class MemoryEstimate:
-    """Predicted memory of one rank over a forward and a backward graph.
-
-    `persistent_bytes`: the forward graph's inputs (flat shards, buffers, the batch), live before and after the
-    step. `peak_bytes`: the most bytes live on top of them, at `peak`. `curve`: one point per node, forward then
-    backward. `outputs_bytes`: what the backward leaves allocated (the gradient shards)."""
-
-    persistent_bytes: int
-    peak_bytes: int
-    peak: MemoryPoint
-    curve: list[MemoryPoint] = field(default_factory=list)
-    outputs_bytes: int = 0
-
-    @property
-    def total_peak_bytes(self) -> int:
-        return self.persistent_bytes + self.peak_bytes
-
-
-def _output_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    return [a for a in tree_flatten(output.args)[0] if isinstance(a, fx.Node)]
-
-
-def estimate_memory(
-    fw: fx.GraphModule, bw: fx.GraphModule | None = None, *, release_inputs: bool = True
-) -> MemoryEstimate:
-    """Liveness of every tensor storage over `fw` then `bw` (the partitioned, lowered graphs of one compile).
-
-    A storage is allocated by the node producing it and freed after its last use; view, in-place and wait nodes
-    alias their input's storage and extend its life. A collective's inputs stay live until its wait (the work
-    holds them); a gather's output buffer is allocated when it is issued. The forward's inputs are the persistent
-    baseline. Forward outputs the backward takes as inputs (saved activations, matched by name: the partitioner
-    names backward inputs after forward nodes) stay live until their last use in the backward; other forward
-    outputs (what the user gets) are released when the forward returns, and the backward's other inputs (the
-    incoming gradients) are allocated when it starts. `release_inputs=False` models an executor that holds its
-    argument list for the whole call (the eager-kernel backend: `make_boxed_func`), so backward inputs then live
-    until the backward returns; Inductor's code frees each one at its last use."""
-    live = _Liveness()
-    graphs = [("fw", fw)] + ([("bw", bw)] if bw is not None else [])
-    positions: list[tuple[str, int, fx.Node, str | None]] = []
-    for stage, gm in graphs:
-        labels = unit_labels(gm)
-        positions += [(stage, i, node, labels[i]) for i, node in enumerate(gm.graph.nodes)]
-    fw_outputs = _output_nodes(fw)
-    fw_by_name = {node.name: node for node in fw_outputs}
-    bw_inputs = [n for n in bw.graph.nodes if n.op == "placeholder"] if bw is not None else []
-    saved = {fw_by_name[n.name] for n in bw_inputs if n.name in fw_by_name}
-    bw_output_position = len(positions) - 1
-
-    waits: dict[fx.Node, list[fx.Node]] = {}
-    for _, _, node, _ in positions:
-        collective = _collective_of_wait(node)
-        if collective is not None:
-            waits.setdefault(collective, []).append(node)
-    position_of = {node: p for p, (_, _, node, _) in enumerate(positions)}
-
-    for p, (stage, _, node, _) in enumerate(positions):
-        if node.op == "placeholder":
-            if stage == "fw":
-                live.allocate(node, p, persistent=True)
-            elif node.name in fw_by_name:
-                live.refs[node] = live.refs.get(fw_by_name[node.name], [])
-                if not release_inputs:
-                    live.use([node], bw_output_position)
-            else:
-                live.allocate(node, p)
-                if not release_inputs:
-                    live.use([node], bw_output_position)
-            continue
-        if node.op == "get_attr":
-            live.allocate(node, p, persistent=True)
-            continue
-        if node.op == "output":
-            if stage == "fw":
-                live.use([n for n in fw_outputs if n not in saved], p)
-            else:
-                live.use(_input_nodes(node), p)
-            continue
-        live.define(node, p)
-        live.use(_input_nodes(node), p)
-        if collective_kind(node) is not None:
-            last_wait = max((position_of[w] for w in waits.get(node, ())), default=p)
-            live.use(_input_nodes(node), last_wait)
-
-    delta = [0] * (len(positions) + 1)
-    persistent = 0
-    for storage in live.storages:
-        if storage.persistent:
-            persistent += storage.nbytes
-        else:
-            delta[storage.alloc] += storage.nbytes
-            delta[storage.last_use + 1] -= storage.nbytes
-    curve, running = [], 0
-    for p, (stage, index, node, unit) in enumerate(positions):
-        running += delta[p]
-        curve.append(MemoryPoint(stage, index, node.name, unit, running))
-    peak = max(curve, key=lambda point: point.bytes)
-    last_graph = graphs[-1][1]
-    outputs = {id(s): s.nbytes for n in _output_nodes(last_graph) for s in live.refs.get(n, ()) if not s.persistent}
-    return MemoryEstimate(persistent, peak.bytes, peak, curve, sum(outputs.values()))
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from fsdp_graph.compiler.dump import GraphDumper, no_caches_when_dumping
 from fsdp_graph.compiler.options import OWNED_VALUES, inductor_config_patches, patches_key
 from fsdp_graph.compiler.rank_check import STORE, GraphCollectives, RankAgreement, check_first_call
 from fsdp_graph.compiler.region_schema import cached_region_schemas
+from fsdp_graph.compiler.vec_isa import vec_isa_patches
 from fsdp_graph.ir import ops
 from passes.collective_counts import CollectiveSummary
 from passes.fx_nodes import bind_args
@@ -277,6 +278,7 @@ def _compile_inductor(
     # Inductor's peak-memory reordering re-sorts the scheduler's nodes and sinks prefetched gathers to their first
     # use; the node order `passes.schedule` produced is the schedule (docs/design-notes.md).
     patches = {
+        **(vec_isa_patches() if _on_cpu(example_inputs) else {}),  # no per-process ISA probe (compiler/vec_isa.py)
         **(user_patches or {}),
         **OWNED_VALUES,
         "joint_custom_pre_pass": reshard,
@@ -285,6 +287,11 @@ def _compile_inductor(
     if dumping:
         patches["fx_graph_cache"] = False
     return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+def _on_cpu(example_inputs) -> bool:
+    """Inductor compiles C++ kernels for the graph (some input is a CPU tensor)."""
+    return any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in example_inputs)
 
 
 def _compile_eager(gm, example_inputs, reshard: _ReshardPass, lower: _LowerPass):

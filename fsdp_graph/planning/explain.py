@@ -1,9 +1,9 @@
 """`explain()`: what a sharded model's compiled step will cost, per rank, before training it.
 
 One forward + backward of the model (and its loss) is compiled by the fsdp backend with eager kernels and run
-once; the lowered forward and backward graphs then go through the cost model of `passes.cost`: tensor liveness
-for the peak memory, a two-lane (compute / communication) replay for the step time and the communication the
-compute has to wait for. The process group may be the fake one, so a single machine can plan for any world size.
+once; the lowered forward and backward graphs then go through the cost model: tensor liveness for the peak memory
+(`passes.memory`), a two-lane (compute / communication) replay for the step time and the communication the
+compute has to wait for (`passes.cost`). The process group may be the fake one, so a single machine can plan for any world size.
 """
 
 from __future__ import annotations
@@ -28,15 +28,14 @@ from passes.cost import (
     HARDWARE,
     CompressionCost,
     Hardware,
-    MemoryEstimate,
     Simulation,
     collective_cost,
-    estimate_memory,
     iter_collectives,
     simulate,
     unit_name,
 )
 from passes.fx_nodes import bind_args
+from passes.memory import MemoryEstimate, estimate_memory
 
 _MIB = 2**20
 

@@ -71,3 +71,55 @@ def test_code_hash_covers_every_passes_module(monkeypatch, module):
     finally:
         monkeypatch.undo()
         backend._code_hash.cache_clear()
+
+
+_PICK_IN_A_FRESH_PROCESS = """
+import json, sys
+from torch._inductor import config, cpu_vec_isa
+from fsdp_graph.compiler.vec_isa import vec_isa_patches
+
+probed = []  # the ISAs torch built and loaded a probe for (its base check; the per-feature ones are left to it)
+build = cpu_vec_isa.VecISA.check_build
+
+def counting(self, code):
+    if code == cpu_vec_isa.VecISA._avx_code:
+        probed.append(str(self))
+    return build(self, code)
+
+cpu_vec_isa.VecISA.check_build = counting
+patches = vec_isa_patches(sys.argv[1])
+with config.patch(patches):  # as the backend compiles
+    picked = str(cpu_vec_isa.pick_vec_isa())
+usable = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # torch's verdict (probed, or trusted by the patch)
+with config.patch({"cpp.vec_isa_ok": True}):
+    reported = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list.__wrapped__()]
+print(json.dumps({"patches": patches, "picked": picked, "probed": probed, "all_usable": usable == reported}))
+"""
+
+
+def test_vec_isa_is_probed_once_per_machine_not_per_process(tmp_path, monkeypatch):
+    """Inductor probes each vector ISA the CPU reports (a probe library and a child Python process each) before the
+    first kernel of every process loads, from its cache too: ~0.9 CPU seconds of a warm restart. The first process
+    records torch's verdict (here in `tmp_path`; the probe libraries stay in Inductor's cache); a later one picks the
+    same ISA without probing."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from torch._inductor import config
+
+    from fsdp_graph.compiler.vec_isa import vec_isa_patches
+
+    env = {name: value for name, value in os.environ.items() if name != "TORCHINDUCTOR_VEC_ISA_OK"}
+    command = [sys.executable, "-c", _PICK_IN_A_FRESH_PROCESS, str(tmp_path)]
+    runs = [subprocess.run(command, env=env, capture_output=True, text=True) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    first, second = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+    assert first["probed"], first  # torch's own probe decided, once
+    # every reported ISA usable: the patch, and no probe again; else torch keeps probing in every process
+    assert first["patches"] == ({"cpp.vec_isa_ok": True} if first["all_usable"] else {}), first
+    assert second["picked"] == first["picked"] and second["patches"] == first["patches"]
+    assert bool(second["probed"]) == (not second["patches"]), second
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", False)  # a user's setting is never overridden
+    assert vec_isa_patches() == {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import fsdp_graph
 from fsdp_graph.ir import META_ROLE, META_UNIT, ROLE_REDUCE, ROLE_UNSHARD
 from fsdp_graph.runtime.unit import flat_params
-from passes.cost import Hardware, collective_cost, estimate_memory, node_flops, simulate, unit_labels
+from passes.cost import Hardware, collective_cost, node_flops, simulate, unit_labels
+from passes.memory import estimate_memory
 from tests.graphs.capture import TwoBlock
 from tests.workers.models import GPT, GPTConfig
 
@@ -295,3 +297,33 @@ def test_explain_defaults_and_errors(fake_pg):
     assert [(r.unit, r.gathers) for r in report.units] == [("blocks.0", 1), ("blocks.1", 2), ("", 2)]
     eager = fsdp_graph.explain(model, torch.randn(2, 4), inductor=False)
     assert eager.executor == "eager kernels" and eager.memory.peak_bytes >= report.memory.peak_bytes
+
+
+def test_memory_looks_into_a_region_body():
+    """A shared block body (`invoke_subgraph`) is looked into: its temporaries count while it runs, the tensor it
+    returns lives on, and an input it returns (AOT saves the block's input that way) is the caller's own tensor."""
+    body = Builder()
+    bx, bw = body.input("x", 10, 20), body.input("w", 20, 40)
+    h = body("h", aten.mm.default, bx, bw)  # 1600 B, freed inside the body
+    a = body("a", aten.relu.default, h)  # 1600 B, returned
+    root = torch.nn.Module()
+    root.body = body.done(a, bx)
+
+    f = Builder()
+    x, p = f.input("x", 10, 20), f.input("p", 800)  # 800 + 3200 B persistent
+    weight = f("weight", aten.view.default, p, [20, 40])
+    operands = (f.graph.get_attr("body"), "body", x, weight)
+    call = f.graph.create_node("call_function", torch.ops.higher_order.invoke_subgraph, operands, name="call")
+    call.meta["val"] = (a.meta["val"], bx.meta["val"])
+    out = f.graph.create_node("call_function", operator.getitem, (call, 0), name="out")
+    out.meta["val"] = a.meta["val"]
+    loss = f("loss", aten.sum.default, out)
+    f.graph.output((loss,))
+    fw = fx.GraphModule(root, f.graph)
+
+    est = estimate_memory(fw)
+    by_node = {p.node: p.bytes for p in est.curve}
+    assert est.persistent_bytes == 4000
+    assert by_node["call"] == 3200  # the body's relu runs while its mm's output is still live
+    assert by_node["loss"] == 1604  # only the returned activation is left (the returned input is no copy)
+    assert (est.peak_bytes, est.peak.node) == (3200, "call")

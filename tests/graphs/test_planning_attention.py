@@ -18,7 +18,9 @@ SOFTMAX = torch.ops.aten._safe_softmax.default
 
 
 def _targets(report) -> list[set]:
-    return [{n.target for n in g.graph.graph.nodes if n.op == "call_function"} for g in report.graphs]
+    """Per graph, the ops it calls, those of its block bodies (shared `invoke_subgraph` bodies) included."""
+    graphs = [[g.graph, *(m for m in g.graph.children() if isinstance(m, torch.fx.GraphModule))] for g in report.graphs]
+    return [{n.target for gm in group for n in gm.graph.nodes if n.op == "call_function"} for group in graphs]
 
 
 def _plan(fused: bool, seq: int):
@@ -26,10 +28,7 @@ def _plan(fused: bool, seq: int):
     with torch.device("meta"):
         model = Llama(cfg)
     mp = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    # without shared block bodies (the default since issue 25): this checks each block's own nodes
-    fsdp_graph.fully_shard(
-        model, device="meta", param_init_fn=model.init_module, mixed_precision=mp, reuse_blocks=False
-    )
+    fsdp_graph.fully_shard(model, device="meta", param_init_fn=model.init_module, mixed_precision=mp)
     idx = torch.zeros(1, seq, dtype=torch.long, device="meta")
 
     def loss(logits: torch.Tensor) -> torch.Tensor:

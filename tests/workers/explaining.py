@@ -36,10 +36,13 @@ def _train_step(model, loss_fn, inputs):
     return loss_fn(out) if loss_fn is not None else out["loss"]
 
 
-def predicted_vs_measured(rank: int, world: int, name: str, batch_size: int, repeats: int = 5) -> dict[str, float]:
+def predicted_vs_measured(
+    rank: int, world: int, name: str, batch_size: int, reuse_blocks: bool | None = None, repeats: int = 5
+) -> dict[str, float]:
     """Peak bytes one forward + backward allocates above the step's starting point: predicted by `explain`
     (eager-kernel executor) and measured (profiler memory events, the least of `repeats` steps after a warm-up step
-    that compiles), both for the model and its loss compiled as one graph with `make_backend(inductor=False)`.
+    that compiles), both for the model and its loss compiled as one graph with `make_backend(inductor=False)`, the
+    model sharded with `fully_shard(model, reuse_blocks=reuse_blocks)` (None: its default, shared block bodies).
 
     The least, not the median: a finished gloo collective's tensors are released by gloo's worker thread, a moment
     after `wait_tensor` returns. When the graph allocates in that moment, the step peaks higher by up to one
@@ -47,9 +50,7 @@ def predicted_vs_measured(rank: int, world: int, name: str, batch_size: int, rep
     memory, which the least of a few steps measures; `spread` reports how much the steps differ."""
     torch.manual_seed(0)
     model, make_batch = _build(name)
-    # without shared block bodies: explain's memory estimate sees a body call as one node, not its temporaries
-    # (docs/design-notes.md, issue 25); this compares the estimate for the per-layer graphs
-    fsdp_graph.fully_shard(model, reuse_blocks=False)
+    fsdp_graph.fully_shard(model, reuse_blocks=reuse_blocks)
     batch = make_batch(torch.Generator().manual_seed(100 + rank), batch_size)
     inputs, loss_fn = inputs_and_loss(name, batch)
     report = fsdp_graph.explain(model, *inputs, loss_fn=loss_fn, inductor=False)
@@ -79,3 +80,10 @@ def predicted_vs_measured(rank: int, world: int, name: str, batch_size: int, rep
         "persistent": float(report.memory.persistent_bytes),
         "spread": (max(peaks) - min(peaks)) / measured,
     }
+
+
+def predicted_vs_measured_per_reuse(
+    rank: int, world: int, name: str, batch_size: int, reuse_settings: tuple[bool | None, ...]
+) -> list[dict[str, float]]:
+    """`predicted_vs_measured` for each `fully_shard(reuse_blocks=...)` setting, in one spawn of the ranks."""
+    return [predicted_vs_measured(rank, world, name, batch_size, reuse) for reuse in reuse_settings]
