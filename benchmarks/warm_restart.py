@@ -3,7 +3,7 @@ processes with the same Inductor cache directory.
 
     python benchmarks/warm_restart.py                    # tiny preset, 2 gloo ranks, 1 cold + 2 warm runs
     python benchmarks/warm_restart.py --preset small --warm-runs 3
-    python benchmarks/warm_restart.py --reuse-blocks      # the job's --reuse-blocks: one block body traced
+    python benchmarks/warm_restart.py --no-reuse-blocks   # the job's --no-reuse-blocks: every layer traced
 
 Each run is a fresh `spawn` of the ranks (a new Python process per rank, as a restarted job): they build the job's
 model (`train/job.py`'s `_build`: meta init, fully_shard, torch.compile with the job's backend) and time the first
@@ -85,11 +85,16 @@ def main(cli: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--warm-runs", type=int, default=2)
     parser.add_argument("--backend-mode", choices=("inductor", "aot"), default="inductor")
-    parser.add_argument("--reuse-blocks", action="store_true", help="the job's --reuse-blocks (one block body)")
+    parser.add_argument(
+        "--reuse-blocks",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the job's --reuse-blocks / --no-reuse-blocks (default: the job's, one block body where eligible)",
+    )
     parser.add_argument("--json", help="write every run's figures to this file")
     args = parser.parse_args(cli)
     job_argv = ["--preset", args.preset, "--backend-mode", args.backend_mode, "--batch", "8"]
-    job_argv += ["--reuse-blocks"] if args.reuse_blocks else []
+    job_argv += [] if args.reuse_blocks is None else ["--reuse-blocks" if args.reuse_blocks else "--no-reuse-blocks"]
     cache = tempfile.mkdtemp(prefix="fsdp_graph_warm_")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # the ranks inherit it: one cache, shared as on a node
     runs = [("cold", run_once(job_argv, args.world))]

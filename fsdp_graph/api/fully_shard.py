@@ -105,7 +105,9 @@ def fully_shard(
       (`fsdp_graph.runtime.block_region`). A unit whose subtree holds another unit, reads another unit's parameters
       or holds tensor-parallel ones cannot share one: with None such units are traced on their own, with one
       warning; with True it is refused (ValueError, before anything is sharded). A call whose arguments torch cannot
-      reuse a body for (a KV cache object) runs that unit's forward on its own, with one warning. False: off.
+      reuse a body for (a KV cache object), or whose output the caller cannot rebuild from the body's tensors
+      (anything but tensors, constants, arguments, and tuples, lists, dicts and dataclasses of them), runs that
+      unit's forward on its own, with one warning. False: off.
     - `dtensor_params` (rows layout, a `mesh`): every parameter the optimizer sees is a DTensor on `mesh` whose
       local tensor is its row block (FSDP2's parameters; `fsdp_graph.fsdp2` sets it), as with tensor parallelism.
     """

@@ -20,8 +20,10 @@ re-gathers (docs/design-notes.md, "Compile once per block").
 
 What torch refuses to reuse a body for never reaches it (docs/design-notes.md, "Block reuse on the models people
 bring"): a call with an argument other than tensors, numbers, strings, None and modules (transformers' KV cache
-objects) runs the unit's own forward, with one warning; a tuple output's non-tensors and returned arguments (T5's
-blocks) are taken out of the body and put back by the caller from a template recorded at trace time.
+objects) runs the unit's own forward, with one warning; an output's non-tensors, returned arguments (T5's blocks) and
+structure (dicts, dataclasses, `ModelOutput`s) are taken out of the body and put back by the caller from a template
+recorded at trace time (`block_output`); an output that cannot be rebuilt so runs the unit's own forward, with one
+warning.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch.nn as nn
 from torch._dynamo.comptime import comptime
 
 from fsdp_graph.ir import REGION_PARAM_ANNOTATION
+from fsdp_graph.runtime.block_output import rebuild_output, refusal, split_output
 from fsdp_graph.runtime.flat_param import ParamSlot
 
 REGION_FLATS = "_fsdp_region_flats"  # the gathered flats a unit's body reads while it runs (compiled only)
@@ -149,43 +152,26 @@ def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
     setattr(self, REGION_FLATS, flats)
     out = type(self)._fsdp_block_forward(self, *args, **kwargs)
     setattr(self, REGION_FLATS, None)
-    template = None  # noqa: F841 (comptime reads it, and `key`, by name at trace time)
-    key = _reuse_key(self, count)  # noqa: F841
-    if isinstance(out, (tuple, list)):
-        inputs = {id(value): place for place, value in _argument_places(args, kwargs)}
-        places = tuple(_output_place(item, inputs) for item in out)
-        if any(place is not None for place in places):
-            # torch reuses a body only if it returns tensors (`is_reuse_eligible`), none of them an input (no
-            # aliasing): return those, and record where the rest goes (T5's None, and the position bias a block
-            # passes on), for the caller to rebuild the output.
-            template = (isinstance(out, list), places)  # noqa: F841
-            out = tuple(item for item, place in zip(out, places) if place is None)
+    key = _reuse_key(self, count)  # noqa: F841 (comptime reads it, and `template`, by name at trace time)
+    # torch reuses a body only if it returns tensors, none of them an input: return those, and record the rest of
+    # the output (T5's None and the position bias a block passes on, a dict, a dataclass) for the caller to rebuild.
+    template, tensors = split_output(out, args, kwargs)
     # recorded for every body traced, None too: a key's output may take another shape in a later compile
     comptime(lambda ctx: _OUTPUT_TEMPLATES.__setitem__(*_constants(ctx, "key", "template")))
-    return out
-
-
-def _argument_places(args: tuple, kwargs: dict) -> list[tuple[tuple, object]]:
-    return [(("arg", i), value) for i, value in enumerate(args)] + [(("kwarg", k), v) for k, v in kwargs.items()]
-
-
-def _output_place(item: object, inputs: dict) -> tuple | None:
-    """None: a tensor the body returns; ("arg", i) / ("kwarg", name): that argument itself; ("constant", value)."""
-    if isinstance(item, torch.Tensor):
-        return inputs.get(id(item))
-    return ("constant", item)
+    return out if template is None else () if refusal(template) is not None else tensors
 
 
 _block_body = torch.compiler.nested_compile_region(_body, reuse_hash_fn=_reuse_key)
-_OUTPUT_TEMPLATES: dict[int, tuple[bool, tuple] | None] = {}  # reuse key -> (a list?, `_output_place`s)
+_OUTPUT_TEMPLATES: dict[int, object] = {}  # reuse key -> `split_output`'s template
 _WARNED: set[tuple[str, str]] = set()
 _SCALARS = (bool, int, float, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
 _ARGUMENT_TYPES = (torch.Tensor, nn.Module, *_SCALARS)
 
 
 def _gathering_forward(self: nn.Module, *args, **kwargs):
-    """Eager: the unit's own forward. Compiled: its gathers, then the shared body; or, for a call torch could not
-    reuse a body for, the unit's own forward (its parameters gathered as without `reuse_blocks`), with one warning."""
+    """Eager: the unit's own forward. Compiled: its gathers, then the shared body, its output rebuilt from the body's
+    tensors; or, for a call or an output torch could not reuse a body for, the unit's own forward (its parameters
+    gathered as without `reuse_blocks`), with one warning."""
     if not torch.compiler.is_compiling():
         return type(self)._fsdp_block_forward(self, *args, **kwargs)
     refused = _refused_argument(args, kwargs)
@@ -201,24 +187,22 @@ def _gathering_forward(self: nn.Module, *args, **kwargs):
     # fingerprints a call without pytree-flattening it (`build_fingerprint_fast`), about 0.07 s a call.
     out = _block_body(self, len(flats), *flats, *args, **kwargs)
     template = _output_template(_reuse_key(self, len(flats)))
-    if template is None or not isinstance(out, tuple):
+    if template is None:
         return out
-    is_list, places = template
-    tensors = iter(out)
-    rebuilt = tuple(next(tensors) if place is None else _placed(place, args, kwargs) for place in places)
-    return list(rebuilt) if is_list else rebuilt
+    why = refusal(template)
+    if why is not None:
+        block = getattr(type(self), "_fsdp_original_class", type(self)).__qualname__
+        message = _output_refusal_message(block, why)  # noqa: F841 (comptime reads it at trace time)
+        comptime(lambda ctx: _warn_once(*_constants(ctx, "block", "message")))
+        return type(self)._fsdp_block_forward(self, *args, **kwargs)
+    return rebuild_output(template, out, args, kwargs)
 
 
 @torch._dynamo.assume_constant_result
-def _output_template(key: int) -> tuple[bool, tuple] | None:
+def _output_template(key: int) -> object:
     """What `_body` recorded for `key` while tracing it, read at trace time (Dynamo keeps no guard on it: a new
     trace records it again, for its first body of that key)."""
     return _OUTPUT_TEMPLATES.get(key)
-
-
-def _placed(place: tuple, args: tuple, kwargs: dict) -> object:
-    what, where = place
-    return where if what == "constant" else args[where] if what == "arg" else kwargs[where]
 
 
 def _refused_argument(args: tuple, kwargs: dict) -> tuple[str, str] | None:
@@ -245,6 +229,14 @@ def _refusal_message(block: str, refused: tuple[str, str]) -> str:
         f"reuse_blocks: {block} is traced layer by layer, not as one shared body: its argument {name!r} is a "
         f"{type_name}, and torch's nested_compile_region reuses a body only for tensors, numbers, strings, None and "
         f"modules (invoke_subgraph's is_reuse_eligible: 'unsupported input VT types'){hint}"
+    )
+
+
+def _output_refusal_message(block: str, why: str) -> str:
+    return (
+        f"reuse_blocks: {block} is traced layer by layer, not as one shared body: its forward returns {why}, and "
+        "torch's nested_compile_region reuses a body only if it returns tensors (invoke_subgraph's "
+        "is_reuse_eligible); return tensors, tuples, lists, dicts or dataclasses of them, or pass reuse_blocks=False"
     )
 
 

@@ -126,9 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--reuse-blocks",
-        action="store_true",
-        help="compile one block body for every layer (fully_shard(reuse_blocks=True)): compile time about flat in "
-        "depth; not with --tp or --pp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile one block body for every layer, so compile time stays about flat in depth. Default: where "
+        "eligible (fully_shard(reuse_blocks=None); off with --tp, whose tensor-parallel blocks cannot share one); "
+        "--reuse-blocks: everywhere or an error (reuse_blocks=True; not with --tp); --no-reuse-blocks: off",
     )
     p.add_argument("--world", type=int, default=2, help="ranks to start when not under torchrun (default: 2)")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds (default: 300)")
@@ -162,11 +164,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.microbatches = args.pp
     if why := _check_tp_args(args):
         parser.error(why)
-    if args.reuse_blocks and (args.tp > 1 or args.pp > 1):
+    if args.reuse_blocks and args.tp > 1:
         parser.error(
-            "--reuse-blocks runs without --tp and --pp (fully_shard refuses tensor-parallel units; "
-            "pipeline stages are compiled on their own)"
+            "--reuse-blocks runs without --tp (fully_shard cannot share a block body across tensor-parallel units)"
         )
+    if args.reuse_blocks is None and args.tp > 1:
+        args.reuse_blocks = False  # said in the header: the default's fallback, without fully_shard's warning
     if args.pp > 1 and not _under_torchrun() and (why := check_pipeline_args(args, args.world)):
         parser.error(why)
     if args.seq is None:
@@ -285,6 +288,7 @@ def _shard_kwargs(args: argparse.Namespace) -> dict:
         "strategy": fsdp_graph.ShardingStrategy[args.strategy],
         "mixed_precision": mp,
         "cpu_offload": fsdp_graph.CPUOffload(offload_params=True) if args.cpu_offload else None,
+        "reuse_blocks": args.reuse_blocks,
     }
 
 
@@ -331,7 +335,6 @@ def _build(args: argparse.Namespace, world: int, device: torch.device):
             _mesh(kwargs["strategy"], world, device),
             param_init_fn=model.init_module,
             device=device,
-            reuse_blocks=args.reuse_blocks,
             **kwargs,
         )
         dp, dp_rank = world, dist.get_rank()
@@ -436,6 +439,8 @@ def _print_header(args, cfg, world: int, device: torch.device, start: int) -> No
     if args.compile:
         what = "each stage into one graph" if args.pp > 1 else "the model into one graph"
         print(f"The first step compiles {what}: {expected_compile_wait(args)}.", flush=True)
+        if args.tp > 1 and args.reuse_blocks is False:
+            print("Block reuse is off with --tp: tensor-parallel blocks are traced layer by layer.", flush=True)
 
 
 def expected_compile_wait(args: argparse.Namespace) -> str:
@@ -444,7 +449,7 @@ def expected_compile_wait(args: argparse.Namespace) -> str:
         return "seconds rather than tens of seconds (--backend-mode aot: eager kernels, no code generation)"
     return (
         "expect 30-50 s on a 2-core CPU with an empty Inductor cache (tiny preset; larger presets take longer), "
-        "about 5 s when the cache is warm (--reuse-blocks: one block body compiled for every layer)"
+        "about 5 s when the cache is warm (one block body compiled for every layer; --no-reuse-blocks: one per layer)"
     )
 
 

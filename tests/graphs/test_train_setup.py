@@ -93,3 +93,16 @@ def test_header_states_the_expected_compile_wait(capsys, fake_pg):
     assert "no code generation" in capsys.readouterr().out
     train._print_header(train.parse_args(["--no-compile"]), train.preset("tiny"), 2, torch.device("cpu"), 0)
     assert "compiles" not in capsys.readouterr().out
+
+
+def test_block_reuse_is_the_default_and_off_with_tp(capsys, fake_pg):
+    """Issue 25: the job shares block bodies where eligible unless told otherwise; --tp turns the default off (its
+    blocks are tensor-parallel, which fully_shard cannot share a body across), and the header says so."""
+    assert train._shard_kwargs(train.parse_args([]))["reuse_blocks"] is None
+    assert train._shard_kwargs(train.parse_args(["--reuse-blocks"]))["reuse_blocks"] is True
+    assert train._shard_kwargs(train.parse_args(["--no-reuse-blocks"]))["reuse_blocks"] is False
+    assert train._shard_kwargs(train.parse_args(["--pp", "2", "--world", "4"]))["reuse_blocks"] is None
+    args = train.parse_args(["--tp", "2", "--world", "4"])
+    assert train._shard_kwargs(args)["reuse_blocks"] is False
+    train._print_header(args, train.preset("tiny"), 4, torch.device("cpu"), 0)
+    assert "Block reuse is off with --tp" in capsys.readouterr().out

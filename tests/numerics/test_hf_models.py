@@ -62,7 +62,10 @@ def test_families_train_alike_with_and_without_block_reuse():
     parameters, one Dynamo graph each (no recompile at the second step), and with reuse the layers run shared
     bodies. Llama given a KV cache (transformers' default) falls back to its own forward per layer, with one
     warning naming the layer class and torch's check, and trains the same."""
+    # Each family on one rank, half of them on each (2 ranks each compiling all twenty models took ~190 CPU s): the
+    # on/off comparison needs no second rank (multi-rank reuse parity: tests/numerics/test_block_reuse.py).
     results = spawn(train_families, 2, (FAMILIES,))
+    assert sorted(name for runs in results for name in runs) == sorted(FAMILIES)
     for runs in results:
         for name, (off, on, *with_cache) in runs.items():
             tol = REUSE_TOL.get(name, 0.0)

@@ -20,9 +20,9 @@ FAST = ["--preset", "tiny", "--batch", "2", "--seq", "32", "--backend-mode", "ao
 
 @pytest.fixture(scope="module")
 def plain_job() -> dict:
-    """The job on 2 ranks without --tp, --pp or --reuse-blocks, 4 steps: what the --tp and --reuse-blocks jobs are
-    compared with (nothing in the job depends on --steps but the loop's length, so its first 3 steps are a 3-step
-    run's)."""
+    """The job on 2 ranks without --tp or --pp (block reuse by default), 4 steps: what the --tp and --no-reuse-blocks
+    jobs are compared with (nothing in the job depends on --steps but the loop's length, so its first 3 steps are a
+    3-step run's)."""
     return train.main([*FAST, "--world", "2", "--steps", "4", "--plot", "none"])
 
 
@@ -144,16 +144,16 @@ def test_tensor_parallel_job_matches_the_data_parallel_job_and_resumes_exactly(t
         assert abs(a - b) < 1e-6, (resumed["history"], straight["history"])
 
 
-def test_reuse_blocks_job_trains_like_the_job_without_it(plain_job):
-    """--reuse-blocks (one compiled block body for every layer) changes how the model compiles, not what it computes:
-    the same losses as the job without it, step for step (its first 3 of 4)."""
-    reused = train.main([*FAST, "--world", "2", "--steps", "3", "--plot", "none", "--reuse-blocks"])
-    plain = {"history": plain_job["history"][:3]}
-    assert len(reused["history"]) == len(plain["history"]) == 3, (reused["history"], plain["history"])
-    assert reused["last_loss"] < reused["first_loss"], reused
-    assert max(abs(a - b) for (_, a), (_, b) in zip(reused["history"], plain["history"])) < 1e-6, (
+def test_job_without_block_reuse_trains_like_the_default(plain_job):
+    """Block reuse (one compiled block body for every layer, the job's default) changes how the model compiles, not
+    what it computes: --no-reuse-blocks gives the same losses, step for step (the default's first 3 of 4)."""
+    inlined = train.main([*FAST, "--world", "2", "--steps", "3", "--plot", "none", "--no-reuse-blocks"])
+    reused = {"history": plain_job["history"][:3]}
+    assert len(inlined["history"]) == len(reused["history"]) == 3, (inlined["history"], reused["history"])
+    assert inlined["last_loss"] < inlined["first_loss"], inlined
+    assert max(abs(a - b) for (_, a), (_, b) in zip(inlined["history"], reused["history"])) < 1e-6, (
+        inlined["history"],
         reused["history"],
-        plain["history"],
     )
 
 
@@ -167,7 +167,7 @@ def test_reuse_blocks_job_trains_like_the_job_without_it(plain_job):
         (["--pp", "3", "--world", "4"], "--pp 3 does not divide the 4 ranks"),
         (["--pp", "2", "--world", "4", "--microbatches", "3"], "--microbatches 3 does not divide --batch 2"),
         (["--pp", "2", "--world", "4", "--strategy", "HYBRID_SHARD"], "--pp with HYBRID_SHARD"),
-        (["--reuse-blocks", "--tp", "2", "--world", "4"], "--reuse-blocks runs without --tp and --pp"),
+        (["--reuse-blocks", "--tp", "2", "--world", "4"], "--reuse-blocks runs without --tp"),
     ],
 )
 def test_parallel_options_are_checked_before_starting(extra, message, capsys):

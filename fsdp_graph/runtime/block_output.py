@@ -1,0 +1,123 @@
+"""A shared block body's output, taken apart inside the body and put back together by its caller (issue 25).
+
+torch reuses a `nested_compile_region` body only if it returns a tensor, or a tuple or list of tensors, none of
+them an input (`is_reuse_eligible`, `supports_aliasing = False`). Blocks return more: T5's a tuple with `None` and
+the position bias argument it was given, others a dict, a dataclass or a transformers `ModelOutput`. The body
+returns only the fresh tensors (`split_output`) and records a template of the rest, built of Python constants so
+that it can be read at trace time; the caller rebuilds the block's output from it (`rebuild_output`).
+
+A template is, recursively:
+- `FRESH`: the next tensor the body returns;
+- `("arg", i)` / `("kwarg", name)`: that argument of the call itself;
+- `("constant", value)`: a bool, int, float, str or None;
+- `("sequence", cls, items)`: a tuple, list or namedtuple of `cls`;
+- `("mapping", cls, keys, items)`: a dict (or a subclass built from its items) of `cls`;
+  (`cls` is the name "tuple", "list" or "dict" for those builtins: a builtin read from the template at trace time
+  is a value Dynamo cannot guard on);
+- `("dataclass", cls, names, items)`: a dataclass instance (a `ModelOutput` too), rebuilt as `cls(**fields)`;
+- `("refused", why)`: an output that cannot be rebuilt from constants and tensors (any other object, a dataclass
+  with fields its `__init__` does not take); the caller then runs the block's own forward instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+FRESH = None
+_CONSTANTS = (bool, int, float, str, type(None))
+
+
+def split_output(out: object, args: tuple, kwargs: dict) -> tuple[object, tuple[torch.Tensor, ...]]:
+    """(template, the fresh tensors in template order) of `out`, a block's output; template None when `out` is a
+    tensor or a plain tuple of fresh tensors, which torch accepts as they are."""
+    # compared with `is`, not looked up by `id()`: Dynamo guards a traced tensor's id (a recompile every step)
+    inputs = [(place, value) for place, value in _argument_places(args, kwargs) if isinstance(value, torch.Tensor)]
+    tensors: list[torch.Tensor] = []
+    template = _template(out, inputs, tensors)
+    if template is FRESH or (
+        type(out) is tuple and template[0] == "sequence" and all(item is FRESH for item in template[2])
+    ):
+        return None, out if isinstance(out, tuple) else (out,)
+    return template, tuple(tensors)
+
+
+def refusal(template: object) -> str | None:
+    """Why an output with `template` cannot be rebuilt (its first such part), or None."""
+    if not isinstance(template, tuple):
+        return None
+    if template[0] == "refused":
+        return template[1]
+    if template[0] in ("sequence", "mapping", "dataclass"):
+        for item in template[-1]:
+            why = refusal(item)
+            if why is not None:
+                return why
+    return None
+
+
+def rebuild_output(template: object, tensors: tuple, args: tuple, kwargs: dict) -> object:
+    """The block's output from the body's `tensors`, its call's arguments and `split_output`'s template."""
+    return _rebuild(template, iter(tensors), args, kwargs)
+
+
+def _argument_places(args: tuple, kwargs: dict) -> list[tuple[tuple, object]]:
+    return [(("arg", i), value) for i, value in enumerate(args)] + [(("kwarg", k), v) for k, v in kwargs.items()]
+
+
+def _template(item: object, inputs: list, tensors: list) -> object:
+    if isinstance(item, torch.Tensor):
+        for place, value in inputs:
+            if value is item:
+                return place
+        tensors.append(item)
+        return FRESH
+    if isinstance(item, _CONSTANTS):
+        return ("constant", item)
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        fields = dataclasses.fields(item)
+        skipped = [field.name for field in fields if not field.init]
+        if skipped:
+            return (
+                "refused",
+                f"a {type(item).__qualname__} (dataclass field {skipped[0]!r} is not an __init__ argument)",
+            )
+        names = tuple(field.name for field in fields)
+        return ("dataclass", type(item), names, tuple(_template(getattr(item, n), inputs, tensors) for n in names))
+    if isinstance(item, (tuple, list)):
+        return ("sequence", _class(item), tuple(_template(value, inputs, tensors) for value in item))
+    if isinstance(item, dict):
+        keys = tuple(item.keys())
+        if not all(isinstance(key, _CONSTANTS) for key in keys):
+            return ("refused", f"a {type(item).__qualname__} with keys other than numbers and strings")
+        return ("mapping", _class(item), keys, tuple(_template(item[key], inputs, tensors) for key in keys))
+    return ("refused", f"a {type(item).__qualname__}")
+
+
+def _class(item: object) -> type | str:
+    cls = type(item)
+    return cls.__name__ if cls in (tuple, list, dict) else cls
+
+
+def _rebuild(template: object, tensors, args: tuple, kwargs: dict) -> object:
+    if template is FRESH:
+        return next(tensors)
+    kind = template[0]
+    if kind == "arg":
+        return args[template[1]]
+    if kind == "kwarg":
+        return kwargs[template[1]]
+    if kind == "constant":
+        return template[1]
+    if kind == "sequence":
+        cls, items = template[1], [_rebuild(item, tensors, args, kwargs) for item in template[2]]
+        if isinstance(cls, str):
+            return items if cls == "list" else tuple(items)
+        return cls(*items) if hasattr(cls, "_fields") else cls(items)
+    if kind == "mapping":
+        cls, keys = template[1], template[2]
+        values = [_rebuild(item, tensors, args, kwargs) for item in template[3]]
+        return dict(zip(keys, values)) if isinstance(cls, str) else cls(zip(keys, values))
+    cls, names = template[1], template[2]
+    return cls(**dict(zip(names, [_rebuild(item, tensors, args, kwargs) for item in template[3]])))
