@@ -25,7 +25,16 @@ from fsdp_graph.ir import (
     WAIT,
 )
 from passes.fx_nodes import NodeEmitter, bind_args, fake_value, finish, node_bytes
-from passes.quantize import check_scheme, pack_rows, packed_bytes, unpack_rows
+from passes.quantize import (
+    check_scheme,
+    pack_rows,
+    pack_segments,
+    packed_bytes,
+    segmented_bytes,
+    unpack_rows,
+    unpack_segments,
+)
+from passes.weight_rows import row_segments
 
 _aten, _prims = torch.ops.aten, torch.ops.prims
 
@@ -68,17 +77,20 @@ def _compress_gather(graph: fx.Graph, node: fx.Node, scheme: str, block_size: in
     if val is None or wait is None:
         return False
     n, world, group = val.numel(), a["group_size"], a["group_name"]
-    emit = _emitter(graph, node, scheme, node_bytes(node))
+    # fp8: one scale per row of each parameter where the graph's copy-out shows the rows (passes.weight_rows).
+    per_row = row_segments(wait, world, n, block_size) if scheme == "fp8" else None
+    segments = per_row or ((n, block_size),)
+    emit = _emitter(graph, node, f"{scheme} per row" if per_row else scheme, node_bytes(node))
     before = _emit_call(emit, node)
     row = before(_aten.view.default, a["input"], [1, n])
-    packed = before(_aten.view.default, pack_rows(row, 1, n, scheme, block_size, before), [-1])
-    size = packed_bytes(n, scheme, block_size)
+    packed = before(_aten.view.default, pack_segments(row, 1, segments, scheme, before), [-1])
+    size = segmented_bytes(segments, scheme)
     gathered_val = packed.meta["val"].new_empty(world * size)
     gathered = emit(ALL_GATHER, (packed, world, group), before=node, val=gathered_val)
     arrived = emit(WAIT, (gathered,), before=wait, val=gathered_val)
     after = _emit_call(emit, wait)
     rows = after(_aten.view.default, arrived, [world, size])
-    full = after(_aten.view.default, unpack_rows(rows, world, n, val.dtype, scheme, block_size, after), [world * n])
+    full = after(_aten.view.default, unpack_segments(rows, world, segments, val.dtype, scheme, after), [world * n])
     wait.replace_all_uses_with(full)
     graph.erase_node(wait)
     graph.erase_node(node)
@@ -125,12 +137,14 @@ def compress_collectives(
     unit), with a static 1-D floating input and a single `wait_tensor`:
     - with `weights` (a `passes.quantize` scheme): `all_gather_into_tensor` of role "unshard" (forward gathers and
       FULL_SHARD's backward re-gathers) -> `pack_rows` of the shard as one row + a gather of the uint8 rows + wait +
-      `unpack_rows` of the `world` rows to the gather's dtype, flattened;
+      `unpack_rows` of the `world` rows to the gather's dtype, flattened. "fp8" takes one scale per row of each
+      parameter the graph reads back in rows (`passes.weight_rows`: the rows layout), blocks elsewhere;
     - with `grads`: `reduce_scatter_tensor(sum)` of role "reduce_grad" -> `pack_rows` of the input as `world` rows
       + `all_to_all_single` of the packed rows + wait + `unpack_rows` to float32 + sum over the ranks + cast back to
       the input's dtype (the reduce dtype).
     The replica all-reduce (HYBRID_SHARD, NO_SHARD) is not matched. Every new node carries the replaced
-    collective's fsdp meta and `meta["fsdp_compressed"] = (scheme, bytes the uncompressed collective moved)`.
+    collective's fsdp meta and `meta["fsdp_compressed"] = (scheme, bytes the uncompressed collective moved)`, the
+    scheme "fp8 per row" where fp8 found rows.
     Guarantees: the values equal the eager `passes.quantize` functions applied per rank (the same ops); collectives
     keep their order and groups; the issue node stays the first node of its reduction. No-op without a scheme.
     """

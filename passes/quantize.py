@@ -10,6 +10,8 @@ zero-padded). Scheme:
 - "int4": the same with 7 levels, codes + 8 two per byte (low nibble first); error <= scale / 2;
 - "fp8": float8_e4m3fn codes of x / scale, scale = max|x| / 448; relative error <= 2^-4 per element (3 mantissa
   bits), subnormal codes below 2^-6 * scale.
+A row can also be cut into segments with a block size each (`pack_segments`: fp8 weights in the rows layout, one
+scale per row of every parameter); a segment is packed as above and the packed segments follow one another.
 A block whose max is below 127 * 2^-126 (7 or 448 times, int4 and fp8; all zeros included) gets the scale 2^-126,
 so nothing divides by 0: a zero block comes back as zeros, a tiny one within 2^-127. Huge finite values cannot
 overflow: every code is |x| / scale <= the largest level. Scales are float32 whatever the input dtype.
@@ -122,8 +124,47 @@ def unpack_rows(packed: Any, rows: int, n: int, dtype: torch.dtype, scheme: str,
     return restored if dtype == torch.float32 else call(_prims.convert_element_type.default, restored, dtype)
 
 
-def round_trip(x: torch.Tensor, scheme: str, block_size: int) -> torch.Tensor:
-    """A 1-D tensor quantized and restored in one block row, as one rank's gathered shard is (eager)."""
+Segments = tuple[tuple[int, int], ...]  # (elements, elements per scale), in order, covering the row
+
+
+def segmented_bytes(segments: Segments, scheme: str) -> int:
+    return sum(packed_bytes(n, scheme, block) for n, block in segments)
+
+
+def pack_segments(x: Any, rows: int, segments: Segments, scheme: str, call: Call = eager) -> Any:
+    """`pack_rows` of each segment of the (rows, n) tensor `x` with its own block size, concatenated along dim 1."""
+    if len(segments) == 1:
+        ((n, block),) = segments
+        return pack_rows(x, rows, n, scheme, block, call)
+    parts, lo = [], 0
+    for n, block in segments:
+        piece = call(_aten.slice.Tensor, x, 1, lo, lo + n)
+        if rows > 1:  # a column range of several rows is strided: pack_rows views it as blocks
+            piece = call(_aten.clone.default, piece, memory_format=torch.contiguous_format)
+        parts.append(pack_rows(piece, rows, n, scheme, block, call))
+        lo += n
+    return call(_aten.cat.default, parts, 1)
+
+
+def unpack_segments(packed: Any, rows: int, segments: Segments, dtype: torch.dtype, scheme: str, call: Call = eager):
+    """(rows, segmented_bytes) uint8 -> contiguous (rows, n) tensor of `dtype`: `pack_segments` undone."""
+    if len(segments) == 1:
+        ((n, block),) = segments
+        return unpack_rows(packed, rows, n, dtype, scheme, block, call)
+    parts, lo = [], 0
+    for n, block in segments:
+        size = packed_bytes(n, scheme, block)
+        parts.append(
+            unpack_rows(call(_aten.slice.Tensor, packed, 1, lo, lo + size), rows, n, dtype, scheme, block, call)
+        )
+        lo += size
+    return call(_aten.cat.default, parts, 1)
+
+
+def round_trip(x: torch.Tensor, scheme: str, block_size: int, segments: Segments | None = None) -> torch.Tensor:
+    """A 1-D tensor quantized and restored in one block row, as one rank's gathered shard is (eager); with
+    `segments`, each segment with its own block size instead."""
     n = x.numel()
-    packed = pack_rows(x.reshape(1, n).contiguous(), 1, n, scheme, block_size)
-    return unpack_rows(packed, 1, n, x.dtype, scheme, block_size).view(n)
+    segments = segments or ((n, block_size),)
+    packed = pack_segments(x.reshape(1, n).contiguous(), 1, segments, scheme)
+    return unpack_segments(packed, 1, segments, x.dtype, scheme).view(n)
