@@ -83,16 +83,31 @@ def pack_rows(x: Any, rows: int, n: int, scheme: str, block_size: int, call: Cal
         rounded = _clamp(call, call(_aten.round.default, scaled), level)
         if scheme == "int4":  # codes + 8 in [1, 15]
             rounded = call(_aten.add.Tensor, rounded, 8.0)
-        codes = call(_prims.convert_element_type.default, rounded, torch.uint8 if scheme == "int4" else torch.int8)
+        # int8 even for int4's [1, 15]: Inductor vectorizes float -> int8, not float -> uint8 (8x slower packing)
+        codes = call(_prims.convert_element_type.default, rounded, torch.int8)
     if scheme == "int4":  # pairs of neighbours share a byte, low nibble first
         pairs = call(_aten.view.default, codes, [rows, padded // 2, 2])
         low = call(_aten.select.int, pairs, 2, 0)
         high = call(_aten.select.int, pairs, 2, 1)
-        code_row = call(_aten.add.Tensor, low, call(_aten.mul.Tensor, high, 16))
+        nibbles = call(_aten.add.Tensor, low, call(_aten.mul.Tensor, high, 16))  # wraps in int8: the same bits
+        code_row = call(_aten.view.dtype, nibbles, torch.uint8)
     else:
         code_row = call(_aten.view.dtype, call(_aten.view.default, codes, [rows, padded]), torch.uint8)
     scale_row = call(_aten.view.dtype, call(_aten.view.default, scale, [rows, nb]), torch.uint8)
     return call(_aten.cat.default, [code_row, scale_row], 1)
+
+
+def _float32_of_bytes(call: Call, scale_bytes: Any, rows: int, nb: int) -> Any:
+    """(rows, 4 * nb) little-endian bytes -> (rows, nb) float32, bit for bit. Built from int arithmetic and a bitcast
+    of equal size: Inductor (torch 2.13, CPU) miscompiles a uint8 -> float32 `view.dtype` whose consumer is sliced
+    (the padded last block: garbage scales), while int32 -> float32 bitcasts are plain loads."""
+    as_int = call(
+        _prims.convert_element_type.default, call(_aten.view.default, scale_bytes, [rows, nb, 4]), torch.int64
+    )
+    word = call(_aten.select.int, as_int, 2, 0)
+    for i in (1, 2, 3):
+        word = call(_aten.add.Tensor, word, call(_aten.mul.Tensor, call(_aten.select.int, as_int, 2, i), 256**i))
+    return call(_aten.view.dtype, call(_prims.convert_element_type.default, word, torch.int32), torch.float32)
 
 
 def unpack_rows(packed: Any, rows: int, n: int, dtype: torch.dtype, scheme: str, block_size: int, call: Call = eager):
@@ -102,8 +117,12 @@ def unpack_rows(packed: Any, rows: int, n: int, dtype: torch.dtype, scheme: str,
     coded = code_bytes(n, scheme, block_size)
     code_row = call(_aten.slice.Tensor, packed, 1, 0, coded)
     scale_bytes = call(_aten.slice.Tensor, packed, 1, coded, coded + 4 * nb)
-    scale_dense = call(_aten.clone.default, scale_bytes, memory_format=torch.contiguous_format)
-    scale = call(_aten.view.default, call(_aten.view.dtype, scale_dense, torch.float32), [rows, nb, 1])
+    if padded != n:
+        scale_words = _float32_of_bytes(call, scale_bytes, rows, nb)
+    else:  # a plain bitcast: the fast path (the int arithmetic above costs ~1 ns per element under Inductor)
+        scale_dense = call(_aten.clone.default, scale_bytes, memory_format=torch.contiguous_format)
+        scale_words = call(_aten.view.dtype, scale_dense, torch.float32)
+    scale = call(_aten.view.default, scale_words, [rows, nb, 1])
     if scheme == "int4":
         low = call(_aten.bitwise_and.Scalar, code_row, 15)
         high = call(_aten.bitwise_right_shift.Tensor_Scalar, code_row, 4)
