@@ -97,13 +97,14 @@ def report(curves: dict[str, list[tuple[int, float]]], seconds: dict[str, float]
         f"(`history.json`). Final loss: the mean of the last {TAIL} steps (the per-step loss is noisy: each step is a "
         "different batch), and the last step alone.",
         "",
-        f"| run | mean of last {TAIL} | ratio | last step | ratio | wall s |",
-        "|---|---|---|---|---|---|",
+        f"| run | mean of last {TAIL} | ratio | last step | ratio | within 1% (mean, last) | wall s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for compress, history in curves.items():
         t, last = tail_mean(history), history[-1][1]
+        within = ", ".join("yes" if abs(r - 1) <= 0.01 else "no" for r in (t / base_tail, last / base_last))
         lines.append(
-            f"| {label(compress)} | {t:.4f} | {t / base_tail:.4f} | {last:.4f} | {last / base_last:.4f} "
+            f"| {label(compress)} | {t:.4f} | {t / base_tail:.4f} | {last:.4f} | {last / base_last:.4f} | {within} "
             f"| {seconds[compress]:.0f} |"
         )
     lines += ["", "![loss curves](convergence.png)", ""]
