@@ -1,6 +1,7 @@
 """Quantized collectives (`make_backend(compress=...)`, ZeRO++'s qwZ + qgZ) on a communication-heavy step.
 
     python benchmarks/compression.py [--steps 10] [--compress int8]
+    python benchmarks/compression.py --codec     # only the quantizers' cost per element under Inductor
 
 One run on 2 gloo ranks of this machine: a Llama of dim 256, 4 blocks, vocabulary 1024, 4 x 128 tokens per rank,
 SGD with momentum. Four setups on every rank, stepped in turn (A B C D ...) after a barrier each, so a drift of the
@@ -21,6 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+import torch._functorch.config
+import torch._inductor.config
 import torch.distributed as dist
 
 import fsdp_graph
@@ -61,6 +64,9 @@ def _setups(rank: int, world: int, compress: str) -> dict:
 
 
 def run(rank: int, world: int, steps: int, compress: str) -> dict:
+    # The bytes come from the lowering pass's reports, which a warm FX graph cache would skip (0 bytes).
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     setups, backends = _setups(rank, world, compress)
     gen = torch.Generator().manual_seed(1 + rank)
     optimizers = {n: torch.optim.SGD(p, lr=1e-2, momentum=0.9) for n, (_, p) in setups.items()}
@@ -81,11 +87,44 @@ def run(rank: int, world: int, steps: int, compress: str) -> dict:
     }
 
 
+def codec_costs(numel: int = 1 << 20, block_size: int = 256, reps: int = 20) -> None:
+    """Each scheme's pack and unpack as Inductor compiles them (one thread, this process): ns per element, the
+    median of `reps` calls, next to an fp32 copy. What a step pays per element gathered or reduced."""
+    from passes.quantize import SCHEMES, pack_rows, unpack_rows
+
+    torch.set_num_threads(1)
+
+    def median_s(fn, arg) -> float:
+        fn(arg)
+        fn(arg)
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn(arg)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    x = torch.randn(2, numel // 2)
+    copy = median_s(torch.compile(lambda t: t * 1.0), x)
+    for scheme in SCHEMES:
+        pack = torch.compile(lambda t, s=scheme: pack_rows(t, 2, numel // 2, s, block_size), fullgraph=True)
+        packed = pack(x)
+        unpack = torch.compile(
+            lambda p, s=scheme: unpack_rows(p, 2, numel // 2, torch.float32, s, block_size), fullgraph=True
+        )
+        ns = [1e9 * median_s(f, a) / numel for f, a in ((pack, x), (unpack, packed))]
+        print(f"{scheme}: pack {ns[0]:.2f} ns/element, unpack {ns[1]:.2f} (fp32 copy {1e9 * copy / numel:.2f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--compress", default="int8", help="fsdp_graph.Compression.parse text (default: int8)")
+    parser.add_argument("--codec", action="store_true", help="only time the quantizers (codec_costs) and exit")
     args = parser.parse_args()
+    if args.codec:
+        codec_costs()
+        return
     results = spawn(run, 2, (args.steps, args.compress))
     names = list(results[0]["median"])
     median = {n: statistics.mean(r["median"][n] for r in results) for n in names}

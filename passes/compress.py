@@ -31,7 +31,16 @@ from fsdp_graph.ir import (
     WAIT,
 )
 from passes.fx_nodes import NodeEmitter, bind_args, fake_value, finish, node_bytes
-from passes.quantize import check_scheme, pack_rows, packed_bytes, unpack_rows
+from passes.quantize import (
+    check_scheme,
+    pack_rows,
+    pack_segments,
+    packed_bytes,
+    segmented_bytes,
+    unpack_rows,
+    unpack_segments,
+)
+from passes.weight_rows import row_segments
 
 _aten, _prims = torch.ops.aten, torch.ops.prims
 
@@ -68,23 +77,28 @@ def _emit_call(emit: NodeEmitter, before: fx.Node):
     return call
 
 
-def _compress_gather(graph: fx.Graph, node: fx.Node, scheme: str, block_size: int, rows: int) -> bool:
+def _compress_gather(
+    graph: fx.Graph, node: fx.Node, scheme: str, block_size: int, rows: int, per_row_ok: bool
+) -> bool:
     a, wait = bind_args(node), _single_wait(node)
     val = _static_float_1d(a["input"])
     if val is None or wait is None or val.numel() % rows:
         return False
     n, world, group = val.numel() // rows, a["group_size"], a["group_name"]
-    emit = _emitter(graph, node, scheme, node_bytes(node))
+    # fp8: one scale per row of each parameter where the graph's copy-out shows the rows (passes.weight_rows).
+    per_row = row_segments(wait, world, n, block_size) if scheme == "fp8" and per_row_ok else None
+    segments = per_row or ((n, block_size),)
+    emit = _emitter(graph, node, f"{scheme} per row" if per_row else scheme, node_bytes(node))
     before = _emit_call(emit, node)
     row = before(_aten.view.default, a["input"], [rows, n])
-    packed = before(_aten.view.default, pack_rows(row, rows, n, scheme, block_size, before), [-1])
-    size = packed_bytes(n, scheme, block_size)
+    packed = before(_aten.view.default, pack_segments(row, rows, segments, scheme, before), [-1])
+    size = segmented_bytes(segments, scheme)
     gathered_val = packed.meta["val"].new_empty(world * rows * size)
     gathered = emit(ALL_GATHER, (packed, world, group), before=node, val=gathered_val)
     arrived = emit(WAIT, (gathered,), before=wait, val=gathered_val)
     after = _emit_call(emit, wait)
     received = after(_aten.view.default, arrived, [world * rows, size])
-    restored = unpack_rows(received, world * rows, n, val.dtype, scheme, block_size, after)
+    restored = unpack_segments(received, world * rows, segments, val.dtype, scheme, after)
     full = after(_aten.view.default, restored, [world * rows * n])
     wait.replace_all_uses_with(full)
     graph.erase_node(wait)
@@ -176,7 +190,10 @@ def compress_collectives(
     unit), with a static 1-D floating input and a single `wait_tensor`:
     - with `weights` (a `passes.quantize` scheme): `all_gather_into_tensor` of role "unshard" (forward gathers and
       FULL_SHARD's backward re-gathers) -> `pack_rows` of the shard as one row + a gather of the uint8 rows + wait +
-      `unpack_rows` of the `world` rows to the gather's dtype, flattened. On a group named in `piece_rows`
+      `unpack_rows` of the `world` rows to the gather's dtype, flattened. "fp8" takes one scale per row of each
+      parameter the graph reads back in rows (`passes.weight_rows`: the rows layout), blocks elsewhere and in every
+      graph with a `reshard_after_forward=k` gather (the piece and node gathers must cut the shard alike). On a
+      group named in `piece_rows`
       ({group: P}: `reshard_after_forward=k`'s node groups, whose input is a piece of P = world / k shards) the
       input is packed as P rows, one per shard, so its blocks are the ones the piece gather quantized: their
       codes come back unchanged and so, as measured, do their scales (docs/design-notes.md), so the weights are
@@ -193,7 +210,7 @@ def compress_collectives(
       1 and 2. An all-reduce on a group not in `replica_sizes` is left alone.
     Every new node carries the replaced collective's fsdp meta and `meta["fsdp_compressed"] = (scheme, bytes the
     uncompressed collective moved)` (an all-reduce: on both of its collectives, which together send what its ring
-    would).
+    would), the scheme "fp8 per row" where fp8 found rows.
     Guarantees: the values equal the eager `passes.quantize` functions applied per rank (the same ops); collectives
     keep their order and groups; the issue node stays the first node of its reduction. No-op without a scheme.
     """
@@ -207,7 +224,7 @@ def compress_collectives(
         role = node.meta.get(META_ROLE)
         if weights is not None and node.target is ALL_GATHER and role == ROLE_UNSHARD:
             rows = (piece_rows or {}).get(bind_args(node)["group_name"], 1)
-            changed |= _compress_gather(graph, node, weights, block_size, rows)
+            changed |= _compress_gather(graph, node, weights, block_size, rows, not piece_rows)
         elif grads is not None and node.target is REDUCE_SCATTER and role == ROLE_REDUCE:
             changed |= _compress_reduce_scatter(graph, node, grads, block_size)
         elif grads is not None and node.target is ALL_REDUCE and role == ROLE_REDUCE:

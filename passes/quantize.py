@@ -10,6 +10,8 @@ zero-padded). Scheme:
 - "int4": the same with 7 levels, codes + 8 two per byte (low nibble first); error <= scale / 2;
 - "fp8": float8_e4m3fn codes of x / scale, scale = max|x| / 448; relative error <= 2^-4 per element (3 mantissa
   bits), subnormal codes below 2^-6 * scale.
+A row can also be cut into segments with a block size each (`pack_segments`: fp8 weights in the rows layout, one
+scale per row of every parameter); a segment is packed as above and the packed segments follow one another.
 A block whose max is below 127 * 2^-126 (7 or 448 times, int4 and fp8; all zeros included) gets the scale 2^-126,
 so nothing divides by 0: a zero block comes back as zeros, a tiny one within 2^-127. Huge finite values cannot
 overflow: every code is |x| / scale <= the largest level. Scales are float32 whatever the input dtype.
@@ -81,16 +83,31 @@ def pack_rows(x: Any, rows: int, n: int, scheme: str, block_size: int, call: Cal
         rounded = _clamp(call, call(_aten.round.default, scaled), level)
         if scheme == "int4":  # codes + 8 in [1, 15]
             rounded = call(_aten.add.Tensor, rounded, 8.0)
-        codes = call(_prims.convert_element_type.default, rounded, torch.uint8 if scheme == "int4" else torch.int8)
+        # int8 even for int4's [1, 15]: Inductor vectorizes float -> int8, not float -> uint8 (8x slower packing)
+        codes = call(_prims.convert_element_type.default, rounded, torch.int8)
     if scheme == "int4":  # pairs of neighbours share a byte, low nibble first
         pairs = call(_aten.view.default, codes, [rows, padded // 2, 2])
         low = call(_aten.select.int, pairs, 2, 0)
         high = call(_aten.select.int, pairs, 2, 1)
-        code_row = call(_aten.add.Tensor, low, call(_aten.mul.Tensor, high, 16))
+        nibbles = call(_aten.add.Tensor, low, call(_aten.mul.Tensor, high, 16))  # wraps in int8: the same bits
+        code_row = call(_aten.view.dtype, nibbles, torch.uint8)
     else:
         code_row = call(_aten.view.dtype, call(_aten.view.default, codes, [rows, padded]), torch.uint8)
     scale_row = call(_aten.view.dtype, call(_aten.view.default, scale, [rows, nb]), torch.uint8)
     return call(_aten.cat.default, [code_row, scale_row], 1)
+
+
+def _float32_of_bytes(call: Call, scale_bytes: Any, rows: int, nb: int) -> Any:
+    """(rows, 4 * nb) little-endian bytes -> (rows, nb) float32, bit for bit. Built from int arithmetic and a bitcast
+    of equal size: Inductor (torch 2.13, CPU) miscompiles a uint8 -> float32 `view.dtype` whose consumer is sliced
+    (the padded last block: garbage scales), while int32 -> float32 bitcasts are plain loads."""
+    as_int = call(
+        _prims.convert_element_type.default, call(_aten.view.default, scale_bytes, [rows, nb, 4]), torch.int64
+    )
+    word = call(_aten.select.int, as_int, 2, 0)
+    for i in (1, 2, 3):
+        word = call(_aten.add.Tensor, word, call(_aten.mul.Tensor, call(_aten.select.int, as_int, 2, i), 256**i))
+    return call(_aten.view.dtype, call(_prims.convert_element_type.default, word, torch.int32), torch.float32)
 
 
 def unpack_rows(packed: Any, rows: int, n: int, dtype: torch.dtype, scheme: str, block_size: int, call: Call = eager):
@@ -100,8 +117,12 @@ def unpack_rows(packed: Any, rows: int, n: int, dtype: torch.dtype, scheme: str,
     coded = code_bytes(n, scheme, block_size)
     code_row = call(_aten.slice.Tensor, packed, 1, 0, coded)
     scale_bytes = call(_aten.slice.Tensor, packed, 1, coded, coded + 4 * nb)
-    scale_dense = call(_aten.clone.default, scale_bytes, memory_format=torch.contiguous_format)
-    scale = call(_aten.view.default, call(_aten.view.dtype, scale_dense, torch.float32), [rows, nb, 1])
+    if padded != n:
+        scale_words = _float32_of_bytes(call, scale_bytes, rows, nb)
+    else:  # a plain bitcast: the fast path (the int arithmetic above costs ~1 ns per element under Inductor)
+        scale_dense = call(_aten.clone.default, scale_bytes, memory_format=torch.contiguous_format)
+        scale_words = call(_aten.view.dtype, scale_dense, torch.float32)
+    scale = call(_aten.view.default, scale_words, [rows, nb, 1])
     if scheme == "int4":
         low = call(_aten.bitwise_and.Scalar, code_row, 15)
         high = call(_aten.bitwise_right_shift.Tensor_Scalar, code_row, 4)
@@ -122,8 +143,47 @@ def unpack_rows(packed: Any, rows: int, n: int, dtype: torch.dtype, scheme: str,
     return restored if dtype == torch.float32 else call(_prims.convert_element_type.default, restored, dtype)
 
 
-def round_trip(x: torch.Tensor, scheme: str, block_size: int) -> torch.Tensor:
-    """A 1-D tensor quantized and restored in one block row, as one rank's gathered shard is (eager)."""
+Segments = tuple[tuple[int, int], ...]  # (elements, elements per scale), in order, covering the row
+
+
+def segmented_bytes(segments: Segments, scheme: str) -> int:
+    return sum(packed_bytes(n, scheme, block) for n, block in segments)
+
+
+def pack_segments(x: Any, rows: int, segments: Segments, scheme: str, call: Call = eager) -> Any:
+    """`pack_rows` of each segment of the (rows, n) tensor `x` with its own block size, concatenated along dim 1."""
+    if len(segments) == 1:
+        ((n, block),) = segments
+        return pack_rows(x, rows, n, scheme, block, call)
+    parts, lo = [], 0
+    for n, block in segments:
+        piece = call(_aten.slice.Tensor, x, 1, lo, lo + n)
+        if rows > 1:  # a column range of several rows is strided: pack_rows views it as blocks
+            piece = call(_aten.clone.default, piece, memory_format=torch.contiguous_format)
+        parts.append(pack_rows(piece, rows, n, scheme, block, call))
+        lo += n
+    return call(_aten.cat.default, parts, 1)
+
+
+def unpack_segments(packed: Any, rows: int, segments: Segments, dtype: torch.dtype, scheme: str, call: Call = eager):
+    """(rows, segmented_bytes) uint8 -> contiguous (rows, n) tensor of `dtype`: `pack_segments` undone."""
+    if len(segments) == 1:
+        ((n, block),) = segments
+        return unpack_rows(packed, rows, n, dtype, scheme, block, call)
+    parts, lo = [], 0
+    for n, block in segments:
+        size = packed_bytes(n, scheme, block)
+        parts.append(
+            unpack_rows(call(_aten.slice.Tensor, packed, 1, lo, lo + size), rows, n, dtype, scheme, block, call)
+        )
+        lo += size
+    return call(_aten.cat.default, parts, 1)
+
+
+def round_trip(x: torch.Tensor, scheme: str, block_size: int, segments: Segments | None = None) -> torch.Tensor:
+    """A 1-D tensor quantized and restored in one block row, as one rank's gathered shard is (eager); with
+    `segments`, each segment with its own block size instead."""
     n = x.numel()
-    packed = pack_rows(x.reshape(1, n).contiguous(), 1, n, scheme, block_size)
-    return unpack_rows(packed, 1, n, x.dtype, scheme, block_size).view(n)
+    segments = segments or ((n, block_size),)
+    packed = pack_segments(x.reshape(1, n).contiguous(), 1, segments, scheme)
+    return unpack_segments(packed, 1, segments, x.dtype, scheme).view(n)

@@ -83,7 +83,10 @@ class Compression:
     """Quantized collectives (ZeRO++'s qwZ and qgZ), a `make_backend(compress=...)` option; off by default.
 
     - weights: each rank's shard is quantized before every all-gather ("int8", "fp8": float8_e4m3fn; None: off) and
-      the gathered parameter restored to the compute dtype; the master shard stays full precision.
+      the gathered parameter restored to the compute dtype; the master shard stays full precision. int8 takes one
+      scale per block; fp8 one per row of each parameter with the rows layout (a 1-D parameter: its block on each
+      rank), per block with the flat layout, in buckets and under `reshard_after_forward=k` (`explain()` says
+      "fp8 per row" where rows apply).
     - grads: each gradient is quantized once ("int8", "int4", "fp8"; None: off), sent by an all-to-all instead of a
       reduce-scatter, and each rank sums what it receives in float32, then casts to the reduce dtype. An all-reduce
       over replicas (HYBRID_SHARD, NO_SHARD) is the same all-to-all of row pieces, then the summed piece is

@@ -5,7 +5,8 @@ Node meta keys set by passes are namespaced `fsdp_*`:
 - `fsdp_role`: "unshard" or "reduce_grad" on every node a lowering produced.
 - `fsdp_bucket`: on every node `passes.bucket` creates, the tuple of the merged units' FQNs in graph order; their
   `fsdp_unit` is those names joined by "+" (the root's "" included, so "+blocks.1" is the root and blocks.1).
-- `fsdp_compressed`: on every node `passes.compress` creates, (scheme, bytes the uncompressed collective moved).
+- `fsdp_compressed`: on every node `passes.compress` creates, (scheme, bytes the uncompressed collective moved);
+  the scheme reads "fp8 per row" where fp8 takes one scale per row of each parameter (the rows layout).
 - `fsdp_all_reduce_step`: on the two collectives `passes.compress` puts in place of a gradient all-reduce, 1 on its
   all-to-all (the reduce half), 2 on its all-gather (the gather half); the scheduler treats them as an all-reduce.
 """

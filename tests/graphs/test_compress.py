@@ -23,7 +23,15 @@ from passes import (
     schedule_collectives,
     tag_reshard,
 )
-from passes.quantize import pack_rows, packed_bytes, round_trip, unpack_rows
+from passes.quantize import (
+    pack_rows,
+    pack_segments,
+    packed_bytes,
+    round_trip,
+    segmented_bytes,
+    unpack_rows,
+    unpack_segments,
+)
 from tests.graphs.capture import TwoBlock, aot_stages, code
 
 LEVELS = {"int8": 127, "int4": 7, "fp8": 448}
@@ -83,6 +91,19 @@ def test_zero_blocks_and_huge_values_stay_finite(scheme):
     assert bf16.dtype == torch.bfloat16 and torch.isfinite(bf16).all()
 
 
+def test_inductor_round_trip_matches_eager_with_a_padded_last_block():
+    """Inductor's kernels (as `make_backend` runs them) give the eager quantizers' bits. A padded last block used to
+    get garbage scales under Inductor (a sliced uint8 -> float32 bitcast), and int4 codes go through int8."""
+    x = torch.randn(2, 1000) * torch.logspace(-3, 3, 2)[:, None]  # 1000 = 15 blocks of 64 + a padded one
+
+    def both(t: torch.Tensor) -> list[torch.Tensor]:  # one compile for both schemes
+        return [unpack_rows(pack_rows(t, 2, 1000, s, 64), 2, 1000, torch.float32, s, 64) for s in ("int8", "int4")]
+
+    torch._dynamo.reset()
+    compiled, eager = torch.compile(both, backend="inductor", fullgraph=True)(x), both(x)
+    assert [torch.equal(c, e) for c, e in zip(compiled, eager)] == [True, True]
+
+
 def test_packed_rows_hold_codes_and_scales():
     rows = torch.randn(3, 40)
     packed = pack_rows(rows, 3, 40, "int8", 16)
@@ -91,6 +112,85 @@ def test_packed_rows_hold_codes_and_scales():
     restored = unpack_rows(packed, 3, 40, torch.float32, "int8", 16)
     for r in range(3):  # one row at a time gives the same: rows never share a block
         assert torch.equal(restored[r], round_trip(rows[r], "int8", 16))
+
+
+# fp8 in the rows layout: one scale per row of each parameter. A rank's shard of a unit with a (3, 8) weight, a
+# 1-D bias of 5 (one row: its whole block) and a (2, 12) weight.
+ROW_SEGMENTS = ((24, 8), (5, 5), (24, 12))
+
+
+def _rows_with_spread() -> torch.Tensor:
+    """Rows whose magnitudes span 12 orders of magnitude, so a scale shared by two rows would fail."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(53, generator=g)
+    row_of = torch.cat(
+        [torch.arange(3).repeat_interleave(8), torch.full((5,), 3), 4 + torch.arange(2).repeat_interleave(12)]
+    )
+    return x * torch.logspace(-6, 6, 6)[row_of], row_of
+
+
+def test_fp8_round_trip_error_is_bounded_per_row():
+    x, row_of = _rows_with_spread()
+    y = round_trip(x, "fp8", 256, ROW_SEGMENTS)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    for row in range(6):
+        xr, yr = x[row_of == row], y[row_of == row]
+        scale = xr.abs().max() / 448
+        bound = torch.maximum(xr.abs() * 2**-4, torch.full_like(xr, 2**-10) * scale)
+        assert ((xr - yr).abs() <= bound * (1 + 1e-6)).all(), row
+    packed = pack_segments(x.view(1, -1), 1, ROW_SEGMENTS, "fp8")
+    assert packed.shape == (1, segmented_bytes(ROW_SEGMENTS, "fp8")) == (1, 53 + 4 * 6)  # a scale per row
+    assert torch.equal(unpack_segments(packed, 1, ROW_SEGMENTS, torch.float32, "fp8").view(-1), y)
+
+
+def test_fp8_round_trip_is_exact_for_representable_rows():
+    """fp8 codes times a power of two per row, each row holding the largest code, come back bit for bit; the same
+    values in 256-element blocks do not (one scale for rows of different powers)."""
+    g = torch.Generator().manual_seed(1)
+    codes = (torch.randn(53, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    _, row_of = _rows_with_spread()
+    starts = [0, 8, 16, 24, 29, 41]
+    codes[starts] = 448.0
+    x = codes * 2.0 ** (torch.tensor([-20, -3, 0, 5, 9, 20])[row_of])
+    assert torch.equal(round_trip(x, "fp8", 256, ROW_SEGMENTS), x)
+    assert not torch.equal(round_trip(x, "fp8", 256), x)
+
+
+def test_fp8_zero_and_huge_rows_stay_finite():
+    x = torch.zeros(53)
+    x[24:29] = 3e38 * torch.linspace(-1, 1, 5)  # the bias row near float32's max
+    x[29:41] = 1e-40  # a subnormal row; the others all zero
+    y = round_trip(x, "fp8", 256, ROW_SEGMENTS)
+    assert torch.isfinite(y).all()
+    assert torch.equal(y[:24], x[:24]) and torch.equal(y[41:], x[41:])
+    assert ((y[24:29] - x[24:29]).abs() <= x[24:29].abs() * 2**-4 * (1 + 1e-6)).all()
+    assert (y[29:41] - x[29:41]).abs().max() <= 2**-126
+
+
+class _RowsUnit(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 6), torch.nn.Linear(6, 12, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_fp8_gathers_take_a_scale_per_row_in_the_rows_layout(fake_pg):
+    """World 4, blocks of 32: a rank's shard is a.weight's 2 rows of 8, a.bias's block of 2 and b.weight's 3 rows of
+    6 (36 elements). Rows: the forward packs 36 codes + 2 + 1 + 3 scales; the backward re-gathers only b.weight's
+    rows, so the range it does not read keeps a padded block. Flat: the 126 elements padded to 128, so 32 per rank:
+    one block and its scale, as before."""
+    sizes = {}
+    for layout in ("rows", "flat"):
+        torch.manual_seed(0)
+        model = fsdp_graph.fully_shard(_RowsUnit(), reuse_blocks=False, layout=layout)
+        stages = aot_stages(model, torch.randn(2, 8), tag=tag_reshard)
+        sizes[layout] = []
+        for gm in (lower_fsdp_ops(stages.forward), lower_fsdp_ops(stages.backward)):
+            compress_collectives(gm, weights="fp8", grads=None, block_size=32)
+            sizes[layout] += [n.args[0].meta["val"].numel() for n in gm.graph.nodes if n.target is ALL_GATHER]
+    assert sizes == {"rows": [36 + 4 * 6, (32 + 4) + (18 + 4 * 3)], "flat": [32 + 4] * 2}
 
 
 def test_compress_pass_snapshot(fake_pg):
@@ -208,7 +308,7 @@ def test_compress_pass_only_touches_selected_units(fake_pg):
     }
     assert found == {
         (ALL_GATHER, ""): (None, torch.float32),
-        (ALL_GATHER, "blocks.1"): ("fp8", torch.uint8),
+        (ALL_GATHER, "blocks.1"): ("fp8 per row", torch.uint8),  # the rows layout: a scale per row
         (ALL_TO_ALL, "blocks.1"): ("int4", torch.uint8),
         (REDUCE_SCATTER, "blocks.0"): (None, torch.float32),
         (REDUCE_SCATTER, ""): (None, torch.float32),

@@ -2,11 +2,12 @@
 
 The reference, for every rank r of the world (all in this process): each unit's full flat parameter, cut into the
 ranks' shards, goes through `passes.quantize` per shard (what the compressed gather delivers, also with
-`reshard_after_forward=k`, whose node gather re-packs each shard's blocks as they came); rank r's batch is run
-through the model with those parameters; the flat gradient is divided by the reduction's `pre`, cut into one row
-per receiving rank of its shard group and quantized per row (what the compressed all-to-all delivers); the rows are
-summed in float32. Over replicas (HYBRID_SHARD, NO_SHARD) each summed shard is cut into one row per replica,
-quantized, summed per row, each sum quantized again (the all-gather's), and divided by `post`.
+`reshard_after_forward=k`, whose node gather re-packs each shard's blocks as they came; fp8 in the rows layout: one
+scale per row of each parameter); rank r's batch is run through the model with those parameters; the flat gradient
+is divided by the reduction's `pre`, cut into one row per receiving rank of its shard group and quantized per row
+(what the compressed all-to-all delivers); the rows are summed in float32. Over replicas (HYBRID_SHARD, NO_SHARD)
+each summed shard is cut into one row per replica, quantized, summed per row, each sum quantized again (the
+all-gather's), and divided by `post`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp_graph
 from fsdp_graph.ir import gradient_divide_factors
 from fsdp_graph.runtime.unit import flat_params
-from passes.quantize import pack_rows, round_trip, unpack_rows
+from passes.quantize import Segments, pack_rows, round_trip, unpack_rows
 from tests.workers.training import build, full_grads
 
 
@@ -50,6 +51,14 @@ class CompressResult:
     collective_bytes: int  # the lowered graphs' collective payloads
 
 
+def _fp8_rows(layout) -> Segments | None:
+    """fp8 weights in the rows layout: one scale per row of each parameter's block (a 1-D parameter: the block)."""
+    if layout.kind != "rows":
+        return None
+    blocks = [(layout.block_numel(s), s.shape[1:].numel() if len(s.shape) > 1 else 0) for s in layout.slots]
+    return tuple((n, row or n) for n, row in blocks if n)
+
+
 def _quantized_flats(ref: nn.Module, case: CompressCase, states) -> list[torch.Tensor]:
     params = dict(ref.named_parameters())
     flats = []
@@ -58,7 +67,8 @@ def _quantized_flats(ref: nn.Module, case: CompressCase, states) -> list[torch.T
         flat = layout.flatten([params[slot.fqns[0]] for slot in layout.slots]).detach()
         if case.weights is not None and state.world > 1:
             shards = flat.view(state.world, -1)
-            flat = torch.cat([round_trip(shard, case.weights, case.block_size) for shard in shards])
+            segments = _fp8_rows(layout) if case.weights == "fp8" else None
+            flat = torch.cat([round_trip(shard, case.weights, case.block_size, segments) for shard in shards])
         flats.append(flat.requires_grad_())
     return flats
 
