@@ -378,89 +378,125 @@ def forward(self, primals_1, tangents_1):
     view_default_5 = torch.ops.aten.view.default(wait_tensor_default_2, [2, 8]);  wait_tensor_default_2 = None
     slice_tensor = torch.ops.aten.slice.Tensor(view_default_5, 1, 0, 4)
     slice_tensor_1 = torch.ops.aten.slice.Tensor(view_default_5, 1, 4, 8);  view_default_5 = None
-    clone_default = torch.ops.aten.clone.default(slice_tensor_1, memory_format = torch.contiguous_format);  slice_tensor_1 = None
-    view_dtype_2 = torch.ops.aten.view.dtype(clone_default, torch.float32);  clone_default = None
-    view_default_6 = torch.ops.aten.view.default(view_dtype_2, [2, 1, 1]);  view_dtype_2 = None
+    view_default_6 = torch.ops.aten.view.default(slice_tensor_1, [2, 1, 4]);  slice_tensor_1 = None
+    convert_element_type_default_1 = torch.ops.prims.convert_element_type.default(view_default_6, torch.int64);  view_default_6 = None
+    select_int = torch.ops.aten.select.int(convert_element_type_default_1, 2, 0)
+    select_int_1 = torch.ops.aten.select.int(convert_element_type_default_1, 2, 1)
+    mul_tensor = torch.ops.aten.mul.Tensor(select_int_1, 256);  select_int_1 = None
+    add_tensor = torch.ops.aten.add.Tensor(select_int, mul_tensor);  select_int = mul_tensor = None
+    select_int_2 = torch.ops.aten.select.int(convert_element_type_default_1, 2, 2)
+    mul_tensor_1 = torch.ops.aten.mul.Tensor(select_int_2, 65536);  select_int_2 = None
+    add_tensor_1 = torch.ops.aten.add.Tensor(add_tensor, mul_tensor_1);  add_tensor = mul_tensor_1 = None
+    select_int_3 = torch.ops.aten.select.int(convert_element_type_default_1, 2, 3);  convert_element_type_default_1 = None
+    mul_tensor_2 = torch.ops.aten.mul.Tensor(select_int_3, 16777216);  select_int_3 = None
+    add_tensor_2 = torch.ops.aten.add.Tensor(add_tensor_1, mul_tensor_2);  add_tensor_1 = mul_tensor_2 = None
+    convert_element_type_default_2 = torch.ops.prims.convert_element_type.default(add_tensor_2, torch.int32);  add_tensor_2 = None
+    view_dtype_2 = torch.ops.aten.view.dtype(convert_element_type_default_2, torch.float32);  convert_element_type_default_2 = None
+    view_default_7 = torch.ops.aten.view.default(view_dtype_2, [2, 1, 1]);  view_dtype_2 = None
     view_dtype_3 = torch.ops.aten.view.dtype(slice_tensor, torch.int8);  slice_tensor = None
-    convert_element_type_default_1 = torch.ops.prims.convert_element_type.default(view_dtype_3, torch.float32);  view_dtype_3 = None
-    view_default_7 = torch.ops.aten.view.default(convert_element_type_default_1, [2, 1, 4]);  convert_element_type_default_1 = None
-    mul_tensor = torch.ops.aten.mul.Tensor(view_default_7, view_default_6);  view_default_7 = view_default_6 = None
-    view_default_8 = torch.ops.aten.view.default(mul_tensor, [2, 4]);  mul_tensor = None
-    slice_tensor_2 = torch.ops.aten.slice.Tensor(view_default_8, 1, 0, 3);  view_default_8 = None
-    clone_default_1 = torch.ops.aten.clone.default(slice_tensor_2, memory_format = torch.contiguous_format);  slice_tensor_2 = None
-    sum_dim_int_list = torch.ops.aten.sum.dim_IntList(clone_default_1, [0]);  clone_default_1 = None
+    convert_element_type_default_3 = torch.ops.prims.convert_element_type.default(view_dtype_3, torch.float32);  view_dtype_3 = None
+    view_default_8 = torch.ops.aten.view.default(convert_element_type_default_3, [2, 1, 4]);  convert_element_type_default_3 = None
+    mul_tensor_3 = torch.ops.aten.mul.Tensor(view_default_8, view_default_7);  view_default_8 = view_default_7 = None
+    view_default_9 = torch.ops.aten.view.default(mul_tensor_3, [2, 4]);  mul_tensor_3 = None
+    slice_tensor_2 = torch.ops.aten.slice.Tensor(view_default_9, 1, 0, 3);  view_default_9 = None
+    clone_default = torch.ops.aten.clone.default(slice_tensor_2, memory_format = torch.contiguous_format);  slice_tensor_2 = None
+    sum_dim_int_list = torch.ops.aten.sum.dim_IntList(clone_default, [0]);  clone_default = None
     constant_pad_nd_default_1 = torch.ops.aten.constant_pad_nd.default(sum_dim_int_list, [0, 1], 0.0);  sum_dim_int_list = None
-    view_default_9 = torch.ops.aten.view.default(constant_pad_nd_default_1, [2, 2]);  constant_pad_nd_default_1 = None
-    constant_pad_nd_default_2 = torch.ops.aten.constant_pad_nd.default(view_default_9, [0, 2], 0.0);  view_default_9 = None
-    view_default_10 = torch.ops.aten.view.default(constant_pad_nd_default_2, [2, 1, 4]);  constant_pad_nd_default_2 = None
-    abs_default_1 = torch.ops.aten.abs.default(view_default_10)
+    view_default_10 = torch.ops.aten.view.default(constant_pad_nd_default_1, [2, 2]);  constant_pad_nd_default_1 = None
+    constant_pad_nd_default_2 = torch.ops.aten.constant_pad_nd.default(view_default_10, [0, 2], 0.0);  view_default_10 = None
+    view_default_11 = torch.ops.aten.view.default(constant_pad_nd_default_2, [2, 1, 4]);  constant_pad_nd_default_2 = None
+    abs_default_1 = torch.ops.aten.abs.default(view_default_11)
     amax_default_1 = torch.ops.aten.amax.default(abs_default_1, [2], True);  abs_default_1 = None
     div_tensor_4 = torch.ops.aten.div.Tensor(amax_default_1, 127.0);  amax_default_1 = None
     clamp_min_default_2 = torch.ops.aten.clamp_min.default(div_tensor_4, 1.1754943508222875e-38);  div_tensor_4 = None
-    div_tensor_5 = torch.ops.aten.div.Tensor(view_default_10, clamp_min_default_2);  view_default_10 = None
+    div_tensor_5 = torch.ops.aten.div.Tensor(view_default_11, clamp_min_default_2);  view_default_11 = None
     round_default_1 = torch.ops.aten.round.default(div_tensor_5);  div_tensor_5 = None
     clamp_min_default_3 = torch.ops.aten.clamp_min.default(round_default_1, -127.0);  round_default_1 = None
     clamp_max_default_1 = torch.ops.aten.clamp_max.default(clamp_min_default_3, 127.0);  clamp_min_default_3 = None
-    convert_element_type_default_2 = torch.ops.prims.convert_element_type.default(clamp_max_default_1, torch.int8);  clamp_max_default_1 = None
-    view_default_11 = torch.ops.aten.view.default(convert_element_type_default_2, [2, 4]);  convert_element_type_default_2 = None
-    view_dtype_4 = torch.ops.aten.view.dtype(view_default_11, torch.uint8);  view_default_11 = None
-    view_default_12 = torch.ops.aten.view.default(clamp_min_default_2, [2, 1]);  clamp_min_default_2 = None
-    view_dtype_5 = torch.ops.aten.view.dtype(view_default_12, torch.uint8);  view_default_12 = None
+    convert_element_type_default_4 = torch.ops.prims.convert_element_type.default(clamp_max_default_1, torch.int8);  clamp_max_default_1 = None
+    view_default_12 = torch.ops.aten.view.default(convert_element_type_default_4, [2, 4]);  convert_element_type_default_4 = None
+    view_dtype_4 = torch.ops.aten.view.dtype(view_default_12, torch.uint8);  view_default_12 = None
+    view_default_13 = torch.ops.aten.view.default(clamp_min_default_2, [2, 1]);  clamp_min_default_2 = None
+    view_dtype_5 = torch.ops.aten.view.dtype(view_default_13, torch.uint8);  view_default_13 = None
     cat_default_1 = torch.ops.aten.cat.default([view_dtype_4, view_dtype_5], 1);  view_dtype_4 = view_dtype_5 = None
-    view_default_13 = torch.ops.aten.view.default(cat_default_1, [-1]);  cat_default_1 = None
-    all_to_all_single_default_1 = torch.ops._c10d_functional.all_to_all_single.default(view_default_13, [8, 8], [8, 8], '1');  view_default_13 = None
+    view_default_14 = torch.ops.aten.view.default(cat_default_1, [-1]);  cat_default_1 = None
+    all_to_all_single_default_1 = torch.ops._c10d_functional.all_to_all_single.default(view_default_14, [8, 8], [8, 8], '1');  view_default_14 = None
     wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_default_1);  all_to_all_single_default_1 = None
-    view_default_14 = torch.ops.aten.view.default(wait_tensor_default_3, [2, 8]);  wait_tensor_default_3 = None
-    slice_tensor_3 = torch.ops.aten.slice.Tensor(view_default_14, 1, 0, 4)
-    slice_tensor_4 = torch.ops.aten.slice.Tensor(view_default_14, 1, 4, 8);  view_default_14 = None
-    clone_default_2 = torch.ops.aten.clone.default(slice_tensor_4, memory_format = torch.contiguous_format);  slice_tensor_4 = None
-    view_dtype_6 = torch.ops.aten.view.dtype(clone_default_2, torch.float32);  clone_default_2 = None
-    view_default_15 = torch.ops.aten.view.default(view_dtype_6, [2, 1, 1]);  view_dtype_6 = None
+    view_default_15 = torch.ops.aten.view.default(wait_tensor_default_3, [2, 8]);  wait_tensor_default_3 = None
+    slice_tensor_3 = torch.ops.aten.slice.Tensor(view_default_15, 1, 0, 4)
+    slice_tensor_4 = torch.ops.aten.slice.Tensor(view_default_15, 1, 4, 8);  view_default_15 = None
+    view_default_16 = torch.ops.aten.view.default(slice_tensor_4, [2, 1, 4]);  slice_tensor_4 = None
+    convert_element_type_default_5 = torch.ops.prims.convert_element_type.default(view_default_16, torch.int64);  view_default_16 = None
+    select_int_4 = torch.ops.aten.select.int(convert_element_type_default_5, 2, 0)
+    select_int_5 = torch.ops.aten.select.int(convert_element_type_default_5, 2, 1)
+    mul_tensor_4 = torch.ops.aten.mul.Tensor(select_int_5, 256);  select_int_5 = None
+    add_tensor_3 = torch.ops.aten.add.Tensor(select_int_4, mul_tensor_4);  select_int_4 = mul_tensor_4 = None
+    select_int_6 = torch.ops.aten.select.int(convert_element_type_default_5, 2, 2)
+    mul_tensor_5 = torch.ops.aten.mul.Tensor(select_int_6, 65536);  select_int_6 = None
+    add_tensor_4 = torch.ops.aten.add.Tensor(add_tensor_3, mul_tensor_5);  add_tensor_3 = mul_tensor_5 = None
+    select_int_7 = torch.ops.aten.select.int(convert_element_type_default_5, 2, 3);  convert_element_type_default_5 = None
+    mul_tensor_6 = torch.ops.aten.mul.Tensor(select_int_7, 16777216);  select_int_7 = None
+    add_tensor_5 = torch.ops.aten.add.Tensor(add_tensor_4, mul_tensor_6);  add_tensor_4 = mul_tensor_6 = None
+    convert_element_type_default_6 = torch.ops.prims.convert_element_type.default(add_tensor_5, torch.int32);  add_tensor_5 = None
+    view_dtype_6 = torch.ops.aten.view.dtype(convert_element_type_default_6, torch.float32);  convert_element_type_default_6 = None
+    view_default_17 = torch.ops.aten.view.default(view_dtype_6, [2, 1, 1]);  view_dtype_6 = None
     view_dtype_7 = torch.ops.aten.view.dtype(slice_tensor_3, torch.int8);  slice_tensor_3 = None
-    convert_element_type_default_3 = torch.ops.prims.convert_element_type.default(view_dtype_7, torch.float32);  view_dtype_7 = None
-    view_default_16 = torch.ops.aten.view.default(convert_element_type_default_3, [2, 1, 4]);  convert_element_type_default_3 = None
-    mul_tensor_1 = torch.ops.aten.mul.Tensor(view_default_16, view_default_15);  view_default_16 = view_default_15 = None
-    view_default_17 = torch.ops.aten.view.default(mul_tensor_1, [2, 4]);  mul_tensor_1 = None
-    slice_tensor_5 = torch.ops.aten.slice.Tensor(view_default_17, 1, 0, 2);  view_default_17 = None
-    clone_default_3 = torch.ops.aten.clone.default(slice_tensor_5, memory_format = torch.contiguous_format);  slice_tensor_5 = None
-    sum_dim_int_list_1 = torch.ops.aten.sum.dim_IntList(clone_default_3, [0]);  clone_default_3 = None
-    view_default_18 = torch.ops.aten.view.default(sum_dim_int_list_1, [1, 2]);  sum_dim_int_list_1 = None
-    constant_pad_nd_default_3 = torch.ops.aten.constant_pad_nd.default(view_default_18, [0, 2], 0.0);  view_default_18 = None
-    view_default_19 = torch.ops.aten.view.default(constant_pad_nd_default_3, [1, 1, 4]);  constant_pad_nd_default_3 = None
-    abs_default_2 = torch.ops.aten.abs.default(view_default_19)
+    convert_element_type_default_7 = torch.ops.prims.convert_element_type.default(view_dtype_7, torch.float32);  view_dtype_7 = None
+    view_default_18 = torch.ops.aten.view.default(convert_element_type_default_7, [2, 1, 4]);  convert_element_type_default_7 = None
+    mul_tensor_7 = torch.ops.aten.mul.Tensor(view_default_18, view_default_17);  view_default_18 = view_default_17 = None
+    view_default_19 = torch.ops.aten.view.default(mul_tensor_7, [2, 4]);  mul_tensor_7 = None
+    slice_tensor_5 = torch.ops.aten.slice.Tensor(view_default_19, 1, 0, 2);  view_default_19 = None
+    clone_default_1 = torch.ops.aten.clone.default(slice_tensor_5, memory_format = torch.contiguous_format);  slice_tensor_5 = None
+    sum_dim_int_list_1 = torch.ops.aten.sum.dim_IntList(clone_default_1, [0]);  clone_default_1 = None
+    view_default_20 = torch.ops.aten.view.default(sum_dim_int_list_1, [1, 2]);  sum_dim_int_list_1 = None
+    constant_pad_nd_default_3 = torch.ops.aten.constant_pad_nd.default(view_default_20, [0, 2], 0.0);  view_default_20 = None
+    view_default_21 = torch.ops.aten.view.default(constant_pad_nd_default_3, [1, 1, 4]);  constant_pad_nd_default_3 = None
+    abs_default_2 = torch.ops.aten.abs.default(view_default_21)
     amax_default_2 = torch.ops.aten.amax.default(abs_default_2, [2], True);  abs_default_2 = None
     div_tensor_6 = torch.ops.aten.div.Tensor(amax_default_2, 127.0);  amax_default_2 = None
     clamp_min_default_4 = torch.ops.aten.clamp_min.default(div_tensor_6, 1.1754943508222875e-38);  div_tensor_6 = None
-    div_tensor_7 = torch.ops.aten.div.Tensor(view_default_19, clamp_min_default_4);  view_default_19 = None
+    div_tensor_7 = torch.ops.aten.div.Tensor(view_default_21, clamp_min_default_4);  view_default_21 = None
     round_default_2 = torch.ops.aten.round.default(div_tensor_7);  div_tensor_7 = None
     clamp_min_default_5 = torch.ops.aten.clamp_min.default(round_default_2, -127.0);  round_default_2 = None
     clamp_max_default_2 = torch.ops.aten.clamp_max.default(clamp_min_default_5, 127.0);  clamp_min_default_5 = None
-    convert_element_type_default_4 = torch.ops.prims.convert_element_type.default(clamp_max_default_2, torch.int8);  clamp_max_default_2 = None
-    view_default_20 = torch.ops.aten.view.default(convert_element_type_default_4, [1, 4]);  convert_element_type_default_4 = None
-    view_dtype_8 = torch.ops.aten.view.dtype(view_default_20, torch.uint8);  view_default_20 = None
-    view_default_21 = torch.ops.aten.view.default(clamp_min_default_4, [1, 1]);  clamp_min_default_4 = None
-    view_dtype_9 = torch.ops.aten.view.dtype(view_default_21, torch.uint8);  view_default_21 = None
+    convert_element_type_default_8 = torch.ops.prims.convert_element_type.default(clamp_max_default_2, torch.int8);  clamp_max_default_2 = None
+    view_default_22 = torch.ops.aten.view.default(convert_element_type_default_8, [1, 4]);  convert_element_type_default_8 = None
+    view_dtype_8 = torch.ops.aten.view.dtype(view_default_22, torch.uint8);  view_default_22 = None
+    view_default_23 = torch.ops.aten.view.default(clamp_min_default_4, [1, 1]);  clamp_min_default_4 = None
+    view_dtype_9 = torch.ops.aten.view.dtype(view_default_23, torch.uint8);  view_default_23 = None
     cat_default_2 = torch.ops.aten.cat.default([view_dtype_8, view_dtype_9], 1);  view_dtype_8 = view_dtype_9 = None
-    view_default_22 = torch.ops.aten.view.default(cat_default_2, [-1]);  cat_default_2 = None
-    all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(view_default_22, 2, '1');  view_default_22 = None
+    view_default_24 = torch.ops.aten.view.default(cat_default_2, [-1]);  cat_default_2 = None
+    all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(view_default_24, 2, '1');  view_default_24 = None
     wait_tensor_default_4 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
-    view_default_23 = torch.ops.aten.view.default(wait_tensor_default_4, [2, 8]);  wait_tensor_default_4 = None
-    slice_tensor_6 = torch.ops.aten.slice.Tensor(view_default_23, 1, 0, 4)
-    slice_tensor_7 = torch.ops.aten.slice.Tensor(view_default_23, 1, 4, 8);  view_default_23 = None
-    clone_default_4 = torch.ops.aten.clone.default(slice_tensor_7, memory_format = torch.contiguous_format);  slice_tensor_7 = None
-    view_dtype_10 = torch.ops.aten.view.dtype(clone_default_4, torch.float32);  clone_default_4 = None
-    view_default_24 = torch.ops.aten.view.default(view_dtype_10, [2, 1, 1]);  view_dtype_10 = None
+    view_default_25 = torch.ops.aten.view.default(wait_tensor_default_4, [2, 8]);  wait_tensor_default_4 = None
+    slice_tensor_6 = torch.ops.aten.slice.Tensor(view_default_25, 1, 0, 4)
+    slice_tensor_7 = torch.ops.aten.slice.Tensor(view_default_25, 1, 4, 8);  view_default_25 = None
+    view_default_26 = torch.ops.aten.view.default(slice_tensor_7, [2, 1, 4]);  slice_tensor_7 = None
+    convert_element_type_default_9 = torch.ops.prims.convert_element_type.default(view_default_26, torch.int64);  view_default_26 = None
+    select_int_8 = torch.ops.aten.select.int(convert_element_type_default_9, 2, 0)
+    select_int_9 = torch.ops.aten.select.int(convert_element_type_default_9, 2, 1)
+    mul_tensor_8 = torch.ops.aten.mul.Tensor(select_int_9, 256);  select_int_9 = None
+    add_tensor_6 = torch.ops.aten.add.Tensor(select_int_8, mul_tensor_8);  select_int_8 = mul_tensor_8 = None
+    select_int_10 = torch.ops.aten.select.int(convert_element_type_default_9, 2, 2)
+    mul_tensor_9 = torch.ops.aten.mul.Tensor(select_int_10, 65536);  select_int_10 = None
+    add_tensor_7 = torch.ops.aten.add.Tensor(add_tensor_6, mul_tensor_9);  add_tensor_6 = mul_tensor_9 = None
+    select_int_11 = torch.ops.aten.select.int(convert_element_type_default_9, 2, 3);  convert_element_type_default_9 = None
+    mul_tensor_10 = torch.ops.aten.mul.Tensor(select_int_11, 16777216);  select_int_11 = None
+    add_tensor_8 = torch.ops.aten.add.Tensor(add_tensor_7, mul_tensor_10);  add_tensor_7 = mul_tensor_10 = None
+    convert_element_type_default_10 = torch.ops.prims.convert_element_type.default(add_tensor_8, torch.int32);  add_tensor_8 = None
+    view_dtype_10 = torch.ops.aten.view.dtype(convert_element_type_default_10, torch.float32);  convert_element_type_default_10 = None
+    view_default_27 = torch.ops.aten.view.default(view_dtype_10, [2, 1, 1]);  view_dtype_10 = None
     view_dtype_11 = torch.ops.aten.view.dtype(slice_tensor_6, torch.int8);  slice_tensor_6 = None
-    convert_element_type_default_5 = torch.ops.prims.convert_element_type.default(view_dtype_11, torch.float32);  view_dtype_11 = None
-    view_default_25 = torch.ops.aten.view.default(convert_element_type_default_5, [2, 1, 4]);  convert_element_type_default_5 = None
-    mul_tensor_2 = torch.ops.aten.mul.Tensor(view_default_25, view_default_24);  view_default_25 = view_default_24 = None
-    view_default_26 = torch.ops.aten.view.default(mul_tensor_2, [2, 4]);  mul_tensor_2 = None
-    slice_tensor_8 = torch.ops.aten.slice.Tensor(view_default_26, 1, 0, 2);  view_default_26 = None
-    clone_default_5 = torch.ops.aten.clone.default(slice_tensor_8, memory_format = torch.contiguous_format);  slice_tensor_8 = None
-    view_default_27 = torch.ops.aten.view.default(clone_default_5, [4]);  clone_default_5 = None
-    slice_tensor_9 = torch.ops.aten.slice.Tensor(view_default_27, 0, 0, 3);  view_default_27 = None
-    clone_default_6 = torch.ops.aten.clone.default(slice_tensor_9, memory_format = torch.contiguous_format);  slice_tensor_9 = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(clone_default_6, 2);  clone_default_6 = None
+    convert_element_type_default_11 = torch.ops.prims.convert_element_type.default(view_dtype_11, torch.float32);  view_dtype_11 = None
+    view_default_28 = torch.ops.aten.view.default(convert_element_type_default_11, [2, 1, 4]);  convert_element_type_default_11 = None
+    mul_tensor_11 = torch.ops.aten.mul.Tensor(view_default_28, view_default_27);  view_default_28 = view_default_27 = None
+    view_default_29 = torch.ops.aten.view.default(mul_tensor_11, [2, 4]);  mul_tensor_11 = None
+    slice_tensor_8 = torch.ops.aten.slice.Tensor(view_default_29, 1, 0, 2);  view_default_29 = None
+    clone_default_2 = torch.ops.aten.clone.default(slice_tensor_8, memory_format = torch.contiguous_format);  slice_tensor_8 = None
+    view_default_30 = torch.ops.aten.view.default(clone_default_2, [4]);  clone_default_2 = None
+    slice_tensor_9 = torch.ops.aten.slice.Tensor(view_default_30, 0, 0, 3);  view_default_30 = None
+    clone_default_3 = torch.ops.aten.clone.default(slice_tensor_9, memory_format = torch.contiguous_format);  slice_tensor_9 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(clone_default_3, 2);  clone_default_3 = None
     return (None, div_tensor_1)""",
     )
     steps = [
