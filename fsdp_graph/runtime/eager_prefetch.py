@@ -8,8 +8,10 @@ through `ops.reuse_gathered`, whose backward is `fsdp::unshard`'s own. Every ran
 order as long as their forwards read the units in the same order, which the eager path needs anyway. A gather
 issued for a unit the forward then does not read is waited for and dropped when the forward ends.
 
-Not prefetched (gathered by the op as before): the backward (activation-checkpoint recomputes), world 1 (nothing
-to gather), `reshard_after_forward=k` (a gather in two steps) and units that keep their gathers
+Not prefetched (gathered by the op as before): the backward (activation-checkpoint recomputes run a unit's forward
+while autograd runs), a forward under selective activation checkpointing (its dispatch mode records each region's
+collectives for that region's recompute: a gather issued in region k and waited in region k + 1 matches neither),
+world 1 (nothing to gather), `reshard_after_forward=k` (a gather in two steps) and units that keep their gathers
 (`set_reshard_after_backward(False)`: the next forward reuses the kept one), and groups that run the gathers on
 torch's two-thread gloo (a mixed group's CPU side): fully_shard's gloo shard groups are single-thread copies
 (`runtime.gloo`), where two gathers in flight on one group are safe.
@@ -71,7 +73,7 @@ class ForwardPrefetch:
         """`state`'s full flat parameter, waited for, with the next flat parameter's gather issued before the wait
         (no autograd: the caller attaches it). None: not prefetched here, the caller gathers with the op. `states`:
         every flat parameter of the root; `gathered`: the names this forward has gathered already."""
-        if not self.prefetchable(state):
+        if not self.prefetchable(state) or _recomputing_or_selective_checkpoint():
             return None
         if self.order is None:
             if state.name not in self.recording:
@@ -104,6 +106,16 @@ class ForwardPrefetch:
         for started in self.issued.values():
             torch.ops._c10d_functional.wait_tensor(started)
         self.issued.clear()
+
+
+def _recomputing_or_selective_checkpoint() -> bool:
+    """Autograd is running a backward (a checkpoint's recompute of the forward), or selective activation
+    checkpointing's dispatch mode (torch.utils.checkpoint's caching modes) records this forward's ops."""
+    if torch._C._current_graph_task_id() != -1:
+        return True
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(type(mode).__module__ == "torch.utils.checkpoint" for mode in _get_current_dispatch_mode_stack())
 
 
 def _issue(state: _FlatParam) -> torch.Tensor:

@@ -97,7 +97,7 @@ print(json.dumps({"patches": patches, "picked": picked, "probed": probed, "all_u
 """
 
 
-def test_vec_isa_is_probed_once_per_machine_not_per_process(tmp_path, monkeypatch):
+def test_vec_isa_is_probed_once_per_machine_not_per_process(tmp_path):
     """Inductor probes each vector ISA the CPU reports (a probe library and a child Python process each) before the
     first kernel of every process loads, from its cache too: ~0.9 CPU seconds of a warm restart. The first process
     records torch's verdict (here in `tmp_path`; the probe libraries stay in Inductor's cache); a later one picks the
@@ -121,5 +121,7 @@ def test_vec_isa_is_probed_once_per_machine_not_per_process(tmp_path, monkeypatc
     assert first["patches"] == ({"cpp.vec_isa_ok": True} if first["all_usable"] else {}), first
     assert second["picked"] == first["picked"] and second["patches"] == first["patches"]
     assert bool(second["probed"]) == (not second["patches"]), second
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", False)  # a user's setting is never overridden
-    assert vec_isa_patches() == {}
+    # a user's setting is never overridden (set with config.patch: after pytest's monkeypatch undoes a setattr on
+    # Inductor's config, `config.patch({"cpp.vec_isa_ok": ...})` raises "does not exist", and every later compile)
+    with config.patch({"cpp.vec_isa_ok": False}):
+        assert vec_isa_patches() == {}
