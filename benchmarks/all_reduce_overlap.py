@@ -45,7 +45,7 @@ def _schedule(name: str):
     current = passes.schedule._sink_reduce_waits
     if name == AT_ONCE:
         passes.schedule._sink_reduce_waits = lambda graph, serial: passes.schedule._sink_waits(
-            graph, (REDUCE_SCATTER, ALL_TO_ALL), serial
+            graph, {(REDUCE_SCATTER, None), (ALL_TO_ALL, None)}, serial
         )
     try:
         yield
