@@ -23,6 +23,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fsdp_graph.train.report import load_history  # noqa: E402
+
 DEFAULT_RUNS = ("none", "int8", "weights=fp8,grads=int4")
 TAIL = 50  # steps averaged for the denoised final loss
 SMOOTH = 25
@@ -43,8 +47,7 @@ def train(
         done = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     if done.returncode:
         raise RuntimeError(f"run {compress!r} failed ({done.returncode}): {Path(log).read_text()[-3000:]}")
-    with open(os.path.join(ckpt, "history.json")) as f:
-        history = [(int(s), float(v)) for s, v in json.load(f)]
+    history = load_history(os.path.join(ckpt, "history.json"), steps)
     if len(history) != steps:
         raise RuntimeError(f"run {compress!r} logged {len(history)} steps, expected {steps}")
     return history, time.perf_counter() - began

@@ -116,11 +116,12 @@ class _LowerPass(CustomGraphPass):
         timed = self.pass_seconds
         start = time.perf_counter()
         passes.cat_flat_grads(gm)
-        replica_sizes = _replica_sizes(gm)  # read before lowering: the lowered all-reduce names its group only
+        compress = self.options.compress
+        # read before lowering: the lowered all-reduce names its group only
+        replica_sizes = _replica_sizes(gm) if compress is not None else {}
         passes.lower_fsdp_ops(gm)
         lowered = time.perf_counter()
         passes.bucket_collectives(gm, self.options.bucket_bytes)
-        compress = self.options.compress
         if compress is not None:
             units = None if compress.units is None else frozenset(compress.units)
             passes.compress_collectives(
@@ -194,9 +195,9 @@ class FSDPBackend:
         gloo = _gloo_groups(gm)
         all_to_all = frozenset() if self.schedule.reduce_scatter == "native" else gloo
         # The process groups' backends decide the lowering, and torch.compile's options what Inductor makes of it:
-        # both are part of the compiled code's cache key; so are the node groups' piece sizes, which the backward
-        # graph does not show.
-        piece_rows = _piece_rows(gm)
+        # both are part of the compiled code's cache key; so are, under compression (which packs by them), the node
+        # groups' piece sizes, which the backward graph does not show.
+        piece_rows = _piece_rows(gm) if self.schedule.compress is not None else {}
         key = f"{self._cache_key()}{sorted(all_to_all)}{sorted(gloo)}{patches_key(inductor_patches)}"
         if piece_rows:
             key += f"{sorted(piece_rows.items())}"
