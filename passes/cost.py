@@ -136,7 +136,9 @@ def kernel_cost(
         return bodies[id(body)]
     n_flops = node_flops(node, attention_window)
     kind = kind_of(node)
-    return kernel_seconds(n_flops, _moved_bytes(node), kind, hardware, kind == "matmul" and is_fp32_matmul(node)), n_flops
+    return kernel_seconds(
+        n_flops, _moved_bytes(node), kind, hardware, kind == "matmul" and is_fp32_matmul(node)
+    ), n_flops
 
 
 def _graph_compute(

@@ -95,7 +95,9 @@ class FusionPlan:
 
 
 def _is_view(node: fx.Node) -> bool:
-    return node.target is operator.getitem or (alias_source(node) is not None and node.target != WAIT and not _writes(node))
+    return node.target is operator.getitem or (
+        alias_source(node) is not None and node.target != WAIT and not _writes(node)
+    )
 
 
 def _writes(node: fx.Node) -> bool:

@@ -140,9 +140,7 @@ def test_allocator_reserved_peak_of_a_trace():
 
 
 def test_collectives_by_the_links_they_cross():
-    hw = Hardware(
-        "two-level", 1e12, 1e12, 100e9, 1e-6, ranks_per_node=8, inter_bytes_per_s=10e9, inter_latency_s=5e-6
-    )
+    hw = Hardware("two-level", 1e12, 1e12, 100e9, 1e-6, ranks_per_node=8, inter_bytes_per_s=10e9, inter_latency_s=5e-6)
     p = 8e9
     # Inside a node: a ring over NVLink.
     assert collective_seconds("all_gather", p, 8, hw) == pytest.approx(7e-6 + 7 / 8 * p / 100e9)
