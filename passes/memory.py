@@ -216,10 +216,36 @@ class MemoryEstimate:
     peak: MemoryPoint
     curve: list[MemoryPoint] = field(default_factory=list)
     outputs_bytes: int = 0
+    # The allocations behind the curve: persistent sizes, and (alloc position, last use, bytes, returned by the last
+    # graph) of the others, in creation order (`allocation_events`).
+    persistent_blocks: list[int] = field(default_factory=list, repr=False)
+    blocks: list[tuple[int, int, int, bool]] = field(default_factory=list, repr=False)
 
     @property
     def total_peak_bytes(self) -> int:
         return self.persistent_bytes + self.peak_bytes
+
+
+def allocation_events(estimate: MemoryEstimate, first_id: int = 0) -> tuple[list[tuple[str, int, int]], list[int]]:
+    """The step as ("malloc", id, bytes) / ("free", id, 0) events in position order (at one position, what a node
+    allocates before what dies after it), ids from `first_id`, for `passes.allocator.replay`. The last graph's
+    returned storages (the gradient shards) are allocated but not freed: their ids come back second."""
+    at: dict[int, list[int]] = {}
+    dies: dict[int, list[int]] = {}
+    kept = []
+    for i, (alloc, last_use, nbytes, returned) in enumerate(estimate.blocks):
+        if nbytes <= 0:
+            continue
+        at.setdefault(alloc, []).append(i)
+        if returned:
+            kept.append(first_id + i)
+        else:
+            dies.setdefault(last_use, []).append(i)
+    events: list[tuple[str, int, int]] = []
+    for position in sorted(set(at) | set(dies)):
+        events += [("malloc", first_id + i, estimate.blocks[i][2]) for i in at.get(position, ())]
+        events += [("free", first_id + i, 0) for i in dies.get(position, ())]
+    return events, kept
 
 
 def _output_values(gm: fx.GraphModule) -> list:
@@ -290,4 +316,6 @@ def estimate_memory(
     peak = max(curve, key=lambda point: point.bytes)
     last_graph = graphs[-1][1]
     outputs = {id(s): s.nbytes for n in _output_nodes(last_graph) for s in live.refs.get(n, ()) if not s.persistent}
-    return MemoryEstimate(persistent, peak.bytes, peak, curve, sum(outputs.values()))
+    blocks = [(s.alloc, s.last_use, s.nbytes, id(s) in outputs) for s in live.storages if not s.persistent]
+    persistent_blocks = [s.nbytes for s in live.storages if s.persistent]
+    return MemoryEstimate(persistent, peak.bytes, peak, curve, sum(outputs.values()), persistent_blocks, blocks)
