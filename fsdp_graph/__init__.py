@@ -11,6 +11,7 @@ from fsdp_graph.api.wrap import ModuleWrapPolicy, size_based_wrap_policy
 from fsdp_graph.compiler.backend import FSDPBackend, GraphReport, fsdp_backend, make_backend
 from fsdp_graph.planning.depth import DepthPlan, explain_by_depth
 from fsdp_graph.planning.explain import ExplainReport, explain
+from fsdp_graph.planning.planner import PlanResult, plan
 from fsdp_graph.state.checkpoint import DamagedCheckpointError, load_checkpoint, save_checkpoint
 from fsdp_graph.state.full import full_state_dict
 from fsdp_graph.state.optim import load_optim_state_dict, optim_state_dict
@@ -27,6 +28,7 @@ __all__ = [
     "MixedPrecision",
     "ModuleWrapPolicy",
     "PipelineStage",
+    "PlanResult",
     "ShardingStrategy",
     "UnshardHandle",
     "clip_grad_norm_",
@@ -43,6 +45,7 @@ __all__ = [
     "save_checkpoint",
     "set_requires_gradient_sync",
     "optimizer_in_backward",
+    "plan",
     "register_fsdp_forward_method",
     "summon_full_params",
     "size_based_wrap_policy",

@@ -220,6 +220,8 @@ class MemoryEstimate:
     # graph) of the others, in creation order (`allocation_events`).
     persistent_blocks: list[int] = field(default_factory=list, repr=False)
     blocks: list[tuple[int, int, int, bool]] = field(default_factory=list, repr=False)
+    # Bytes the forward saves for the backward, by the FSDP unit of the node that made them (distinct storages).
+    saved_by_unit: dict[str | None, int] = field(default_factory=dict, repr=False)
 
     @property
     def total_peak_bytes(self) -> int:
@@ -317,5 +319,16 @@ def estimate_memory(
     last_graph = graphs[-1][1]
     outputs = {id(s): s.nbytes for n in _output_nodes(last_graph) for s in live.refs.get(n, ()) if not s.persistent}
     blocks = [(s.alloc, s.last_use, s.nbytes, id(s) in outputs) for s in live.storages if not s.persistent]
+    fw_labels = dict(zip(fw.graph.nodes, unit_labels(fw)))
+    saved_by_unit: dict[str | None, int] = {}
+    counted: set[int] = set()
+    for node in fw.graph.nodes:
+        if node not in saved:
+            continue
+        for storage in live.refs.get(node, ()):
+            if not storage.persistent and id(storage) not in counted:
+                counted.add(id(storage))
+                unit = fw_labels.get(node)
+                saved_by_unit[unit] = saved_by_unit.get(unit, 0) + storage.nbytes
     persistent_blocks = [s.nbytes for s in live.storages if s.persistent]
     return MemoryEstimate(persistent, peak.bytes, peak, curve, sum(outputs.values()), persistent_blocks, blocks)

@@ -70,7 +70,7 @@ class ExplainReport:
 
     world: int
     hardware: Hardware
-    executor: str  # "inductor" or "eager kernels": which executor the memory estimate models
+    executor: str  # "inductor", "unfused kernels" (no torch.compile) or "eager kernels" (the aot backend)
     units: list[UnitRow]
     memory: MemoryEstimate
     forward: Simulation
@@ -337,6 +337,7 @@ def explain(
     clip_grad: bool = False,
     attention_window: int | None = None,
     expandable_segments: bool = False,
+    fusion: bool | None = None,
     **backend_options,
 ) -> ExplainReport:
     """Plan one training step of a model sharded with `fully_shard`, on this rank.
@@ -362,7 +363,9 @@ def explain(
     `fsdp_graph.planning.optimizer`) adds the optimizer step to the plan: its state to the memory, its time (and
     with `clip_grad`, gradient-norm clipping's) to the step. `attention_window` (tokens) plans causal attention
     as a sliding window of that many keys. `expandable_segments` picks the caching allocator's mode for
-    `report.reserved_bytes` (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).
+    `report.reserved_bytes` (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True). `fusion` (default: as `inductor`)
+    costs kernels as Inductor fuses them (`passes.fusion`); `inductor=True, fusion=False` plans PyTorch without
+    torch.compile (one kernel per op, each input freed at its last use).
     """
     module = getattr(model, "_orig_mod", model)  # a torch.compile'd module: plan the module itself
     states = flat_params(module)
@@ -374,6 +377,7 @@ def explain(
     hardware = _hardware(hardware)
     model_of_optimizer = None if optimizer is None else optimizer_model(optimizer, clip_grad)
     inductor = bool(backend_options.pop("inductor", True))
+    fused = inductor if fusion is None else fusion
     backend = make_backend(inductor=False, keep_graphs=True, **backend_options)
     # Static shapes: Dynamo would otherwise make a plan depend on the shapes earlier plans traced (automatic dynamic).
     compiled = torch.compile(_step, backend=backend, fullgraph=True, dynamic=False)
@@ -406,12 +410,12 @@ def explain(
     group_sizes.update({s.piece_group: s.world // s.post_forward_world for s in states if s.piece_group})
     group_sizes.update(other_group_sizes(graphs, group_sizes))
     ranks = group_ranks(group_sizes)
-    fw_sim, bw_sim = _simulate(graphs, hardware, world, group_sizes, inductor, ranks, attention_window)
+    fw_sim, bw_sim = _simulate(graphs, hardware, world, group_sizes, fused, ranks, attention_window)
     memory = estimate_memory(
-        graphs[0].graph, graphs[1].graph if backward else None, release_inputs=inductor, fused=inductor
+        graphs[0].graph, graphs[1].graph if backward else None, release_inputs=inductor, fused=fused
     )
     rows, other = _unit_rows(states, graphs)
-    executor = "inductor" if inductor else "eager kernels"
+    executor = ("inductor" if fused else "unfused kernels") if inductor else "eager kernels"
     extras = StepExtras(model_of_optimizer, _param_elements(states), states[0].world, expandable_segments)
     return ExplainReport(
         world,

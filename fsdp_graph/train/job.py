@@ -30,7 +30,7 @@ import torch.distributed as dist
 import fsdp_graph
 from fsdp_graph.planning.measure import executed_collectives
 from fsdp_graph.runtime.devices import collective_device
-from fsdp_graph.train import checkpoints
+from fsdp_graph.train import checkpoints, layout
 from fsdp_graph.train.corpus import batch_at, load_tokens
 from fsdp_graph.train.launch import RankFailedError, spawn
 from fsdp_graph.train.llama import PRESETS, Llama, check_tp, llama_loss, preset, tp_plan
@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, default=2, help="ranks to start when not under torchrun (default: 2)")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds (default: 300)")
     p.add_argument("--seed", type=int, default=0, help="seed of the init and of the data order")
+    layout.add_arguments(p)
     return p
 
 
@@ -160,6 +161,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.compress = fsdp_graph.Compression.parse(args.compress)
         except (TypeError, ValueError) as error:
             parser.error(f"--compress {args.compress}: {error}")
+    if args.ac != "none" and args.pp > 1:
+        parser.error("--ac with --pp is not supported yet")
+    if args.ac != "none":
+        args.reuse_blocks = False  # a shared block body keeps every activation under checkpointing (issue 37)
     if args.microbatches is None:
         args.microbatches = args.pp
     if why := _check_tp_args(args):
@@ -206,6 +211,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     """Run the job; returns rank 0's summary (None on other torchrun ranks). Raises `RankFailedError` naming the
     rank that failed first when ranks were started here (torchrun reports failures itself)."""
     args = parse_args(argv)
+    if args.plan or args.layout == "auto":
+        result = layout.plan_job(args, layout.planned_world(args), log=lambda line: print(line, file=sys.stderr))
+        print(result.to_text(), flush=True)
+        if args.plan:
+            return None
+        if result.best is None:
+            raise SystemExit("fsdp-graph train --layout auto: no layout fits (the plan above says why)")
+        layout.apply_layout(args, result.best.layout)
     if _under_torchrun():
         return _torchrun_rank(args)
     if torch.cuda.is_available():
@@ -314,7 +327,7 @@ def _build(args: argparse.Namespace, world: int, device: torch.device):
     With --tp: a (world / tp, tp) mesh ("dp", "tp"); the meta-device model is split by `tp_plan` over tp, then
     fully_shard over dp materialises it a unit at a time, each tp parameter initialised whole and cut to this
     rank's piece (so it starts from the values the job without --tp starts from)."""
-    cfg = preset(args.preset, seq=max(args.seq, PRESETS[args.preset].seq))
+    cfg = preset(args.preset, seq=max(args.seq, PRESETS[args.preset].seq), checkpoint=args.ac)
     torch.manual_seed(args.seed)
     with torch.device("meta"):
         model = Llama(cfg)

@@ -32,8 +32,9 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tied: bool = True
     init_std: float = 0.02
-    # Activation checkpointing of every block: "none", "selective" (torchtitan's per-op policy: keep attention's
-    # output and every other matmul's, recompute the rest) or "full" (keep only the block's input).
+    # Activation checkpointing: "none"; "selective", every block with torchtitan's per-op policy (keep attention's
+    # output and every other matmul's, recompute the rest); "layer", every second block whole (torchtitan's
+    # selective "layer" option 2, blocks 1, 3, 5, ...); "full", every block whole (keep only its input).
     checkpoint: str = "none"
 
     def __post_init__(self) -> None:
@@ -56,7 +57,7 @@ class LlamaConfig:
         return self.layers * block + self.vocab * self.dim + head + self.dim
 
 
-CHECKPOINT_MODES = ("none", "selective", "full")
+CHECKPOINT_MODES = ("none", "selective", "layer", "full")
 
 
 # Byte-level vocabulary (256) everywhere; the larger shapes follow Llama 3.2 1B / 3B and Llama 3 / 3.1 8B, 70B and
@@ -218,10 +219,10 @@ class Llama(nn.Module):
             raise ValueError(f"Llama: sequence of {idx.shape[1]} tokens is longer than cfg.seq={self.cfg.seq}")
         x = self.tok_embeddings(idx)
         cos, sin = self.rope(idx.shape[1])
-        for block in self.blocks:
-            if self.cfg.checkpoint == "none":
+        for i, block in enumerate(self.blocks):
+            if self.cfg.checkpoint == "none" or (self.cfg.checkpoint == "layer" and i % 2 == 0):
                 x = block(x, cos, sin)
-            elif self.cfg.checkpoint == "full":
+            elif self.cfg.checkpoint in ("full", "layer"):
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = checkpoint(block, x, cos, sin, use_reentrant=False, context_fn=_selective_context)
