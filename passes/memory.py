@@ -222,6 +222,8 @@ class MemoryEstimate:
     blocks: list[tuple[int, int, int, bool]] = field(default_factory=list, repr=False)
     # Bytes the forward saves for the backward, by the FSDP unit of the node that made them (distinct storages).
     saved_by_unit: dict[str | None, int] = field(default_factory=dict, repr=False)
+    # Bytes live at the peak (above the persistent ones), by the FSDP unit of the node that allocated them.
+    peak_by_unit: dict[str | None, int] = field(default_factory=dict, repr=False)
 
     @property
     def total_peak_bytes(self) -> int:
@@ -331,4 +333,20 @@ def estimate_memory(
                 unit = fw_labels.get(node)
                 saved_by_unit[unit] = saved_by_unit.get(unit, 0) + storage.nbytes
     persistent_blocks = [s.nbytes for s in live.storages if s.persistent]
-    return MemoryEstimate(persistent, peak.bytes, peak, curve, sum(outputs.values()), persistent_blocks, blocks)
+    at_peak = curve.index(peak)
+    peak_by_unit: dict[str | None, int] = {}
+    for storage in live.storages:
+        if not storage.persistent and storage.alloc <= at_peak <= storage.last_use:
+            unit = positions[storage.alloc][3]
+            peak_by_unit[unit] = peak_by_unit.get(unit, 0) + storage.nbytes
+    return MemoryEstimate(
+        persistent,
+        peak.bytes,
+        peak,
+        curve,
+        sum(outputs.values()),
+        persistent_blocks,
+        blocks,
+        saved_by_unit,
+        peak_by_unit,
+    )

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from fsdp_graph.planning.profiles import Profile, ProfileKey
 from fsdp_graph.train.llama import LlamaConfig
-from passes.hardware import GIB, Hardware, collective_seconds
+from passes.hardware import GIB, Hardware
 
 AC_MODES = ("none", "selective", "full")  # what plan() searches; LlamaConfig also takes "layer"
 
@@ -122,6 +122,12 @@ def memory_lower_bound(cfg: LlamaConfig, seq: int, layout: Layout, bf16: bool = 
     return state + gathered + activations
 
 
+def _send_seconds(nbytes: float, hardware: Hardware) -> float:
+    """One point-to-point send between nodes: a network step's latency plus the bytes at a rank's NIC rate."""
+    latency = hardware.inter_latency_s if hardware.inter_latency_s is not None else hardware.link_latency_s
+    return latency + nbytes / (hardware.inter_bytes_per_s or hardware.link_bytes_per_s)
+
+
 def evaluate(
     layout: Layout,
     profile: Profile,
@@ -141,8 +147,8 @@ def evaluate(
     pipeline = 0.0
     if p > 1:
         activation = layout.micro_batch * seq * cfg.dim * 2  # bf16 hidden states between stages
-        send = collective_seconds("all_to_all", 2 * activation, 2, hardware, nodes=2, per_node=1)
-        pipeline = (p - 1) * per_micro + (m + p - 1) * 2 * send
+        send = _send_seconds(activation, hardware)  # stages sit on different nodes
+        pipeline = (p - 1) * per_micro + (m + p - 1) * 2 * send  # activations forward, their gradients back
     step = m * per_micro + pipeline + optimizer
     allocated = f["peak_memory_bytes"]
     extra = 0.0

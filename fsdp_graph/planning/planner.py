@@ -189,7 +189,7 @@ def candidate_layouts(
             per_rank = global_batch // dp
             replicas = [1]
             shard_in_node = max(node // t, 1)
-            if hsdp and dp > shard_in_node and dp % shard_in_node == 0 and p == 1:
+            if hsdp and t == 1 and p == 1 and dp > shard_in_node and dp % shard_in_node == 0:
                 replicas.append(2 if job else dp // shard_in_node)
             for r in replicas:
                 if job and r > 1 and (t > 1 or dp % 2):
@@ -235,6 +235,7 @@ def plan(
     memory_headroom: float = MEMORY_HEADROOM_BYTES,
     cache_dir: str | None = None,
     exhaustive: bool = False,
+    baseline: bool = True,
     log=None,
 ) -> PlanResult:
     """Propose layouts for training `model_or_config` (a `LlamaConfig`, a `Llama` or a preset name: "8b", "70b" and
@@ -247,7 +248,7 @@ def plan(
     `compression`, `micro_batch`; `job=True`: what the main job runs) as the module docstring says (`exhaustive=True` evaluates
     every candidate), rejects those whose reserved memory exceeds the device's less `memory_headroom`, ranks the
     rest by predicted tokens per second per GPU and returns a `PlanResult` (`print(result.to_text())`). It also
-    plans plain FSDP (no TP, PP or checkpointing) for comparison. Traces run on the meta device with a fake process
+    plans plain FSDP (no TP, PP or checkpointing) for comparison (`baseline=False`: not). Traces run on the meta device with a fake process
     group in this process, which must not have one initialised. `cache_dir` keeps traced profiles on disk; `log`
     (e.g. `print`) is called with a line per traced profile.
     """
@@ -272,7 +273,8 @@ def plan(
             "options; pick a global batch that is a multiple of the data-parallel sizes"
         )
     _search(result, layouts, profiles, cfg, seq, hw, usable, bf16, top, exhaustive)
-    result.baseline = _baseline(cfg, world, global_batch, seq, hw, usable, bf16, profiles)
+    if baseline:
+        result.baseline = _baseline(cfg, world, global_batch, seq, hw, usable, bf16, profiles)
     changed = [profiles.extend(profiles.get(e.layout.profile_key(cfg, seq, bf16))) for e in result.ranked[:1]]
     if any(changed):  # re-cost what the checked profile now says
         result.ranked = sorted(
@@ -340,9 +342,9 @@ def _search(result, layouts, profiles, cfg, seq, hw, usable, bf16, top, exhausti
 
 
 def _scaled_reserved(traced: Evaluation, layout: Layout) -> float:
-    """A smaller micro-batch's reserved memory from a traced larger one: the activations and buffers shrink with the
-    micro-batch, the model state does not (activations are linear in the batch; the buffers counted with them
-    make this an overestimate, so a layout it rejects would not fit either way... within the gathered blocks)."""
+    """A smaller micro-batch's reserved memory from a traced larger one, scaling everything but the model state by
+    the micro-batch ratio. Activations are linear in the batch; what else is counted with them (gathered blocks,
+    buffers) does not shrink, so this underestimates: a layout it rejects does not fit."""
     state = traced.memory_breakdown["model state"]
     scale = layout.micro_batch / traced.layout.micro_batch
     return state + (traced.reserved_bytes - state) * scale

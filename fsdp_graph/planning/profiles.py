@@ -201,11 +201,17 @@ def figures(report) -> dict[str, float]:
 def block_figures(report, depth: int, period: int = 1) -> dict[str, float]:
     """What one more block adds to each of `figures`, read off the plan's middle `period` blocks (units
     "blocks.k"): their compute and exposed waits on the timeline, their collectives, the activations their forward
-    saves for the backward (which every figure of memory gains, the peak being past the forward), their shards and
-    gradients, and their share of the optimizer's state and time."""
+    saves for the backward (what a deep model's peak, at the backward's start, gains per block; a block whose own
+    kernels run at the peak is passed over for its neighbour), their shards and gradients, and their share of the
+    optimizer's state and time. Measured on Llama 3 8B at 64 ranks (2048 tokens): step time within 1% of a plan
+    one block deeper, communication exact, the peak within a few percent; the partitioner saves a little more in
+    the last blocks, so small models' blocks differ by position."""
     from passes.cost import collective_cost, iter_collectives
 
-    middle = [f"blocks.{k}" for k in range(depth // 2 - period // 2, depth // 2 - period // 2 + period)]
+    first = depth // 2 - period // 2
+    if report.memory.peak.unit in {f"blocks.{k}" for k in range(first, first + period)}:
+        first = first - period if first >= period else first + period
+    middle = [f"blocks.{k}" for k in range(first, first + period)]
     rows = {row.unit: row for row in report.units}
     if any(unit not in rows for unit in middle):
         raise ValueError(f"plan(): the model's blocks are not units named {middle}; profiles need blocks.<k> units")

@@ -13,7 +13,7 @@ import fsdp_graph
 from fsdp_graph.planning.layouts import Layout, evaluate, memory_lower_bound, throughput_bound
 from fsdp_graph.planning.optimizer import optimizer_model
 from fsdp_graph.planning.planner import PlanResult, candidate_layouts
-from fsdp_graph.planning.profiles import Profile, ProfileKey
+from fsdp_graph.planning.profiles import Profile, ProfileKey, Profiles
 from fsdp_graph.train import job
 from fsdp_graph.train import layout as job_layout
 from fsdp_graph.train.llama import Llama, LlamaConfig, preset
@@ -199,3 +199,23 @@ def test_job_layout_auto_trains_the_best_layout(monkeypatch):
     hsdp = Layout(1, 1, 2, 2, "none", 2, 1, compression="int8")
     job_layout.apply_layout(args, hsdp)
     assert (args.tp, args.strategy, args.batch) == (1, "HYBRID_SHARD", 2) and args.compress is not None
+
+
+def test_one_plan_profile_and_its_depth_check():
+    """A profile is one plan at 4 blocks plus what its middle block adds; `extend` plans 5 and 6 blocks, checks the
+    three are on one line and keeps that line. The one-plan line's communication is exact, its step and memory
+    close (what the middle block owns at the peak is what another block adds)."""
+    cfg = dataclasses.replace(TINY, layers=8, seq=256)
+    profiles = Profiles(GPUS["h100"])
+    profile = profiles.get(ProfileKey(cfg, 1, 4, 1, "none", 4, 256))
+    assert profile.synthetic and profile.samples == (4, 5) and profiles.traced == 1
+    predicted = dict(profile.sampled[5])
+    assert profiles.extend(profile) and not profile.synthetic and profile.samples == (4, 5, 6)
+    assert profile.linear is True
+    real = profile.sampled[5]
+    for name in ("sent_bytes", "comm_time", "gathers", "reduce_scatters", "shard_bytes", "params"):
+        assert predicted[name] == pytest.approx(real[name], rel=1e-9), name
+    assert predicted["step_time"] == pytest.approx(real["step_time"], rel=0.05)
+    # The partitioner saves a little more in a small model's last blocks than in its middle ones.
+    assert predicted["peak_memory_bytes"] == pytest.approx(real["peak_memory_bytes"], rel=0.15)
+    assert not profiles.extend(profile)  # checked once
