@@ -78,6 +78,7 @@ class Row:
     optimizer: str = "adamw"
     nic_gbps: float | None = None
     ranks_per_node: int = 8
+    bf16_reduce: bool = False  # gradients reduced in bf16 (FSDP1's bfSixteen policy), not fp32
     note: str = ""
 
     def hardware(self, efficiency: float) -> Hardware:
@@ -116,7 +117,8 @@ ROWS: tuple[Row, ...] = (
         nic_gbps=400,
         note="the source's TP adds sequence parallelism; plan()'s has none",
     ),  # fmt: skip
-    # fms-fsdp (IBM), Llama 2 at 4096 tokens, FSDP1 / HSDP (sharded in a node), no checkpointing, batch 2 per GPU.
+    # fms-fsdp (IBM), Llama 2 at 4096 tokens, FSDP1 / HSDP (sharded in a node), no checkpointing, batch 2 per GPU,
+    # bf16 parameters and reductions (fms_fsdp/policies/mixed_precision.py: bfSixteen).
     Row(
         "fms-h100-7b-hsdp-compiled",
         "fit",
@@ -128,6 +130,7 @@ ROWS: tuple[Row, ...] = (
         True,
         9600,
         nic_gbps=100,
+        bf16_reduce=True,
         note="96 GPUs, 800 Gb/s taken as per node",
     ),  # fmt: skip
     Row(
@@ -141,6 +144,7 @@ ROWS: tuple[Row, ...] = (
         True,
         4550,
         nic_gbps=50,
+        bf16_reduce=True,
         note="128 GPUs, 400 Gb/s taken as per node",
     ),  # fmt: skip
     Row(
@@ -154,6 +158,7 @@ ROWS: tuple[Row, ...] = (
         False,
         3760,
         nic_gbps=50,
+        bf16_reduce=True,
         note="128 GPUs, 400 Gb/s taken as per node",
     ),  # fmt: skip
     Row(
@@ -167,6 +172,7 @@ ROWS: tuple[Row, ...] = (
         False,
         1700,
         nic_gbps=50,
+        bf16_reduce=True,
         note="128 GPUs, 400 Gb/s taken as per node",
     ),  # fmt: skip
     # KempnerForge, H200 141 GB, 4 per node, InfiniBand (speed not stated: 400 Gb/s per GPU assumed), FSDP2, full
@@ -221,7 +227,8 @@ ROWS: tuple[Row, ...] = (
 
 
 def _key(row: Row) -> ProfileKey:
-    return dataclasses.replace(row.layout.profile_key(row.config, row.seq, True), compiled=row.compiled)
+    key = row.layout.profile_key(row.config, row.seq, True)
+    return dataclasses.replace(key, compiled=row.compiled, bf16_reduce=row.bf16_reduce)
 
 
 def trace_row(row: Row) -> dict:

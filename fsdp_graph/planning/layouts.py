@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from fsdp_graph.planning.profiles import Profile, ProfileKey
 from fsdp_graph.train.llama import LlamaConfig
-from passes.hardware import GIB, Hardware
+from passes.hardware import GIB, Hardware, collective_seconds, span
 
 AC_MODES = ("none", "selective", "full")  # what plan() searches; LlamaConfig also takes "layer"
 
@@ -99,23 +99,51 @@ def model_flops_per_token(cfg: LlamaConfig, seq: int) -> float:
     return 6 * matmul_params + 6 * cfg.layers * cfg.dim * seq
 
 
-def throughput_bound(cfg: LlamaConfig, seq: int, layout: Layout, hardware: Hardware) -> float:
-    """Tokens per second per GPU if every matmul flop ran at the matmul rate and nothing else took time: no layout
-    beats it. Full checkpointing runs the forward twice (8/6 of the flops)."""
+def throughput_bound(cfg: LlamaConfig, seq: int, layout: Layout, hardware: Hardware, bf16: bool = True) -> float:
+    """Tokens per second per GPU no plan of this layout beats: the step is at least its matmul flops at the matmul
+    rate (full checkpointing runs the forward twice, 8/6 of the flops; a pipeline adds its fill and drain), and at
+    least the time of its collectives, which the cost model runs one after another (`comm_lower_bound`)."""
     flops = model_flops_per_token(cfg, seq) * (8 / 6 if layout.checkpoint == "full" else 1.0)
-    bubble = layout.microbatches / (layout.microbatches + layout.pp - 1)
-    return hardware.matmul_rate() / flops * bubble
+    tokens = layout.dp_shard * layout.dp_replicate * layout.micro_batch * layout.microbatches * seq
+    compute = flops * tokens / layout.world / hardware.matmul_rate()
+    compute *= (layout.microbatches + layout.pp - 1) / layout.microbatches
+    return tokens / max(compute, comm_lower_bound(cfg, seq, layout, hardware, bf16)) / layout.world
+
+
+def comm_lower_bound(cfg: LlamaConfig, seq: int, layout: Layout, hardware: Hardware, bf16: bool = True) -> float:
+    """Seconds of the collectives one rank runs per step (`passes.hardware.collective_seconds` on the layout's
+    groups: tp innermost, the FSDP group every tp-th rank): per block and micro-batch, FSDP's gathers (two, one
+    without resharding after forward) in the compute dtype and its fp32 reduce-scatter, HSDP's replica all-reduce
+    of the shard, and tensor parallelism's four activation all-reduces (six under full checkpointing, whose
+    recomputed forward runs them again). The embedding and head are left out, so it is a lower bound."""
+    elem = 2 if bf16 else 4
+    block = (cfg.num_params() - cfg.vocab * cfg.dim * (1 if cfg.tied else 2)) / cfg.layers / layout.tp
+    dp_ranks = tuple(i * layout.tp for i in range(layout.dp_shard))
+    nodes, per_node = span(dp_ranks, hardware.ranks_per_node)
+    gathers = 2 if layout.reshard_after_forward else 1
+    fsdp = gathers * collective_seconds("all_gather", block * elem, layout.dp_shard, hardware, nodes, per_node)
+    fsdp += collective_seconds("reduce_scatter", block * 4, layout.dp_shard, hardware, nodes, per_node)
+    if layout.dp_replicate > 1:
+        replicas = layout.dp_replicate
+        fsdp += collective_seconds("all_reduce", block * 4 / layout.dp_shard, replicas, hardware, replicas, 1)
+    tp = 0.0
+    if layout.tp > 1:
+        activation = layout.micro_batch * seq * cfg.dim * 2
+        count = 6 if layout.checkpoint == "full" else 4
+        tp = count * collective_seconds("all_reduce", activation, layout.tp, hardware)
+    return cfg.layers / layout.pp * layout.microbatches * (fsdp + tp)
 
 
 def memory_lower_bound(cfg: LlamaConfig, seq: int, layout: Layout, bf16: bool = True) -> float:
     """Bytes per rank no layout of these degrees can go below: the model state (fp32 master, gradient and AdamW's
-    two moments, 16 bytes a parameter) over the ranks holding it, one gathered block, and per block and sequence the
+    two moments, 16 bytes a parameter) over the ranks holding it, one gathered block (every block of the stage
+    without resharding after forward: they stay gathered for the backward), and per block and sequence the
     activations checkpointing keeps at least (the block's input; without checkpointing also the feed-forward's
     input and its three hidden-width values, split over tp)."""
     elem = 2 if bf16 else 4
     state = 16 * cfg.num_params() / (layout.tp * layout.pp * layout.dp_shard)
     block = (cfg.num_params() - cfg.vocab * cfg.dim * (1 if cfg.tied else 2)) / cfg.layers
-    gathered = block / layout.tp * elem
+    gathered = block / layout.tp * elem * (1 if layout.reshard_after_forward else cfg.layers / layout.pp)
     per_token = cfg.dim if layout.checkpoint != "none" else cfg.dim * 2 + 3 * cfg.hidden / layout.tp
     in_flight = min(layout.pp, layout.microbatches) if layout.pp > 1 else 1
     activations = cfg.layers / layout.pp * layout.micro_batch * in_flight * seq * per_token * elem

@@ -7,8 +7,9 @@ resharding after forward, and compression. Each is costed from a traced profile 
 the search traces only what it must:
 - a layout whose memory lower bound (model state, a gathered block, the activations checkpointing keeps at least)
   exceeds the device is rejected without tracing;
-- layouts are tried best throughput bound first (matmul flops at the matmul rate, nothing else); once `top`
-  layouts fit, one whose bound is below the last of them cannot enter and is skipped;
+- layouts are tried best throughput bound first (the step is at least its matmul flops at the matmul rate, and at
+  least its collectives one after another: `layouts.throughput_bound`); once one fits, a layout whose bound is
+  below its throughput cannot beat it and is skipped (so fewer than `top` may be shown);
 - for each setting the largest micro-batch is tried first and smaller ones only when it does not fit;
 - a larger tensor-parallel degree is tried only where every smaller one did not fit at the same setting (more
   tensor parallelism costs activations' all-reduces and saves only memory);
@@ -265,7 +266,7 @@ def plan(
     profiles = Profiles(hw, optimizer, clip_grad, expandable_segments, tuple(samples), cache_dir, log)
     result = PlanResult(cfg, world, hw, global_batch, seq, usable)
     layouts = candidate_layouts(
-        cfg, world, global_batch, hw, tp, pp, tuple(checkpoint), hsdp, reshard, compression, job
+        cfg, world, global_batch, hw, tp, pp, tuple(checkpoint), hsdp, reshard, compression, job, micro_batch
     )
     if not layouts:
         raise ValueError(
@@ -293,7 +294,7 @@ def plan(
 
 
 def _search(result, layouts, profiles, cfg, seq, hw, usable, bf16, top, exhaustive) -> None:
-    bounds = {layout: throughput_bound(cfg, seq, layout, hw) for layout in layouts}
+    bounds = {layout: throughput_bound(cfg, seq, layout, hw, bf16) for layout in layouts}
     fitting_settings: dict[tuple, int] = {}  # (everything but tp and the micro-batch) -> smallest fitting tp
     done_settings: set[tuple] = set()  # (everything but the micro-batch) that already fit with a larger one
     too_big: dict[tuple, Evaluation] = {}  # setting -> its evaluation at a larger micro-batch that did not fit
@@ -319,8 +320,9 @@ def _search(result, layouts, profiles, cfg, seq, hw, usable, bf16, top, exhausti
             if wider in fitting_settings and fitting_settings[wider] < layout.tp:
                 result.rejected.append(_skipped(layout, f"skipped: TP {fitting_settings[wider]} fits"))
                 continue
-            if len(result.ranked) >= top and bounds[layout] < result.ranked[top - 1].tokens_per_s_per_gpu:
-                result.rejected.append(_skipped(layout, "skipped: its throughput bound is below the top layouts"))
+            if result.ranked and bounds[layout] < result.ranked[0].tokens_per_s_per_gpu:
+                reason = f"skipped: its throughput bound, {bounds[layout]:,.0f} tokens/s/GPU, is below the best's"
+                result.rejected.append(_skipped(layout, reason))
                 continue
         if not exhaustive and setting in too_big:
             estimate = _scaled_reserved(too_big[setting], layout)

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 import fsdp_graph
-from fsdp_graph.planning.layouts import Layout, evaluate, memory_lower_bound, throughput_bound
+from fsdp_graph.planning.layouts import (
+    Layout,
+    comm_lower_bound,
+    evaluate,
+    memory_lower_bound,
+    model_flops_per_token,
+    throughput_bound,
+)
 from fsdp_graph.planning.optimizer import optimizer_model
 from fsdp_graph.planning.planner import PlanResult, candidate_layouts
 from fsdp_graph.planning.profiles import Profile, ProfileKey, Profiles
@@ -81,10 +88,15 @@ def test_evaluate_accumulation_and_pipeline():
 
 def test_bounds():
     cfg, hw = preset("8b"), GPUS["h100"]
-    none = Layout(1, 1, 8, 1, "none", 1, 1)
+    none = Layout(1, 1, 8, 1, "none", 4, 1)  # compute-bound: FSDP inside one node
     full = dataclasses.replace(none, checkpoint="full")
     assert throughput_bound(cfg, 2048, full, hw) == pytest.approx(throughput_bound(cfg, 2048, none, hw) * 6 / 8)
     assert memory_lower_bound(cfg, 2048, none) > memory_lower_bound(cfg, 2048, full) > 16 * cfg.num_params() / 8
+    kept = dataclasses.replace(none, reshard_after_forward=False)  # every block stays gathered for the backward
+    assert memory_lower_bound(cfg, 2048, kept) > memory_lower_bound(cfg, 2048, none) + cfg.num_params()
+    # Across 64 nodes with one sequence per rank the collectives bound the step, not the matmuls.
+    wide = Layout(1, 1, 512, 1, "full", 1, 1)
+    assert comm_lower_bound(cfg, 2048, wide, hw) > model_flops_per_token(cfg, 2048) * 2048 / hw.matmul_rate()
 
 
 def test_plan_searches_rejects_and_ranks(tmp_path):
@@ -104,6 +116,9 @@ def test_plan_searches_rejects_and_ranks(tmp_path):
         (e.tokens_per_s_per_gpu for e in roomy.ranked), reverse=True
     )
     assert roomy.baseline.layout == none.layout and roomy.baseline.fits
+    for e in roomy.ranked:  # the bounds the search prunes by hold for what it plans
+        assert e.tokens_per_s_per_gpu <= throughput_bound(TINY, 256, e.layout, GPUS["h100"])
+        assert e.allocated_bytes >= memory_lower_bound(dataclasses.replace(TINY, seq=256), 256, e.layout)
 
     between = (full.allocated_bytes + none.allocated_bytes) / 2 + (none.reserved_bytes - none.allocated_bytes)
     small = dataclasses.replace(GPUS["h100"], name="small-gpu", memory_capacity_bytes=int(between))
