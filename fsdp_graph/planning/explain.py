@@ -234,6 +234,13 @@ class ExplainReport:
             + f"); communication {_fmt_time(self.comm_time)}, exposed {_fmt_time(self.exposed_comm)} "
             f"({100 * self.exposed_fraction:.1f}% of the step)",
         ]
+        if self.extras.optimizer is not None:
+            opt = self.extras.optimizer
+            lines.append(
+                f"optimizer: {opt.name} ({opt.implementation}{', clipping' if opt.clip else ''}), state "
+                f"{self.optimizer_state_bytes / _MIB:.3f} MiB, step {_fmt_time(self.optimizer_time)} (in the step time)"
+            )
+        lines.append(f"reserved by the caching allocator: {self.reserved_bytes / _MIB:.3f} MiB")
         return "\n".join(lines)
 
     def save(self, path: str) -> None:

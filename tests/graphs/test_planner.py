@@ -159,6 +159,8 @@ def test_full_checkpointing_plans_on_meta(fake_pg):
     assert none.peak_memory_bytes >= none.memory.total_peak_bytes + none.optimizer_state_bytes
     assert none.reserved_bytes >= none.peak_memory_bytes
     assert none.step_time == pytest.approx(none.backward.end + none.optimizer_time)
+    text = none.to_text()
+    assert "optimizer: adamw (fused)" in text and "reserved by the caching allocator" in text
 
 
 def test_optimizer_models():
