@@ -276,17 +276,24 @@ def plan(
     _search(result, layouts, profiles, cfg, seq, hw, usable, bf16, top, exhaustive)
     if baseline:
         result.baseline = _baseline(cfg, world, global_batch, seq, hw, usable, bf16, profiles)
-    changed = [profiles.extend(profiles.get(e.layout.profile_key(cfg, seq, bf16))) for e in result.ranked[:1]]
-    if any(changed):  # re-cost what the checked profile now says
-        result.ranked = sorted(
-            (
-                evaluate(e.layout, profiles.get(e.layout.profile_key(cfg, seq, bf16)), cfg, seq, hw, usable)
-                for e in result.ranked
-            ),
-            key=lambda e: -e.tokens_per_s_per_gpu,
-        )
-        result.rejected += [e for e in result.ranked if not e.fits]
-        result.ranked = [e for e in result.ranked if e.fits]
+    checked: set = set()
+    while result.ranked and result.ranked[0].layout not in checked:
+        # The best layout's profile is planned at two more depths; if that costs it throughput, layouts skipped for
+        # a bound below its old figure may beat it now: search them again, then check the (new) best.
+        best = result.ranked[0]
+        checked.add(best.layout)
+        if not profiles.extend(profiles.get(best.layout.profile_key(cfg, seq, bf16))):
+            continue
+        everything = [
+            evaluate(e.layout, profiles.get(e.layout.profile_key(cfg, seq, bf16)), cfg, seq, hw, usable)
+            for e in result.ranked
+        ]
+        result.ranked = sorted((e for e in everything if e.fits), key=lambda e: -e.tokens_per_s_per_gpu)
+        result.rejected += [e for e in everything if not e.fits]
+        retry = [e.layout for e in result.rejected if e.reason.startswith("skipped: its throughput bound")]
+        if retry:
+            result.rejected = [e for e in result.rejected if e.layout not in set(retry)]
+            _search(result, retry, profiles, cfg, seq, hw, usable, bf16, top, exhaustive)
     result.profiles_traced = profiles.traced
     result.profiles_cached = sum(p.cached for p in profiles.profiles.values())
     result.seconds, result.cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
