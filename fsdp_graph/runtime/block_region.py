@@ -200,9 +200,11 @@ def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
     call_key = _call_key(self, *flats_and_args, **kwargs)  # noqa: F841 (comptime reads it by name)
     comptime(lambda ctx: _note_versions(ctx.get_local("flats_and_args")))
     args, kwargs, caches = block_cache.stand_ins(args, kwargs)  # a marker becomes a fresh empty transformers cache
+    comptime(_note_python_writes)
     setattr(self, REGION_FLATS, flats)
     out = type(self)._fsdp_block_forward(self, *args, **kwargs)
     setattr(self, REGION_FLATS, None)
+    comptime(lambda ctx: _refuse_python_writes(ctx, *_constants(ctx, "call_key")))
     # torch reuses a body only if it returns tensors, none of them an input: return those, and record the rest of
     # the output (T5's None and the position bias a block passes on, a dict, a dataclass) for the caller to rebuild;
     # then the keys and values the layer gave its cache, for the caller to replay on the real one.
@@ -219,6 +221,38 @@ def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
     if refusal(template) is not None or block_cache.refusal(replay) is not None:
         return ()
     return out if template is None else tensors + cache_tensors
+
+
+def _note_python_writes(ctx) -> None:
+    """At trace time, before the block's forward: the sources Dynamo has seen written so far in this trace."""
+    _WRITTEN_BEFORE[:] = [ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator().output.side_effects]
+    _WRITTEN_BEFORE.append(set(_WRITTEN_BEFORE[0].mutated_sources))
+
+
+def _refuse_python_writes(ctx, call_key: int) -> None:
+    """At trace time, after the block's forward: if it wrote a Python attribute, list or dict it did not create (a
+    counter `self.calls += 1`), the caller must run it on its own: Dynamo applies a body's Python side effects once,
+    for the block it traced, and stamps the body out for the others without them. Recorded for `call_key`, and the
+    trace restarts (`RestartAnalysis`), so that this body's side effects are not applied on top of the fallback's."""
+    side_effects, before = _WRITTEN_BEFORE
+    written = [s for s in side_effects.mutated_sources - before if getattr(s, "member", None) != REGION_FLATS]
+    if written:
+        _PYTHON_WRITES[call_key] = sorted(_described(source) for source in written)[0]
+        # the restarted trace takes another path at this call (Dynamo would report a diverged speculation log)
+        ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator().speculation_log.clear()
+        raise torch._dynamo.exc.RestartAnalysis(restart_reason=f"reuse_blocks: {_PYTHON_WRITES[call_key]} written")
+
+
+def _described(source) -> str:
+    if isinstance(getattr(source, "member", None), str):
+        return f"the Python attribute {source.member!r}"
+    name = source.name if isinstance(source.name, str) else source.name()  # a method before torch 2.13
+    return f"a Python object it did not create ({name})"
+
+
+@torch._dynamo.assume_constant_result
+def _python_write(call_key: int) -> str | None:
+    return _PYTHON_WRITES.get(call_key)
 
 
 def _note_versions(arguments) -> None:
@@ -258,6 +292,8 @@ _block_body = torch.compiler.nested_compile_region(_body, reuse_hash_fn=_reuse_k
 _RECORDS: dict[int, tuple] = {}  # reuse key -> (`split_output`'s template, `recorded_updates`' replay)
 _GRAD_DEPENDENT: set[int] = set()  # `_call_key`s whose bodies are keyed by their arguments' requires_grad too
 _VERSIONS: list = []  # `_note_versions`, read by `_note_grad_dependence` in the same body's trace
+_WRITTEN_BEFORE: list = []  # `_note_python_writes`, read by `_refuse_python_writes` in the same body's trace
+_PYTHON_WRITES: dict[int, str] = {}  # `_call_key` -> a Python object its block's forward writes
 _WARNED: set[tuple[str, str]] = set()
 _SCALARS = (bool, int, float, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
 _ARGUMENT_TYPES = (torch.Tensor, nn.Module, *_SCALARS)
@@ -280,6 +316,10 @@ def _gathering_forward(self: nn.Module, *args, **kwargs):
     flats = tuple(unsharded_flat(self, index) for index in range(len(self.__dict__["_fsdp_states"])))
     # The flats unpacked, not one tuple argument: with only tensors, ints and modules as arguments Dynamo
     # fingerprints a call without pytree-flattening it (`build_fingerprint_fast`), about 0.07 s a call.
+    written = _python_write(_call_key(self, *flats, *call_args, **call_kwargs))
+    if written is not None:
+        reason = f"its forward writes {written}, which a shared body would write for the first block only"
+        return _fall_back(self, reason, args, kwargs)
     # the key torch looks the body up by, taken before the call: tracing a new body can change the next call's key
     key = _reuse_key(self, len(flats), *flats, *call_args, **call_kwargs)
     out = _block_body(self, len(flats), *flats, *call_args, **call_kwargs)

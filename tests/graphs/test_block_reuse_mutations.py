@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_graph
+from fsdp_graph.runtime.block_region import ReuseBlocksError
 from tests.workers.block_reuse import body_calls
 
 DIM = 4
@@ -141,3 +142,42 @@ def test_blocks_writing_buffers_and_inputs_share_a_body_bit_for_bit(one_rank):
     assert plain["bodies"] == [[]] * 2 and reused["warnings"] == []
     # under no_grad no input needs a gradient: the three "input" blocks call one body
     assert reused["bodies"] == [[2] * len(KINDS), [2] * (len(KINDS) - 1) + [3]], reused["bodies"]
+
+
+class Counting(nn.Module):
+    """Counts its calls in a Python attribute: a side effect Dynamo applies once per traced body, not per block."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x).relu() + x
+
+
+def test_blocks_writing_python_attributes_run_on_their_own(one_rank):
+    """A block writing a Python attribute in forward cannot share a body (it would count the first block's calls
+    only: [2, 0, 0] before): each block runs its own forward, with one warning naming the attribute, and counts as
+    without reuse; `reuse_blocks=True` raises `ReuseBlocksError` instead."""
+    counts = {}
+    for reuse in (False, None):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = fsdp_graph.fully_shard(nn.Sequential(*(Counting() for _ in range(3))), reuse_blocks=reuse)
+        compiled = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                compiled(torch.randn(3, DIM, requires_grad=True)).sum().backward()
+        counts[reuse] = [block.calls for block in model]
+        messages = [str(w.message) for w in caught if "reuse_blocks" in str(w.message)]
+    assert counts[None] == counts[False] == [2, 2, 2], counts
+    (message,) = messages
+    assert "Counting is traced layer by layer" in message and "the Python attribute 'calls'" in message, message
+    torch._dynamo.reset()
+    model = fsdp_graph.fully_shard(nn.Sequential(*(Counting() for _ in range(3))), reuse_blocks=True)
+    compiled = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
+    with pytest.raises(ReuseBlocksError, match="reuse_blocks=True: Counting cannot share a body: its forward writes"):
+        compiled(torch.randn(3, DIM, requires_grad=True))
