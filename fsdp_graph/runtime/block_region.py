@@ -10,8 +10,9 @@ before (a block's gather can still be issued before the previous block's region 
 
 The body stores the flats on the unit while the original forward runs, a side effect, which makes Dynamo's own
 guard-based reuse refuse the region; the reuse is therefore keyed by `reuse_hash_fn` (`_reuse_key`): the unit's
-structure, computed here when it is made reusable, and its training flag. Dynamo installs no guards for the
-stamped-out copies, so changing a reused unit's plain attributes after compiling does not recompile it.
+structure, computed here when it is made reusable, its training flag and the call's pattern (grad mode, argument
+kinds, dtypes, static sizes, constants; requires_grad where the body's outputs follow it). Dynamo installs no guards
+for the stamped-out copies, so changing a reused unit's plain attributes after compiling does not recompile it.
 
 Inside the body, each parameter read is annotated `fsdp_graph.ir.REGION_PARAM_ANNOTATION`; `passes.tag_reshard`
 tags those views of the body's inputs `MUST_RECOMPUTE`, so the body's partition saves the gathered flat (an input)
@@ -19,11 +20,15 @@ rather than copies of the parameters, and the outer graph's reshard tags decide 
 re-gathers (docs/design-notes.md, "Compile once per block").
 
 What torch refuses to reuse a body for never reaches it (docs/design-notes.md, "Block reuse on the models people
-bring"): a call with an argument other than tensors, numbers, strings, None and modules (transformers' KV cache
-objects) runs the unit's own forward, with one warning; an output's non-tensors, returned arguments (T5's blocks) and
-structure (dicts, dataclasses, `ModelOutput`s) are taken out of the body and put back by the caller from a template
-recorded at trace time (`block_output`); an output that cannot be rebuilt so runs the unit's own forward, with one
-warning.
+bring" and "Block reuse with writes, KV caches and Python side effects"): a transformers KV cache empty for the
+layer becomes a fresh empty cache inside the body, its updates replayed outside (`block_cache`); a call with any
+other argument but tensors, numbers, strings, None and modules (a cache holding keys already: decoding) runs the
+unit's own forward, with one warning; an output's non-tensors, returned arguments (T5's blocks) and structure
+(dicts, dataclasses, `ModelOutput`s) are taken out of the body and put back by the caller from a template recorded
+at trace time (`block_output`); an output that cannot be rebuilt so, or a forward writing a Python attribute, runs
+the unit's own forward, with one warning. In-place writes of buffers and inputs stay in the body until the backend
+moves them out (`passes.lift_region_mutations`). With `reuse_blocks=True` each of those fallbacks raises
+`ReuseBlocksError` instead.
 """
 
 from __future__ import annotations
@@ -49,8 +54,9 @@ _PLAIN = (bool, int, float, str, type(None))
 _REUSING_CLASSES: dict[type, type] = {}
 _UNKEYED = frozenset({"training", BLOCK_KEY, CACHE_LAYER, STRICT})
 # transformers' layers keep their index only to address a KV cache (`cache.update(..., self.layer_idx)`, read
-# nowhere else in forward in the families tested); a call passing a cache object never runs a shared body (it is an
-# argument torch refuses), so the index cannot be baked into one.
+# nowhere else in forward in the families tested). In a shared body the cache is a fresh empty one, whose answers do
+# not depend on the index, and its updates are replayed outside with the caller's own index (`block_cache`): an
+# update at another index refuses the body, so the traced layer's index is never baked into another layer's call.
 _CACHE_INDEX = frozenset({"layer_idx"})
 
 
