@@ -17,7 +17,7 @@ from fsdp_graph.api.placement import move_buffers, moves_to, parameter_device
 from fsdp_graph.api.wrap import auto_wrap_policy, check_group
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.runtime import offload
-from fsdp_graph.runtime.block_region import complex_refusals, make_reusable, reuse_refusals
+from fsdp_graph.runtime.block_region import complex_refusals, make_reusable, reuse_lost, reuse_refusals
 from fsdp_graph.runtime.dtensor_views import dtensor_views_mesh, replicated_view_spec, view_spec
 from fsdp_graph.runtime.flat_param import LAYOUTS
 from fsdp_graph.runtime.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
@@ -107,7 +107,8 @@ def fully_shard(
       warning; with True it is refused (ValueError, before anything is sharded). A call whose arguments torch cannot
       reuse a body for (a KV cache object), or whose output the caller cannot rebuild from the body's tensors
       (anything but tensors, constants, arguments, and tuples, lists, dicts and dataclasses of them), runs that
-      unit's forward on its own, with one warning. False: off.
+      unit's forward on its own, with one warning. False: off. The warning names only units that lose a body they
+      would have shared (another unit has the same module classes).
     - `dtensor_params` (rows layout, a `mesh`): every parameter the optimizer sees is a DTensor on `mesh` whose
       local tensor is its row block (FSDP2's parameters; `fsdp_graph.fsdp2` sets it), as with tensor parallelism.
     """
@@ -134,10 +135,12 @@ def fully_shard(
         refused.update(complex_refusals({fqn: u for fqn, u in zip(unit_fqns[:-1], units) if fqn not in refused}))
     if refused and reuse_blocks:
         raise ValueError(f"reuse_blocks: {next(iter(refused.values()))}")
-    if refused:
+    lost = reuse_lost(refused, units, unit_fqns, group_members)
+    if lost:
         warnings.warn(
-            f"reuse_blocks: {next(iter(refused.values()))}; {len(refused)} unit(s) traced on their own, not as a "
-            "shared body (reuse_blocks=False turns reuse off, and this warning)",
+            f"reuse_blocks: {next(iter(lost.values()))}; {len(lost)} unit(s) traced on their own, not as a "
+            "shared body with the units of the same structure (reuse_blocks=False turns reuse off, and this warning; "
+            "fsdp_graph.fsdp2.fully_shard takes it too)",
             stacklevel=2,
         )
     reshard = _resolve_reshard(reshard_after_forward, strategy, units, unit_fqns, groups.shard_world)
@@ -149,7 +152,9 @@ def fully_shard(
     }
     mp = mixed_precision or MixedPrecision()
     device = parameter_device(mesh, device)
-    compute_device = device if _offloads_params(cpu_offload) else None
+    compute_device = None
+    if _offloads_params(cpu_offload):  # a model kept on meta (`device="meta"`) computes where it would without
+        compute_device = device if device.type != "meta" else parameter_device(mesh, None)
     if sync_module_states:
         sync_module_states_from_rank0(model, ignored)
     if mp.buffer_dtype is not None:
@@ -189,10 +194,11 @@ def fully_shard(
         del values
     materialize_buffers(model, device, param_init_fn)
     offloading = compute_device is not None  # then every buffer goes to the compute device, as before
-    move_buffers(model, device, () if offloading else ignored_modules, all_devices=offloading)
+    move_buffers(model, compute_device or device, () if offloading else ignored_modules, all_devices=offloading)
     for member in [m for group in group_members.values() for m in group]:
         cast_to = mp.param_dtype if mp.cast_forward_inputs else None
-        swap_class(member, frozenset(member.__dict__.get("_fsdp_views", {})), cast_inputs_to=cast_to)
+        names = frozenset(member.__dict__.get("_fsdp_views", {}))
+        swap_class(member, names, cast_inputs_to=cast_to, cast_outputs_to=mp.output_dtype)
     for unit in units:
         casts = mp.cast_forward_inputs or (unit is model and mp.cast_root_forward_inputs)
         has_states = "_fsdp_states" in unit.__dict__
@@ -203,6 +209,7 @@ def fully_shard(
             frozenset(unit.__dict__.get("_fsdp_views", {})),
             is_unit=has_states,
             cast_inputs_to=mp.param_dtype if casts else None,
+            cast_outputs_to=mp.output_dtype,
         )
     if reuse_blocks is not False:
         for unit, unit_fqn in zip(units, unit_fqns):
@@ -465,8 +472,8 @@ def _shard_flat_param(
         groups.shard_rank,
     )
     shard = layout.shard_of(values)
-    if compute_device is not None:  # pinned: the host-to-device copy of each gather can be asynchronous
-        shard = offload.pinned(shard.to("cpu"))
+    if compute_device is not None and shard.device.type != "meta":  # pinned: host-to-device copies can be async
+        shard = offload.pinned(shard.to("cpu"))  # (a meta shard goes to the CPU at `to_empty()` or an assign load)
     elif moves_to(shard.device, device):
         shard = shard.to(device)
     shard.requires_grad_(params[0].requires_grad)
