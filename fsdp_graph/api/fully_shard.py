@@ -152,9 +152,7 @@ def fully_shard(
     }
     mp = mixed_precision or MixedPrecision()
     device = parameter_device(mesh, device)
-    compute_device = None
-    if _offloads_params(cpu_offload):  # a model kept on meta (`device="meta"`) computes where it would without
-        compute_device = device if device.type != "meta" else parameter_device(mesh, None)
+    compute_device = device if _offloads_params(cpu_offload) else None
     if sync_module_states:
         sync_module_states_from_rank0(model, ignored)
     if mp.buffer_dtype is not None:
@@ -194,7 +192,7 @@ def fully_shard(
         del values
     materialize_buffers(model, device, param_init_fn)
     offloading = compute_device is not None  # then every buffer goes to the compute device, as before
-    move_buffers(model, compute_device or device, () if offloading else ignored_modules, all_devices=offloading)
+    move_buffers(model, device, () if offloading else ignored_modules, all_devices=offloading)
     for member in [m for group in group_members.values() for m in group]:
         cast_to = mp.param_dtype if mp.cast_forward_inputs else None
         names = frozenset(member.__dict__.get("_fsdp_views", {}))

@@ -25,8 +25,10 @@ from torch.distributed.tensor import Shard
 from fsdp_graph.api import controls
 from fsdp_graph.api.config import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_graph.api.fully_shard import fully_shard as native_fully_shard
+from fsdp_graph.api.placement import move_buffers, parameter_device
 from fsdp_graph.fsdp2.module import FSDP2Module, fsdp2_class
 from fsdp_graph.runtime.devices import collective_device
+from fsdp_graph.runtime.unit import flat_params
 
 _SHARDED_KEYS = ("_fsdp_views", "_fsdp_states", "_fsdp_root")
 
@@ -182,12 +184,25 @@ def _shard_tree(root_call: _Call, inner: list[_Call], trigger: str) -> None:
         dtensor_params=True,
         reuse_blocks=reuse,
     )
+    if on_meta and isinstance(root_call.offload_policy, CPUOffloadPolicy):
+        _compute_off_meta(root, root_call.mesh)
     for c in [*inner, root_call]:
         unit = root if c is root_call else max(c.modules, key=lambda m: order[id(m)])
         for m in c.modules:
             m.__dict__["_fsdp2_unit"] = unit
             m.__dict__["_fsdp2_root"] = root
             m.__class__ = fsdp2_class(type(m))
+
+
+def _compute_off_meta(root: nn.Module, mesh: DeviceMesh | None) -> None:
+    """A model sharded on meta with CPU offload: the engine took `device="meta"` (keep the parameters on meta) as
+    the compute device too. Gathers and compute belong where the model would compute without meta (FSDP2: the
+    mesh's device); the shards go to the CPU at `to_empty()` or an assign load, and the buffers not on meta move to
+    the compute device as offload moves them."""
+    device = parameter_device(mesh, None)
+    for state in flat_params(root):
+        state.compute_device = device
+    move_buffers(root, device, all_devices=True)
 
 
 def _world_mesh(root: nn.Module) -> DeviceMesh:
@@ -258,9 +273,9 @@ def _check_no_param_in_two_calls(root: nn.Module, calls: list[_Call]) -> None:
     FSDP2 refuses from passing here."""
     names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
     owner = {id(m): c for c in calls for m in c.modules}
+    ignored = {id(p) for c in calls for p in c.ignored_params}
     managed: dict[int, tuple[_Call, str]] = {}
     for call in calls:
-        ignored = {id(p) for c in calls for p in c.ignored_params}
         pending, seen = list(call.modules), set()
         while pending:
             module = pending.pop()
