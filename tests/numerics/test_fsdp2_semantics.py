@@ -3,10 +3,10 @@ on the same code (2 gloo ranks, SGD with momentum, eager and compiled with eager
 tests/workers/fsdp2_semantics.py):
 
 - requires_grad changed after the calls: test_fully_shard_frozen.py's test_train_mixed_requires_grad_across_groups
-  (a step under no_grad, unfrozen for the last step; reshard_after_forward True and False) and
-  test_train_mixed_requires_grad_per_group with freeze_after_init (BitFit), plus a parameter frozen in every block
-  then unfrozen in one (compiled, that block may run another block's reused body) and one frozen before the calls
-  then unfrozen: losses, gradients (None where FSDP2's are None) and parameters equal;
+  (a step under no_grad, unfrozen for the last step; reshard_after_forward True and False, compiled True) and
+  test_train_mixed_requires_grad_per_group with freeze_after_init (BitFit, then all unfrozen, one parameter frozen
+  before the calls too), and a parameter frozen in every block then unfrozen in one (compiled, that block may run
+  another block's reused body): losses, gradients (None where FSDP2's are None) and parameters equal;
 - `load_state_dict(assign=True)` into a model sharded on meta, as torchtune 0.6.1's
   `load_from_full_model_state_dict` and accelerate 1.15.0's `cpu_ram_efficient_loading` do it: the loaded weights
   are exactly the checkpoint's, and training continues as FSDP2's;
@@ -41,7 +41,7 @@ def _same_as_fsdp2(r: dict, suffix: str = "") -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_requires_grad_changed_across_groups_trains_as_fsdp2(results, mode):
     for r in _each(results, f"frozen_across_groups[{mode}]"):
-        for reshard in ("True", "False"):
+        for reshard in ("True", "False") if mode == "eager" else ("True",):
             _same_as_fsdp2(r, f"_{reshard}")
             if mode == "compiled":  # frozen, under no_grad, unfrozen: one graph each
                 assert r[f"graphs_{reshard}"] == 3.0, r
@@ -50,10 +50,10 @@ def test_requires_grad_changed_across_groups_trains_as_fsdp2(results, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_requires_grad_changed_inside_a_flat_parameter_trains_as_fsdp2(results, mode):
     for r in _each(results, f"frozen_in_group[{mode}]"):
-        for case in ("bitfit", "one_block", "unfrozen"):
+        for case, graphs in (("bitfit", 3.0), ("one_block", 2.0)):
             _same_as_fsdp2(r, f"_{case}")
-            if mode == "compiled":  # one graph before the change, one after
-                assert r[f"graphs_{case}"] == 2.0, r
+            if mode == "compiled":  # one graph before the first change, one after each
+                assert r[f"graphs_{case}"] == graphs, r
 
 
 @pytest.mark.parametrize("mode", MODES)
