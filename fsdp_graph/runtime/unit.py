@@ -29,6 +29,7 @@ from fsdp_graph.runtime.eager_prefetch import ForwardPrefetch
 from fsdp_graph.runtime.flat_param import Layout
 from fsdp_graph.runtime.misuse import REQUIRES_GRAD_CHANGED
 from fsdp_graph.runtime.mp_cast import casting_forward
+from fsdp_graph.runtime.owner_apply import owner_apply, unit_applying
 from fsdp_graph.runtime.param_changes import ensure_grad_hook, sync_requires_grad
 from fsdp_graph.runtime.tensor_parallel import TPSpec
 
@@ -402,7 +403,8 @@ def _unit_apply(self: nn.Module, fn, recurse: bool = True):
     from the flat shard); convert each flat shard once instead and re-point them."""
     hidden = hide_views(self)
     try:
-        result = self._fsdp_original_class._apply(self, fn, recurse)
+        with unit_applying():
+            result = self._fsdp_original_class._apply(self, fn, recurse)
     finally:
         restore_views(hidden)
     for state in self._fsdp_states:
@@ -439,6 +441,8 @@ def swap_class(
         members["_fsdp_original_class"] = cls
         if is_unit:
             members["_apply"] = _unit_apply
+        elif names:
+            members["_apply"] = owner_apply
         if cast_inputs_to is not None or cast_outputs_to is not None:
             members["forward"] = casting_forward(cast_inputs_to, cast_outputs_to)
         bases = (cls, FSDPModule) if is_unit else (cls,)  # the model's own methods win over FSDPModule's

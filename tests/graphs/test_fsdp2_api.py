@@ -446,3 +446,37 @@ def test_blocks_called_with_inputs_of_another_dtype_do_not_share_a_body(fake_pg)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     compiled(torch.randint(0, 16, (2, 6))).float().sum().backward()
     assert all(p.grad is not None for p in model.parameters()) and backend.dynamo_graphs == 1
+
+
+def test_to_empty_on_a_module_inside_a_unit_keeps_its_parameters_in_the_flat_shard(fake_pg):
+    # torchtune's LoRA recipe: the base frozen and the adapters trainable before the calls, the model sharded on
+    # meta, each adapter module `to_empty()`d and initialised on its own, then the base loaded with assign. The
+    # adapters' parameters must stay views of their unit's flat shard (nn.Module's own `_apply` unlinked them: the
+    # init wrote tensors the gather never read).
+    torch.manual_seed(0)
+    full = mlp_stack().state_dict()
+    with torch.device("meta"):
+        model = mlp_stack()
+    for block in model:
+        block.in_proj.requires_grad_(False)  # the base; out_proj plays the adapter
+    shard_blocks(model)
+    for block in model:
+        block.out_proj.to_empty(device="cpu")
+        with torch.no_grad():
+            block.out_proj.weight.fill_(0.5)
+            block.out_proj.bias.zero_()
+    base = {k: v for k, v in full.items() if "in_proj" in k}
+    meta_sd = model.state_dict()
+    sharded = {k: distribute_tensor(v, meta_sd[k].device_mesh, meta_sd[k].placements) for k, v in base.items()}
+    model.load_state_dict(sharded, strict=False, assign=True)
+    for index, block in enumerate(model):
+        for name, p in block.named_parameters():
+            state = next(s for s in flat_params(model) if any(v is p for v in s.views))
+            assert p.device.type == "cpu" and p.to_local().untyped_storage().data_ptr() == state.flat_shard.untyped_storage().data_ptr()
+            expected = row_block(full[f"{index}.{name}"], 0, 4) if "in_proj" in name else None
+            assert expected is None or torch.equal(p.to_local(), expected), name
+        assert (block.out_proj.weight.to_local() == 0.5).all()
+    model(torch.randn(2, 8)).sum().backward()
+    assert all((p.grad is not None) == p.requires_grad for p in model.parameters())
+    with pytest.raises(NotImplementedError, match=r"called on it alone.*unit '0'.*model.to\(\.\.\.\)"):
+        model[0].out_proj.to(torch.float64)
