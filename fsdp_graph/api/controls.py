@@ -118,12 +118,6 @@ def _add_partial(state) -> None:
     state.partial = leaf.requires_grad_()
     torch._dynamo.mark_static(leaf)
 
-    def drop_all_reduced() -> None:
-        if state.requires_all_reduce:
-            leaf.grad = None
-
-    state.after_grad.insert(0, drop_all_reduced)
-
 
 def _states(module: nn.Module, method: str) -> list:
     states = module.__dict__.get("_fsdp_states")

@@ -99,9 +99,3 @@ def _add_accumulator(state: FlatParamState) -> None:
     leaf = torch.zeros((), dtype=shard.dtype, device=device).expand(state.layout.padded_numel)
     state.unsynced = leaf.requires_grad_()
     torch._dynamo.mark_static(leaf)  # fixed size, like the flat shards
-
-    def drop_reduced() -> None:
-        if state.root.requires_gradient_sync:
-            leaf.grad = None
-
-    state.after_grad.insert(0, drop_reduced)

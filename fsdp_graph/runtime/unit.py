@@ -36,8 +36,8 @@ class RootState:
     """Shared by every unit of one `fully_shard` call: the eager path's per-forward gather cache."""
 
     forward_depth: int = 0
-    gathered: dict[str, torch.Tensor] = field(default_factory=dict)
-    recompute_task: int = -1  # the autograd graph task whose activation-checkpoint recompute `gathered` serves
+    gathered: dict[str, torch.Tensor] = field(default_factory=dict)  # the running eager forward's gathers
+    recompute: RecomputeGathers | None = None  # the gathers of the activation-checkpoint recompute running now
     flat_params: list[FlatParamState] = field(default_factory=list)
     mesh: object = None  # the DeviceMesh given to fully_shard (None: the world's, see checkpoint.state_dict_mesh)
     world_meshes: dict = field(default_factory=dict)  # device type -> the world's DeviceMesh on it
@@ -49,6 +49,17 @@ class RootState:
     unsharded: dict[str, torch.Tensor] = field(default_factory=dict)  # FSDPModule.unshard's flats, outside forward
     held: dict[str, HeldGather] = field(default_factory=dict)  # set_reshard_after_backward(False)'s kept gathers
     prefetch: ForwardPrefetch = field(default_factory=ForwardPrefetch)  # the eager forward's gathers, one ahead
+
+
+@dataclass(eq=False)
+class RecomputeGathers:
+    """The gathers an activation-checkpoint recompute made in backward, shared by its reads: valid only while the
+    autograd node whose saved tensors it recomputes runs (in graph task `task`). The next recompute, the end of the
+    backward and the next forward drop them, so no gather outlives its recompute into another step."""
+
+    task: int
+    node: object  # torch._C._current_autograd_node(): held, so its identity cannot be reused while this lives
+    gathered: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -122,7 +133,8 @@ def unsharded_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
 
     Compiled: always the op (the dedup pass keeps one per flat parameter and dtype). Eager: one gather per
     flat parameter per forward, cached until the outermost unit forward returns; inside a backward (activation
-    checkpointing recomputing a forward) one gather per flat parameter per backward.
+    checkpointing recomputing a forward outside any unit's forward) one gather per flat parameter per recompute
+    (`_recompute_cache`).
     """
     state: FlatParamState = unit._fsdp_states[index]
     if torch.compiler.is_compiling():
@@ -130,15 +142,14 @@ def unsharded_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
     root = state.root
     in_backward = root.forward_depth == 0
     if in_backward:
-        task = torch._C._current_graph_task_id()
-        if task == -1:
+        cache = _recompute_cache(root)
+        if cache is None:
             return root.unsharded.get(state.name)
-        if root.recompute_task != task:
-            root.gathered.clear()
-            root.recompute_task = task
-    cached = root.gathered.get(state.name)
+    else:
+        cache = root.gathered
+    cached = cache.get(state.name)
     if cached is None:
-        cached = root.gathered[state.name] = _forward_gather(unit._fsdp_flat_shards[index], state, in_backward)
+        cached = cache[state.name] = _forward_gather(unit._fsdp_flat_shards[index], state, in_backward)
         if root.session is not None and resharded_in_eager(state):
             root.session.track(state, cached)
             if state.post_forward_world > 1:
@@ -146,6 +157,31 @@ def unsharded_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
                     state, piece_of(cached, state.post_forward_world, state.world, state.layout.rank)
                 )
     return cached
+
+
+def _recompute_cache(root: RootState) -> dict[str, torch.Tensor] | None:
+    """The gather cache of the recompute running now (None: not in a backward, so nothing is recomputed).
+
+    A recompute runs inside the autograd node that unpacks the recomputed tensors (non-reentrant checkpoints: the
+    first node of the region to run in backward; reentrant ones: the region's CheckpointFunction node), whatever
+    wraps the unit (`checkpoint_wrapper`, composable `checkpoint()`, `torch.utils.checkpoint` inside a forward):
+    so a cache is keyed by the graph task and that node. A read from another node starts a new cache, and a
+    callback at the end of the backward drops the last one: a gather never serves another recompute, and never
+    the next step's forward (which would read pre-step weights)."""
+    task = torch._C._current_graph_task_id()
+    if task == -1:
+        return None
+    node = torch._C._current_autograd_node()
+    scope = root.recompute
+    if scope is None or scope.task != task or scope.node is not node:
+        scope = root.recompute = RecomputeGathers(task, node)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_recompute(root, scope))
+    return scope.gathered
+
+
+def _end_recompute(root: RootState, scope: RecomputeGathers) -> None:
+    if root.recompute is scope:
+        root.recompute = None
 
 
 def _compiled_gather(shard: torch.Tensor, state: FlatParamState) -> torch.Tensor:
@@ -304,17 +340,22 @@ def _call_unshard(shard: torch.Tensor, state: FlatParamState, gathered: torch.Te
 
 
 def _unshard_values(shard: torch.Tensor, state: FlatParamState) -> dict:
+    """The op's arguments for a call on `shard`. A gradient accumulated without sync (or without all-reduce) goes
+    to the first call with autograd that syncs, and leaves its leaf there: the call's backward adds it to the one
+    reduction, and no later call of the same step adds it again (a unit gathered by two forwards before a
+    backward: a group `fully_shard([norm, head])` whose head then runs chunk by chunk)."""
     values = {"shard": shard, **{arg: getattr(state, field) for arg, field in _STATIC_FIELDS.items()}}
-    if state.unsynced is not None and shard.requires_grad:
+    differentiable = shard.requires_grad and torch.is_grad_enabled()
+    if state.unsynced is not None and differentiable:
         if not state.root.requires_gradient_sync:
             values.update(sync=False, unsynced=state.unsynced)
         elif state.unsynced.grad is not None:
-            values["unsynced"] = state.unsynced.grad
-    if state.partial is not None and shard.requires_grad:
+            values["unsynced"], state.unsynced.grad = state.unsynced.grad, None
+    if state.partial is not None and differentiable:
         if not state.requires_all_reduce:
             values.update(all_reduce=False, partial=state.partial)
         elif state.partial.grad is not None:
-            values["partial"] = state.partial.grad
+            values["partial"], state.partial.grad = state.partial.grad, None
     return values
 
 
@@ -450,6 +491,7 @@ def enter_forward(root: RootState) -> None:
     if torch.compiler.is_compiling():
         return
     if root.forward_depth == 0 and torch._C._current_graph_task_id() == -1:
+        root.recompute = None  # a backward that raised left its recompute's gathers: they are the last step's
         root.session, root.saved_hooks = eager_reshard.begin(_regather)
     root.forward_depth += 1
 
@@ -475,7 +517,6 @@ def exit_forward(root: RootState, own_states: list[FlatParamState]) -> None:
                 _hold(state, flat)
     if root.forward_depth == 0:
         root.gathered.clear()
-        root.recompute_task = -1
         root.prefetch.end_forward()
         if root.saved_hooks is not None:
             eager_reshard.end(root.saved_hooks)
