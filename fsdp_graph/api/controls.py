@@ -61,11 +61,13 @@ class FSDPModule:
     def reshard(self) -> None:
         """Free the full parameters `unshard()` gathered (outside forward, parameters read as shards again) and the
         ones a backward kept under `set_reshard_after_backward(False)` (the next forward gathers again)."""
-        from fsdp_graph.runtime.unit import drop_held
+        from fsdp_graph.runtime.held import drop_held
 
         for state in _states(self, "reshard"):
             state.root.unsharded.pop(state.name, None)
             drop_held(state)
+            if state.root.exposure is not None:
+                state.root.exposure.restore([state])
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False: a unit's backward keeps its gathered parameters, so its next forward gathers nothing (gradient

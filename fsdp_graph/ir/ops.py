@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from fsdp_graph.ir.comm_debug import count_inside, issue
+
 _c10d = torch.ops._c10d_functional
 
 
@@ -162,7 +164,8 @@ def unshard(
 def gather_pieces(piece: torch.Tensor, group: str, k: int, world: int) -> torch.Tensor:
     """The full flat parameter, in rank order, from this rank's 1/k piece (`unshard`'s second step; the eager
     backward's re-gather under `reshard_after_forward=k`)."""
-    return rank_order(wait_gather(_c10d.all_gather_into_tensor(piece.contiguous(), k, group), k), k, world)
+    gathered = issue("all_gather", _c10d.all_gather_into_tensor, piece.contiguous(), k, group)
+    return rank_order(wait_gather(gathered, k), k, world)
 
 
 def rank_order(node_major: torch.Tensor, k: int, world: int) -> torch.Tensor:
@@ -187,7 +190,7 @@ def start_gather(
     cast = _cast(moved, dtype)
     if world == 1:
         return cast.clone() if cast is shard else cast
-    return _c10d.all_gather_into_tensor(cast.contiguous(), world, group)
+    return issue("all_gather", _c10d.all_gather_into_tensor, cast.contiguous(), world, group)
 
 
 def wait_gather(started: torch.Tensor, world: int) -> torch.Tensor:
@@ -238,10 +241,12 @@ def reduce_grad(
         group, grad.device
     ):  # as passes.all_to_all lowers it: gloo has no native reduce-scatter
         chunk = grad.numel() // world
-        grad = _c10d.wait_tensor(_c10d.all_to_all_single(grad, [chunk] * world, [chunk] * world, group))
+        grad = _c10d.wait_tensor(
+            issue("reduce_scatter", _c10d.all_to_all_single, grad, [chunk] * world, [chunk] * world, group)
+        )
         grad = grad.view(world, chunk).sum(0)
     elif world > 1:
-        grad = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, "sum", world, group))
+        grad = _c10d.wait_tensor(issue("reduce_scatter", _c10d.reduce_scatter_tensor, grad, "sum", world, group))
     if undivided > 1 and (partial is not None or not all_reduce):  # a partial sum is divided by `pre`
         grad, undivided = grad / undivided, 1
     if partial is not None:
@@ -250,7 +255,7 @@ def reduce_grad(
         averaged = _cast(grad, out_dtype)
         return averaged if out_device is None else averaged.to(out_device, non_blocking=True)
     if replicate_world > 1:
-        grad = _c10d.wait_tensor(_c10d.all_reduce(grad, "sum", replicate_group))
+        grad = _c10d.wait_tensor(issue("all_reduce", _c10d.all_reduce, grad, "sum", replicate_group))
     averaged = _cast(grad / (post * undivided), out_dtype)
     return averaged if out_device is None else averaged.to(out_device, non_blocking=True)
 
@@ -324,6 +329,8 @@ def _unshard_backward(ctx, grad: torch.Tensor):
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
+count_inside(unshard)
+count_inside(reduce_grad)
 
 
 class _ReuseGathered(torch.autograd.Function):

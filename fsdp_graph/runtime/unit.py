@@ -11,13 +11,11 @@ rows, a DTensor on the (dp, tp) mesh around that block: `dtensor_views`) outside
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map
 
 from fsdp_graph.api.controls import FSDPModule
@@ -26,8 +24,10 @@ from fsdp_graph.runtime import eager_reshard, offload
 from fsdp_graph.runtime.block_region import region_flat, region_param
 from fsdp_graph.runtime.dtensor_views import hide_views, restore_views, set_local
 from fsdp_graph.runtime.eager_prefetch import ForwardPrefetch
+from fsdp_graph.runtime.exposed import UnshardedParams
 from fsdp_graph.runtime.flat_param import Layout
 from fsdp_graph.runtime.grads import install_grad_hook
+from fsdp_graph.runtime.held import HeldGather, drop_held, hold, keeps, valid_held
 from fsdp_graph.runtime.tensor_parallel import TPSpec
 
 
@@ -49,6 +49,7 @@ class RootState:
     unsharded: dict[str, torch.Tensor] = field(default_factory=dict)  # FSDPModule.unshard's flats, outside forward
     held: dict[str, HeldGather] = field(default_factory=dict)  # set_reshard_after_backward(False)'s kept gathers
     prefetch: ForwardPrefetch = field(default_factory=ForwardPrefetch)  # the eager forward's gathers, one ahead
+    exposure: UnshardedParams | None = None  # fsdp2: unsharded parameters registered after an eager forward
 
 
 @dataclass(eq=False)
@@ -60,16 +61,6 @@ class RecomputeGathers:
     task: int
     node: object  # torch._C._current_autograd_node(): held, so its identity cannot be reused while this lives
     gathered: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass(eq=False)
-class HeldGather:
-    """A unit's gathered flat parameter kept for its next forward (`set_reshard_after_backward(False)`), with what
-    its shard was when it was gathered: a different shard object or version means it is stale."""
-
-    flat: torch.Tensor  # detached: the next forward links it to the shard anew
-    shard: weakref.ref | None = None  # eager: checked by the next forward (compiled: `track_kept_gathers`)
-    version: int = 0
 
 
 @dataclass(eq=False)
@@ -89,6 +80,7 @@ class FlatParamState:
     replicate_group: str = ""
     replicate_world: int = 1
     views: list[nn.Parameter] = field(default_factory=list)  # one per layout slot
+    owners: list[list[tuple[nn.Module, str]]] = field(default_factory=list)  # per slot: each (module, name) using it
     after_grad: list = field(default_factory=list)  # callbacks run after each backward hands out gradients
     grad_dtype: torch.dtype | None = None  # keep_low_precision_grads: the dtype `.grad` is stored in
     unsynced: torch.Tensor | None = None  # no_sync's full-size leaf; its `.grad` holds the unreduced gradient
@@ -194,7 +186,7 @@ def _compiled_gather(shard: torch.Tensor, state: FlatParamState) -> torch.Tensor
     if held is not None:  # kept by an earlier step, or by an earlier read in this one (the dedup pass folds those)
         return _call_unshard(shard, state, gathered=held.flat)
     flat = _call_unshard(shard, state)
-    if _keeps(state):
+    if keeps(state):
         state.root.held[state.name] = HeldGather(flat.detach())
     return flat
 
@@ -203,7 +195,7 @@ def _compiled_exit(root: RootState, own_states: list[FlatParamState]) -> None:
     """A unit's compiled forward ends: a unit no longer keeping its gathers frees the one it used (the last
     microbatch under the FSDP2 idiom `set_reshard_after_backward(is_last_microbatch)`)."""
     for state in own_states:
-        if not _keeps(state) and state.name in root.held:
+        if not keeps(state) and state.name in root.held:
             del root.held[state.name]
 
 
@@ -211,73 +203,18 @@ def _forward_gather(shard: torch.Tensor, state: FlatParamState, in_backward: boo
     """The op's result for a forward (or, `in_backward`, an activation-checkpoint recompute), taken from the kept
     gather when there is a valid one. A forward that frees its gather afterwards (or whose unit no longer keeps
     one) consumes the kept one, as FSDP2's post-forward reshard does; otherwise it stays kept."""
-    held = _valid_held(state)
+    held = valid_held(state)
     if held is None:
         root = state.root  # a prefetched gather (no autograd) takes the op's backward as a kept one does
         early = None if in_backward else root.prefetch.gather(state, root.flat_params, root.gathered)
         args = () if early is None else UNSHARD_SIGNATURE.call_args(_unshard_values(shard, state))
         flat = _call_unshard(shard, state) if early is None else reuse_gathered(early, *args)
-        if _keeps(state) and (in_backward or not resharded_in_eager(state)):
-            _hold(state, flat)
+        if keeps(state) and (in_backward or not resharded_in_eager(state)):
+            hold(state, flat)
         return flat
     if not in_backward and (resharded_in_eager(state) or state.reshard_after_backward):
         del state.root.held[state.name]
     return reuse_gathered(held.flat, *UNSHARD_SIGNATURE.call_args(_unshard_values(shard, state)))
-
-
-def _keeps(state: FlatParamState) -> bool:
-    return not state.reshard_after_backward and state.world > 1
-
-
-def _shard_version(state: FlatParamState) -> int:
-    # The optimizer writes the parameter views, whose version counters are their own, not the flat shard's.
-    return state.flat_shard._version + sum(view._version for view in state.views)
-
-
-def _hold(state: FlatParamState, flat: torch.Tensor) -> None:
-    state.root.held[state.name] = HeldGather(flat.detach(), weakref.ref(state.flat_shard), _shard_version(state))
-
-
-def _valid_held(state: FlatParamState) -> HeldGather | None:
-    """The kept gather of `state`, if its shard has not changed since (an optimizer step, a load_state_dict, a
-    `.to()`): a stale one is dropped, so the caller gathers the current values."""
-    held = state.root.held.get(state.name)
-    if held is None:
-        return None
-    if held.shard is not None and (held.shard() is not state.flat_shard or held.version != _shard_version(state)):
-        del state.root.held[state.name]
-        return None
-    return held
-
-
-def drop_held(state: FlatParamState) -> None:
-    """Free the gather `set_reshard_after_backward(False)` kept for `state` (`FSDPModule.reshard`, a load)."""
-    state.root.held.pop(state.name, None)
-
-
-_ROOTS_KEEPING: weakref.WeakSet[RootState] = weakref.WeakSet()
-_STEP_HOOK: list = []  # the global optimizer post-step hook's handle, registered once
-
-
-def track_kept_gathers(root: RootState) -> None:
-    """Drop `root`'s kept gathers whenever an optimizer steps their parameters. A compiled forward cannot check
-    the shard's version before choosing its graph (Dynamo guards on whether a gather is kept, not on versions), so
-    stale gathers are dropped when the shard changes: after any optimizer step (a global post-step hook, also
-    optimizer-in-backward's), a `load_state_dict`, a `.to()`, or `reshard()`."""
-    if not _STEP_HOOK:
-        _STEP_HOOK.append(register_optimizer_step_post_hook(_drop_stepped))
-    _ROOTS_KEEPING.add(root)
-
-
-def _drop_stepped(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    roots = [root for root in _ROOTS_KEEPING if root.held]
-    if not roots:
-        return
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for root in roots:
-        for state in root.flat_params:
-            if state.name in root.held and any(id(view) in stepped for view in state.views):
-                drop_held(state)
 
 
 def resharded_in_eager(state: FlatParamState) -> bool:
@@ -290,15 +227,15 @@ def _regather(state: FlatParamState, piece: torch.Tensor | None = None) -> torch
     """The backward's gather of a unit the forward resharded (no autograd): from the forward's 1/k `piece` over the
     node group (`reshard_after_forward=k`), else from the shard; kept afterwards when the unit does not reshard
     after backward."""
-    held = _valid_held(state)
+    held = valid_held(state)
     if held is not None:
         return held.flat
     if piece is not None:
         flat = gather_pieces(piece, state.post_forward_group, state.post_forward_world, state.world)
     else:
         flat = _call_unshard(state.flat_shard.detach(), state)
-    if _keeps(state):
-        _hold(state, flat)
+    if keeps(state):
+        hold(state, flat)
     return flat
 
 
@@ -380,10 +317,15 @@ def _make_property(name: str) -> property:
 
 def _tracked(state: FlatParamState, slot: int, flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """`param`, read from `flat` in an eager forward; a copy of it (rows layout) is tracked like the gather itself:
-    freed with it, made again in backward."""
+    freed with it, made again in backward. Of a unit keeping its gather, remembered where `fsdp_graph.fsdp2`
+    registers it after the forward (`exposed`)."""
     session = state.root.session
-    if session is not None and resharded_in_eager(state) and not _same_storage(param, flat):
-        session.track(state, param, slot)
+    if session is not None:
+        if not resharded_in_eager(state):
+            if state.root.exposure is not None:
+                state.root.exposure.record_read(state, slot, param)
+        elif not _same_storage(param, flat):
+            session.track(state, param, slot)
     return param
 
 
@@ -432,6 +374,8 @@ def _point(view: nn.Parameter, local: torch.Tensor) -> None:
 def _unit_apply(self: nn.Module, fn, recurse: bool = True):
     """`.to()`, `.double()`, `.cuda()`...: the views are converted one by one by nn.Module (which unlinks them
     from the flat shard); convert each flat shard once instead and re-point them."""
+    if self._fsdp_states[0].root.exposure is not None:  # views in place first, as FSDP2 reshards before `.to()`
+        self._fsdp_states[0].root.exposure.restore(self._fsdp_states)
     hidden = hide_views(self)
     try:
         result = self._fsdp_original_class._apply(self, fn, recurse)
@@ -511,11 +455,13 @@ def exit_forward(root: RootState, own_states: list[FlatParamState]) -> None:
             if root.session is not None and not root.session.pending[state.name]:
                 root.session.pieces.pop(state.name, None)  # nothing saved: the backward will not gather it
             flat = root.gathered.pop(state.name, None)
-            if flat is not None and _keeps(state) and root.session is not None and not root.session.pending[state.name]:
+            if flat is not None and keeps(state) and root.session is not None and not root.session.pending[state.name]:
                 # Autograd saved no view of it (e.g. the first unit: its input needs no gradient), so its backward
                 # will not gather again; keep this forward's gather instead, for the next forward.
-                _hold(state, flat)
+                hold(state, flat)
     if root.forward_depth == 0:
+        if root.exposure is not None and root.session is not None:
+            root.exposure.register(root.gathered, root.flat_params)
         root.gathered.clear()
         root.prefetch.end_forward()
         if root.saved_hooks is not None:
