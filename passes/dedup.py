@@ -8,24 +8,9 @@ import torch.fx as fx
 from fsdp_graph.ir import UNSHARD_SIGNATURE, UNSHARD_TARGETS
 from passes.fx_nodes import bind_args
 
-# Arguments carrying a gradient accumulated without sync (`unsynced`) or without all-reduce (`partial`): the runtime
-# hands it to the first call of a forward only (the next calls of that forward get None), so it is added once.
-_ACCUMULATED = ("unsynced", "partial")
-
 
 def _key(node: fx.Node) -> tuple:
-    """The call's arguments, its accumulated gradients left out (`_takes_over` compares those)."""
-    values = UNSHARD_SIGNATURE.bind(node.args, node.kwargs)._asdict()
-    for name in _ACCUMULATED:
-        values[name] = None
-    return UNSHARD_SIGNATURE.call_args(values)
-
-
-def _takes_over(node: fx.Node, first: fx.Node) -> bool:
-    """Whether `first` can stand for `node` (same key): `node` passes each accumulated gradient `first` passes, or
-    None (a later read of the step that took it)."""
-    mine, theirs = (UNSHARD_SIGNATURE.bind(n.args, n.kwargs)._asdict() for n in (node, first))
-    return all(mine[name] is None or mine[name] is theirs[name] for name in _ACCUMULATED)
+    return (tuple(node.args), tuple(sorted(node.kwargs.items())))
 
 
 def _detached_source(node: fx.Node) -> fx.Node | None:
@@ -58,9 +43,7 @@ def dedup_unshard(gm: fx.GraphModule) -> fx.GraphModule:
     Matches: `fsdp.unshard` calls (each property read in forward makes one). Guarantees: at most one gather
     per (flat shard, unit, group, dtype, ...) per graph, so autograd sums every use's gradient before ONE
     `fsdp.reduce_grad` per unit. Safe: the arguments are graph inputs or constants, so the first call
-    dominates every later use. A later call without the accumulated gradient the first one takes (`unsynced`,
-    `partial`: the runtime passes it to a forward's first read only) is that call too: its gradient joins the one
-    reduction that adds the accumulated gradient once. Likewise a call whose `gathered` input is the detached result of this graph's own
+    dominates every later use. Likewise a call whose `gathered` input is the detached result of this graph's own
     call with its other arguments (the step that starts keeping a gather reads it again) is that call. No-op when
     nothing matches.
     """
@@ -77,10 +60,7 @@ def _dedup_graph(gm: fx.GraphModule) -> None:
         if node.op != "call_function" or node.target not in UNSHARD_TARGETS:
             continue
         key = _key(node)
-        same = first.get(key)
-        if same is not None and not _takes_over(node, same):
-            same = None  # (a call taking an accumulated gradient the earlier one lacks: kept, so it is added)
-        same = same or _same_gather(node)
+        same = first.get(key) or _same_gather(node)
         if same is not None:
             node.replace_all_uses_with(same)
             gm.graph.erase_node(node)

@@ -107,6 +107,8 @@ class FSDPModule:
         for state in _states(self, "set_requires_all_reduce"):
             if not requires_all_reduce and state.partial is None and state.flat_shard.requires_grad:
                 _add_partial(state)
+            elif not requires_all_reduce and state.partial is not None:
+                ops.register_accumulator(state.partial)  # (again: a deep copy of the model has leaves of its own)
             state.requires_all_reduce = bool(requires_all_reduce)
 
 
@@ -119,6 +121,7 @@ def _add_partial(state) -> None:
     leaf = torch.zeros((), dtype=shard.dtype, device=device).expand(shard.numel())
     state.partial = leaf.requires_grad_()
     torch._dynamo.mark_static(leaf)
+    ops.register_accumulator(leaf)
 
 
 def _states(module: nn.Module, method: str) -> list:

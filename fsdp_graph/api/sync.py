@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from fsdp_graph.ir.ops import REDUCE_SIGNATURE, UNSHARD_SIGNATURE, reduce_args
+from fsdp_graph.ir.ops import REDUCE_SIGNATURE, UNSHARD_SIGNATURE, reduce_args, register_accumulator
 from fsdp_graph.runtime import offload
 from fsdp_graph.runtime.unit import FlatParamState
 
@@ -32,6 +32,8 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
         for state in root.flat_params:
             if state.flat_shard.requires_grad and state.unsynced is None:
                 _add_accumulator(state)
+            elif state.unsynced is not None:
+                register_accumulator(state.unsynced)  # (again: a deep copy of the model has leaves of its own)
     root.requires_gradient_sync = bool(requires_gradient_sync)
 
 
@@ -99,3 +101,4 @@ def _add_accumulator(state: FlatParamState) -> None:
     leaf = torch.zeros((), dtype=shard.dtype, device=device).expand(state.layout.padded_numel)
     state.unsynced = leaf.requires_grad_()
     torch._dynamo.mark_static(leaf)  # fixed size, like the flat shards
+    register_accumulator(leaf)

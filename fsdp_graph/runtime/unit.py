@@ -277,22 +277,22 @@ def _call_unshard(shard: torch.Tensor, state: FlatParamState, gathered: torch.Te
 
 
 def _unshard_values(shard: torch.Tensor, state: FlatParamState) -> dict:
-    """The op's arguments for a call on `shard`. A gradient accumulated without sync (or without all-reduce) goes
-    to the first call with autograd that syncs, and leaves its leaf there: the call's backward adds it to the one
-    reduction, and no later call of the same step adds it again (a unit gathered by two forwards before a
-    backward: a group `fully_shard([norm, head])` whose head then runs chunk by chunk)."""
+    """The op's arguments for a call on `shard`. The accumulator leaves of no_sync and set_requires_all_reduce go
+    in while accumulating (their `.grad` receives the gradient) and, once syncing again, while they hold a pending
+    gradient: the backward then takes it (`ops.take_accumulated`), so the first reduction of the unit adds it, once,
+    however many forwards gathered the unit before (a group `fully_shard([norm, head])` whose head then runs chunk
+    by chunk)."""
     values = {"shard": shard, **{arg: getattr(state, field) for arg, field in _STATIC_FIELDS.items()}}
-    differentiable = shard.requires_grad and torch.is_grad_enabled()
-    if state.unsynced is not None and differentiable:
+    if state.unsynced is not None and shard.requires_grad:
         if not state.root.requires_gradient_sync:
             values.update(sync=False, unsynced=state.unsynced)
         elif state.unsynced.grad is not None:
-            values["unsynced"], state.unsynced.grad = state.unsynced.grad, None
-    if state.partial is not None and differentiable:
+            values["unsynced"] = state.unsynced
+    if state.partial is not None and shard.requires_grad:
         if not state.requires_all_reduce:
             values.update(all_reduce=False, partial=state.partial)
         elif state.partial.grad is not None:
-            values["partial"], state.partial.grad = state.partial.grad, None
+            values["partial"] = state.partial
     return values
 
 
