@@ -1,8 +1,8 @@
 """Gradient accumulation without communication: `no_sync` / `set_requires_gradient_sync` (FSDP1/FSDP2 names).
 
 While gradient sync is off, each backward adds every unit's UNREDUCED full-size gradient into an accumulator
-(in the flat shard's dtype) and communicates nothing; the first backward with sync on adds the accumulator to its
-own gradient and reduces the sum once. Costs one full unsharded gradient per unit in memory, as in FSDP.
+(in the flat shard's dtype) and communicates nothing; the first backward with sync on takes the accumulated
+gradient (`ops.take_accumulated`), adds it to its own and reduces the sum once. Costs one full unsharded gradient per unit in memory, as in FSDP.
 
 Under torch.compile the sync flag and whether an accumulated gradient is pending are guarded values: a loop that
 alternates `no_sync` microbatches with a synced one uses two graphs (three if it also runs plain steps), each
@@ -54,8 +54,8 @@ def reduce_accumulated(model: nn.Module) -> int:
     backward would; returns how many flat parameters it reduced (one reduction each).
 
     For schedules that run a microbatch's forward before earlier microbatches' backwards (pipeline parallelism):
-    a synced backward reduces what was accumulated when its FORWARD ran (the graph takes it as an input), which is
-    too early there. Each gradient goes through `fsdp.reduce_grad` eagerly with the arguments the backward would
+    a synced backward adds the accumulated gradient only if one was pending when its FORWARD ran (the graph is
+    chosen then), which is too early there. Each gradient goes through `fsdp.reduce_grad` eagerly with the arguments the backward would
     use (`ops.reduce_args`), then through autograd into the flat shard, so its hook hands `.grad` out (added to an
     existing one) and runs the `after_grad` callbacks exactly as after a backward."""
     root = _root(model, "reduce_accumulated")

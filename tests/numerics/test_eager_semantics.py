@@ -64,6 +64,7 @@ def test_comm_debug_mode_counts_fsdp2_collectives(results):
             for kind in ("reduce_scatter", "all_reduce"):
                 assert r[f"ours_{kind}_{key}"] == r[f"fsdp2_{kind}_{key}"], (kind, key, r)
         assert r["ours_reduce_scatter_True_True"] == 4.0, r  # one per unit, on the synced microbatch only
+        assert r["grad_diff_hsdp"] < 1e-5 and r["ours_all_reduce_hsdp"] == r["fsdp2_all_reduce_hsdp"] == 2.0, r
         # Resharding after forward, FSDP2 re-gathers every unit in backward; fsdp_graph skips the root's, whose
         # parameters no backward op reads (its input needs no gradient): one fewer per microbatch, 3 microbatches.
         assert r["ours_all_gather_True_True"] == r["fsdp2_all_gather_True_True"] - 3, r

@@ -32,9 +32,8 @@ Re-created (upstream name -> check):
   clip_grad_norm_ on the DTensor gradients; norms 2, 1, inf) -> clip_grad_norm
 
 Not re-created, and why:
-- TestFullyShardRegisteredParams::test_param_registration_after_forward with reshard_after_forward=False: FSDP2
-  then exposes unsharded parameters between forward and backward; fsdp_graph always exposes the shards outside
-  forward (the kept gather is internal).
+- TestFullyShardRegisteredParams::test_param_registration_after_forward: re-created in test_eager_semantics.py
+  (param_registration), with the post-accumulate-grad hook, activation checkpointing and chunked-head tests.
 - TestFullyShardHSDPTraining, TestFullyShardNDTraining, test_fully_shard_2d.py: need 4 ranks (the native HSDP and
   TP paths are tested in test_strategies.py and test_tensor_parallel.py); a second spawn costs more than it adds.
 - test_fully_shard_training.py::test_post_optim_event, test_fully_shard_overlap.py, test_fully_shard_memory.py,

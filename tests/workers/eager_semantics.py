@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -276,6 +277,23 @@ def comm_debug_counts(rank: int, world: int) -> dict[str, float]:
             for kind in FSDP2_OPS:
                 out[f"{side}_{kind}_{key}"] = float(total[kind])
         out[f"grad_diff_{key}"] = _max_diff(*(_named(m, lambda p: p.grad) for m in models))
+    # HSDP on a (2 replicas, 1 shard) mesh: the replica all-reduces (no reduce-scatter or gather at shard size 1).
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    models = []
+    for fully_shard in (fsdp2.fully_shard, torch_fully_shard):
+        torch.manual_seed(42)
+        model = nn.Sequential(*(MLP(16) for _ in range(2)))
+        for mlp in model:
+            fully_shard(mlp, mesh=mesh)
+        models.append(fully_shard(model, mesh=mesh))
+    fsdp2.shard_pending()  # (a first forward under CommDebugMode that shards confuses its module tracker)
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(rank))
+    for side, model in zip(("ours", "fsdp2"), models):
+        with CommDebugMode() as comm:
+            model(x).sum().backward()
+        for kind, count in _comm_counts(comm).items():
+            out[f"{side}_{kind}_hsdp"] = float(count)
+    out["grad_diff_hsdp"] = _max_diff(*(_named(m, lambda p: p.grad) for m in models))
     return out
 
 
