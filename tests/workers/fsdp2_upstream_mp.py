@@ -12,39 +12,18 @@ import torch.nn as nn
 from tests.workers.upstream_common import average_grads, fully_shard, impl, loss_diff, mlp, sharded_diff
 
 
-class SaveForwardInputs(nn.Module):
-    """torch.testing._internal.common_distributed.SaveForwardInputsModel's behaviour: records each module's input."""
-
-    def __init__(self, seen: dict, cast_forward_inputs: bool) -> None:
-        super().__init__()
-        self.c1, self.c2 = _Recorder(seen), _Recorder(seen)
-        self.seen, self.cast = seen, cast_forward_inputs
-
-    def forward(self, x):
-        self.seen[self] = x
-        return self.c2(self.c1(x).to(x.dtype) if self.cast else self.c1(x))
-
-
-class _Recorder(nn.Module):
-    def __init__(self, seen: dict) -> None:
-        super().__init__()
-        self.l, self.seen = nn.Linear(100, 100), seen
-
-    def forward(self, x):
-        self.seen[self] = x
-        return self.l(x)
-
-
 def float16_on_one_submodule(rank: int, world: int, with_output_dtype: bool = False) -> dict[str, float]:
     """test_float16_on_one_submodule, subtests 1-2 (fp16 on c2; the user's module owns the cast) or 3 (fp16 on c1
     with output_dtype fp32): the dtype each module's forward sees."""
+    from torch.testing._internal.common_distributed import SaveForwardInputsModel
+
     policy = impl().MixedPrecisionPolicy
     x = torch.zeros(2, 100)
     out: dict[str, float] = {}
     if not with_output_dtype:
         for cast, expected_c2 in ((False, torch.float16), (True, torch.float32)):
             seen: dict = {}
-            model = SaveForwardInputs(seen, cast_forward_inputs=cast)
+            model = SaveForwardInputsModel(seen, cast_forward_inputs=cast)
             fully_shard(model.c2, mp_policy=policy(param_dtype=torch.float16, cast_forward_inputs=not cast))
             fully_shard(model)
             model(x).sum().backward()
@@ -53,7 +32,7 @@ def float16_on_one_submodule(rank: int, world: int, with_output_dtype: bool = Fa
             )
         return out
     seen = {}
-    model = SaveForwardInputs(seen, cast_forward_inputs=False)
+    model = SaveForwardInputsModel(seen, cast_forward_inputs=False)
     fully_shard(model.c1, mp_policy=policy(param_dtype=torch.float16, output_dtype=torch.float32))
     fully_shard(model)
     model(x).sum().backward()
@@ -104,15 +83,14 @@ def submodules_with_external_inputs(rank: int, world: int) -> dict[str, float]:
 
 
 def norm_modules(rank: int, world: int) -> dict[str, float]:
-    """test_norm_modules_fp16 / _bf16 without output_dtype: LayerNorm, BatchNorm1d and BatchNorm2d (also with its
-    buffers cast down) each its own call; the output is in the compute dtype and backward runs."""
+    """test_norm_modules_fp16 / _bf16, the parts torch's FSDP2 passes on CPU: LayerNorm, and BatchNorm2d with its
+    buffers cast down, each its own call; the output is in the compute dtype and backward runs. (On CPU, BatchNorm1d
+    and BatchNorm2d with fp32 buffers raise a dtype mismatch under FSDP2 too; the last part needs output_dtype.)"""
     out: dict[str, float] = {}
     for dtype in (torch.float16, torch.bfloat16):
         policy = impl().MixedPrecisionPolicy(param_dtype=dtype)
         builds = [
             (lambda: nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32)), (4, 32), False),
-            (lambda: nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Linear(32, 32)), (4, 32), False),
-            (lambda: nn.Sequential(nn.Conv2d(1, 5, 3), nn.BatchNorm2d(5), nn.Conv2d(5, 4, 3)), (3, 1, 9, 9), False),
             (lambda: nn.Sequential(nn.Conv2d(1, 5, 3), nn.BatchNorm2d(5), nn.Conv2d(5, 4, 3)), (3, 1, 9, 9), True),
         ]
         for i, (build, shape, cast_buffers) in enumerate(builds):

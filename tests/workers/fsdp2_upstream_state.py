@@ -50,12 +50,16 @@ def mixed_requires_grad_per_group(rank: int, world: int, mode: str, freeze_after
                         checkpoint(m)
                     fully_shard(m, reshard_after_forward=raf)
                 fully_shard(model, reshard_after_forward=raf)
-                if freeze_after_init:
-                    for name, p in model.named_parameters():
-                        p.requires_grad_("bias" in name)
+
+            def freeze(model):
+                for name, p in model.named_parameters():
+                    p.requires_grad_("bias" in name)
 
             inputs = [torch.randn(8, 32) for _ in range(5)]
-            result = ddp_parity(build, shard, lambda s, inputs=inputs: inputs[s], mode, 5, rank, check_grads=False)
+            result = ddp_parity(
+                build, shard, lambda s, inputs=inputs: inputs[s], mode, 5, rank, check_grads=False,
+                after_shard=freeze if freeze_after_init else None,
+            )
             out.update({f"{k}_{raf}_{ac}": v for k, v in result.items()})
     return out
 

@@ -69,20 +69,22 @@ def sharded_diff(ref: nn.Module, model: nn.Module, grads: bool = False) -> float
     """check_sharded_parity through public means: the largest difference between the reference's parameters (or
     gradients) and the sharded model's whole ones, matched by name, relative to the reference's largest magnitude
     where that exceeds 1 (summed losses give large gradients; torch's assertEqual tolerates relative error too)."""
-    params = dict(model.named_parameters())
+    wrapped = "_checkpoint_wrapped_module."  # checkpoint_wrapper's prefix (upstream: prefixes_to_ignore)
+    params = {name.replace(wrapped, ""): p for name, p in model.named_parameters()}
     worst = 0.0
     for name, ref_param in ref.named_parameters():
-        mine = params[name.replace("module.", "", 1)] if name not in params else params[name]
+        mine = params[name.replace(wrapped, "")]
         a, b = (ref_param.grad, mine.grad) if grads else (ref_param, mine)
         if a is None or b is None:
             if (a is None) != (b is None):
                 return float("inf")
             continue
-        b = full(b.detach())
+        a, b = full(a.detach()), full(b.detach())
         if a.shape != b.shape:
             return float("inf")
-        scale = max(1.0, a.detach().abs().max().item()) if a.numel() else 1.0
-        worst = max(worst, (a.detach().double() - b.double()).abs().max().item() / scale) if a.numel() else worst
+        if a.numel():
+            scale = max(1.0, a.abs().max().item())
+            worst = max(worst, (a.double() - b.double()).abs().max().item() / scale)
     return worst
 
 
@@ -118,14 +120,19 @@ def ddp_parity(
     loss: Callable[[object], torch.Tensor] = lambda out: out.sum(),
     set_to_none: Callable[[int], bool] = lambda step: step % 2 == 0,
     check_grads: bool = True,
+    after_shard: Callable[[nn.Module], None] | None = None,
 ) -> dict[str, float]:
     """Upstream's training loop against `replicate` (DDP): the same input on a replicated reference whose gradients
-    are averaged over the ranks; SGD with momentum (the project's rule; upstream uses Adam). Returns the largest loss,
-    gradient and parameter differences over the steps (parameters after each optimizer step)."""
+    are averaged over the ranks; SGD with momentum (the project's rule; upstream uses Adam). `after_shard` runs on
+    both models once the calls are made. Returns the largest loss, gradient and parameter differences over the steps
+    (parameters after each optimizer step)."""
     torch.manual_seed(42)
     model = build()
     ref = copy.deepcopy(model)
     shard(model)
+    if after_shard is not None:
+        after_shard(model)
+        after_shard(ref)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-2, momentum=0.9)
     out = {"loss_diff": 0.0, "grad_diff": 0.0, "param_diff": sharded_diff(ref, model)}
