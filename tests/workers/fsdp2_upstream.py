@@ -199,58 +199,6 @@ def _cpu_offload(rank: int, world: int) -> dict[str, float]:
     return train_parity(mlp_stack, lambda m: shard_blocks(m, offload_policy=CPUOffloadPolicy()), rank, world, "eager")
 
 
-def _ignored(rank: int, world: int) -> dict[str, float]:
-    """Ignored parameters stay whole on every rank and their gradients are this rank's own (not reduced)."""
-    torch.manual_seed(0)
-    model = mlp_stack()
-    ref = copy.deepcopy(model)
-    ignored = set(model[1].parameters())
-    fsdp2.fully_shard(model[0])
-    fsdp2.fully_shard(model[2])
-    fsdp2.fully_shard(model, ignored_params=ignored)
-    x = torch.randn(world * 4, 8)
-    model(x.chunk(world)[rank]).sum().backward()
-    local_ref = copy.deepcopy(ref)
-    local_ref(x.chunk(world)[rank]).sum().backward()
-    (sum(ref(c).sum() for c in x.chunk(world)) / world).backward()
-    params = dict(model.named_parameters())
-    out = {"whole": float(all(params[n].shape == p.shape for n, p in ref[1].named_parameters(prefix="1")))}
-    out["ignored_grad_diff"] = max(
-        (params[n].grad - p.grad).abs().max().item() for n, p in local_ref.named_parameters() if n.startswith("1.")
-    )
-    out["sharded_grad_diff"] = max(
-        (local(params[n].grad) - row_block(p.grad, rank, world)).abs().max().item()
-        for n, p in ref.named_parameters()
-        if not n.startswith("1.")
-    )
-    return out
-
-
-def _clip_grad_norm(rank: int, world: int) -> dict[str, float]:
-    """torch's own clip_grad_norm_ on the DTensor gradients: the norm of the whole model's gradient, as DDP's."""
-    torch.manual_seed(0)
-    model = mlp_stack()
-    ref = copy.deepcopy(model)
-    shard_blocks(model)
-    x = torch.randn(world * 4, 8)
-    out = {"norm_diff": 0.0, "grad_diff": 0.0}  # norm_diff: relative
-    for norm_type in (2.0, 1.0, float("inf")):
-        model.zero_grad()
-        ref.zero_grad()
-        model(x.chunk(world)[rank]).sum().backward()
-        (sum(ref(c).sum() for c in x.chunk(world)) / world).backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5, norm_type=norm_type)
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.5, norm_type=norm_type)
-        relative = abs(norm.full_tensor().item() - ref_norm.item()) / ref_norm.item()  # the 1-norm is in the hundreds
-        out["norm_diff"] = max(out["norm_diff"], relative)
-        params = dict(model.named_parameters())
-        out["grad_diff"] = max(
-            out["grad_diff"],
-            *((local(params[n].grad) - row_block(p.grad, rank, world)).abs().max().item() for n, p in ref.named_parameters()),
-        )
-    return out
-
-
 def _classes(rank: int, world: int) -> dict[str, float]:
     model = nn.Sequential(nn.Embedding(16, 8), MLP(8), nn.LayerNorm(8), nn.Linear(8, 16))
     fsdp2.fully_shard(model[1])
@@ -300,9 +248,7 @@ CHECKS: dict[str, Callable[[int, int, str], dict[str, float]]] = {
 EAGER_ONLY: dict[str, Callable[[int, int], dict[str, float]]] = {
     "no_forward_inputs": _no_forward_inputs,
     "cpu_offload": _cpu_offload,
-    "ignored_params": _ignored,
     "classes": _classes,
-    "clip_grad_norm": _clip_grad_norm,
     "state_dict": _state_dict,
 }
 

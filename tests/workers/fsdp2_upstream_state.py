@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from tests.workers.upstream_common import (
     all_dtensors,
     average_grads,
+    blocks_of,
     ddp_parity,
     fully_shard,
     impl,
@@ -352,7 +353,6 @@ def rank0_broadcast_meta_device_init(rank: int, world: int) -> dict[str, float]:
     full_sd = {k: v.clone() for k, v in ref.state_dict().items()}
     with torch.device("meta"):
         model, _ = transformer(dropout_p=0.0)
-    from tests.workers.upstream_common import blocks_of
 
     for m in [*blocks_of(model), model]:
         fully_shard(m)
@@ -385,3 +385,4 @@ def old_import_training(rank: int, world: int) -> dict[str, float]:
     model(torch.randn(8, 16)).sum().backward()
     out["grads"] = float(all(p.grad is not None for p in model.parameters()))
     return out
+

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from tests.workers import fsdp2_upstream_autograd as autograd
 from tests.workers import fsdp2_upstream_compose as compose
+from tests.workers import fsdp2_upstream_extra as extra
 from tests.workers import fsdp2_upstream_mp as mp
 from tests.workers import fsdp2_upstream_state as state
 from tests.workers import fsdp2_upstream_train as train
@@ -59,6 +60,8 @@ EAGER: dict[str, Callable[..., dict[str, float]]] = {
     "cached_state_dict": state.cached_state_dict,
     "dp_state_dict_cpu_offload": state.dp_state_dict_cpu_offload,
     "shard_tensor_parameters": state.shard_tensor_parameters,
+    "clip_grad_norm_1d": extra.clip_grad_norm_1d,
+    "ddp_A_fsdp_B_ddp_C": extra.ddp_a_fsdp_b_ddp_c,
     "init_errors": state.init_errors,
     "reset_sharded_param_in_lazy_init": state.reset_sharded_param_in_lazy_init,
     "meta_device_1d_init": state.meta_device_1d_init,
