@@ -69,11 +69,12 @@ def accelerate_results():
     + _xfail(_ASSIGN, "cpu_ram_efficient_loading[eager]", "cpu_ram_efficient_loading[compiled]"),
 )
 def test_accelerate_fsdp2_recipe_matches_fsdp2(accelerate_results, name):
+    assert accelerate_results[0][name].get("full_state_dict_keys", 0) > 0, accelerate_results[0][name]
     for r in _each(accelerate_results, name):
         assert r["loss_moved"] > 0.1, r  # the steps train
         assert r["ref_round_trip_diff"] == 0.0, r  # save_state/load_state restore model and optimizer (FSDP2)
         assert r["round_trip_diff"] < 1e-6, r  # ... and here: the same steps after load_state give the same losses
-        assert r["full_state_dict_keys"] > 0 and r["full_state_dict_diff"] < 1e-6, r  # get_state_dict
+        assert r["full_state_dict_diff"] < 1e-6, r  # get_state_dict: FSDP2's full state dict (rank 0's)
         assert r["loss_diff"] < 1e-5 and r["param_diff"] < 1e-5, r  # measured: 0
         if name.endswith("[compiled]"):
             assert r["graphs"] == 1.0, r

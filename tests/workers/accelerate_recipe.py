@@ -131,9 +131,11 @@ def _run(config: str, shard_with: Callable, compiled: bool, rank: int, world: in
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest difference of two state dicts with the same keys and shapes (empty: `get_state_dict`'s full state
+    dict is rank 0's only)."""
     if list(a) != list(b) or any(a[k].shape != b[k].shape for k in a):
         return float("inf")
-    return max(((a[k] - b[k]).abs().max().item() if a[k].numel() else 0.0) for k in a)
+    return max([(a[k] - b[k]).abs().max().item() for k in a if a[k].numel()], default=0.0)
 
 
 def _compare(ref: dict, mine: dict) -> dict[str, float]:

@@ -18,6 +18,7 @@ from tests.workers.upstream_common import (
     all_dtensors,
     blocks_of,
     ddp_parity,
+    full,
     fully_shard,
     impl,
     loss_diff,
@@ -142,9 +143,10 @@ def _shard_transformer(model: nn.Module, **options) -> None:
 
 
 def train_parity_multi_group(rank: int, world: int, mode: str) -> dict[str, float]:
-    """test_train_parity_multi_group (reshard True/False/2; no delays: they are CUDA sleeps), 5 of 10 steps."""
+    """test_train_parity_multi_group (reshard True/False/2, compiled: True; no delays: they are CUDA sleeps), 5 of
+    10 steps."""
     out: dict[str, float] = {}
-    for raf in (True, False, 2):
+    for raf in (True, False, 2) if mode == "eager" else (True,):
 
         def build():
             return transformer(n_layers=3, n_heads=4, vocab_size=1024, max_seq_len=64, dropout_p=0)[0]
@@ -271,40 +273,42 @@ def _ac_shard(model, args, grouping: str, raf) -> None:
 
 def train_parity_with_activation_checkpointing(rank: int, world: int, mode: str) -> dict[str, float]:
     """test_train_parity_with_activation_checkpointing: reshard T/F x checkpoint composable/utils/wrapper x grouping
-    block/mem_eff/mem_eff_weight_tied, 3 of 10 steps (compiled: upstream skips composable; one reshard setting and
-    two groupings, each compile costs seconds); sharded parameter and gradient parity after each step."""
+    block/mem_eff/mem_eff_weight_tied, 3 of 10 steps (compiled: upstream skips composable; utils with block and
+    wrapper with mem_eff, reshard True: each compile costs seconds); sharded parameter and gradient parity after
+    each step."""
     out: dict[str, float] = {}
-    impls = ("utils", "wrapper") if mode == "compiled" else ("composable", "utils", "wrapper")
-    groupings = ("block", "mem_eff") if mode == "compiled" else ("block", "mem_eff", "mem_eff_weight_tied")
-    for raf in (True,) if mode == "compiled" else (True, False):
-        for impl_name in impls:
-            for grouping in groupings:
+    impls, groupings = ("composable", "utils", "wrapper"), ("block", "mem_eff", "mem_eff_weight_tied")
+    cases = [(True, "utils", "block"), (True, "wrapper", "mem_eff")] if mode == "compiled" else [
+        (raf, i, g) for raf in (True, False) for i in impls for g in groupings
+    ]
+    for raf, impl_name, grouping in cases:
 
-                def build(impl_name=impl_name, grouping=grouping):
-                    return transformer(
-                        n_layers=3, n_heads=4, vocab_size=1024, max_seq_len=64, dropout_p=0,
-                        checkpoint_activations=impl_name == "utils", weight_tying=grouping != "mem_eff",
-                    )[0]
+        def build(impl_name=impl_name, grouping=grouping):
+            return transformer(
+                n_layers=3, n_heads=4, vocab_size=1024, max_seq_len=64, dropout_p=0,
+                checkpoint_activations=impl_name == "utils", weight_tying=grouping != "mem_eff",
+            )[0]
 
-                def shard(model, impl_name=impl_name, grouping=grouping, raf=raf):
-                    if impl_name == "wrapper":
-                        apply_activation_checkpointing(model, check_fn=lambda m: m in blocks_of(model))
-                    elif impl_name == "composable":
-                        for block in blocks_of(model):
-                            checkpoint(block)
-                    _ac_shard(model, None, grouping, raf)
+        def shard(model, impl_name=impl_name, grouping=grouping, raf=raf):
+            if impl_name == "wrapper":
+                apply_activation_checkpointing(model, check_fn=lambda m: m in blocks_of(model))
+            elif impl_name == "composable":
+                for block in blocks_of(model):
+                    checkpoint(block)
+            _ac_shard(model, None, grouping, raf)
 
-                torch.manual_seed(42 + rank)
-                inp = torch.randint(0, 1024, (3, 64))
-                _merge(out, f"{raf}_{impl_name}_{grouping}", ddp_parity(build, shard, lambda s, inp=inp: inp, mode, 3, rank))
+        torch.manual_seed(42 + rank)
+        inp = torch.randint(0, 1024, (3, 64))
+        _merge(out, f"{raf}_{impl_name}_{grouping}", ddp_parity(build, shard, lambda s, inp=inp: inp, mode, 3, rank))
     return out
 
 
 def train_shared_params(rank: int, world: int, mode: str) -> dict[str, float]:
     """test_train_parity_with_shared_params: tied Transformer, blocks sharded (and composable-checkpointed), reshard
-    False/True x AC, 5 of 10 steps (compiled: without composable checkpoint, which upstream's compile tests skip)."""
+    False/True x AC, 5 of 10 steps (compiled: reshard True without composable checkpoint, which upstream's compile
+    tests skip)."""
     out: dict[str, float] = {}
-    for raf in (False, True):
+    for raf in (False, True) if mode == "eager" else (True,):
         for ac in (False,) if mode == "compiled" else (False, True):
 
             def shard(model, raf=raf, ac=ac):
@@ -334,7 +338,7 @@ class TiedModel(nn.Module):
 
 def train_shared_params_uneven_shard(rank: int, world: int) -> dict[str, float]:
     """test_train_shared_params_uneven_shard: tied weights in one group, vocab world*4+1 rows; every row trains
-    (read after `unshard()` through `full_tensor()`: fsdp_graph keeps DTensors outside forward)."""
+    (read between `unshard()` and `reshard()`, whole through `full_tensor()` where it is still a DTensor)."""
     out: dict[str, float] = {}
     vocab = world * 4 + 1
     for raf in (True, False):
@@ -342,7 +346,9 @@ def train_shared_params_uneven_shard(rank: int, world: int) -> dict[str, float]:
         model = TiedModel(vocab)
         fully_shard([model.tok_embeddings, model.output], reshard_after_forward=raf)
         fully_shard(model, reshard_after_forward=raf)
-        initial = model.tok_embeddings.weight.full_tensor().detach().clone()
+        model.tok_embeddings.unshard()
+        initial = full(model.tok_embeddings.weight).detach().clone()
+        model.tok_embeddings.reshard()
         opt = torch.optim.SGD(model.parameters(), lr=1e-1, momentum=0.9)
         torch.manual_seed(42 + rank)
         for _ in range(10):
@@ -350,7 +356,9 @@ def train_shared_params_uneven_shard(rank: int, world: int) -> dict[str, float]:
             nn.functional.cross_entropy(model(ids).view(-1, vocab).float(), ids.view(-1)).backward()
             opt.step()
             opt.zero_grad()
-        final = model.tok_embeddings.weight.full_tensor()
+        model.tok_embeddings.unshard()
+        final = full(model.tok_embeddings.weight).detach()
+        model.tok_embeddings.reshard()
         out[f"rows_moved_{raf}"] = float(all(not torch.equal(initial[r], final[r]) for r in range(vocab)))
     return out
 

@@ -63,6 +63,7 @@ EAGER: dict[str, Callable[..., dict[str, float]]] = {
     "clip_grad_norm_1d": extra.clip_grad_norm_1d,
     "ddp_A_fsdp_B_ddp_C": extra.ddp_a_fsdp_b_ddp_c,
     "init_errors": state.init_errors,
+    "invalid_shard_dim": state.invalid_shard_dim,
     "reset_sharded_param_in_lazy_init": state.reset_sharded_param_in_lazy_init,
     "meta_device_1d_init": state.meta_device_1d_init,
     "invalid_meta_device_init": state.invalid_meta_device_init,
