@@ -74,7 +74,8 @@ def test_accelerate_fsdp2_recipe_matches_fsdp2(accelerate_results, name):
         assert r["loss_moved"] > 0.1, r  # the steps train
         assert r["ref_round_trip_diff"] == 0.0, r  # save_state/load_state restore model and optimizer (FSDP2)
         assert r["round_trip_diff"] < 1e-6, r  # ... and here: the same steps after load_state give the same losses
-        assert r["full_state_dict_diff"] < 1e-6, r  # get_state_dict: FSDP2's full state dict (rank 0's)
-        assert r["loss_diff"] < 1e-5 and r["param_diff"] < 1e-5, r  # measured: 0
+        assert r["full_state_dict_diff"] < (1e-2 if name.startswith("bf16") else 1e-6), r  # get_state_dict (rank 0's)
+        tol = 1e-2 if name.startswith("bf16") else 1e-5  # fp32: measured 0; bf16 (not measured yet): its epsilon
+        assert r["loss_diff"] < tol and r["param_diff"] < tol, r
         if name.endswith("[compiled]"):
             assert r["graphs"] == 1.0, r
