@@ -98,7 +98,7 @@ def test_load_checkpoint_verifies_on_the_collective_device(on_meta, monkeypatch,
 
     def broadcast_object_list(objects, src, device=None):
         devices_used.append(device)
-        objects[0] = {".metadata": (0, None)}
+        objects[0] = ({".metadata": (0, None)}, False)
 
     monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
     with pytest.raises(_ReachedError):
