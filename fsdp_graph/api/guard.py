@@ -11,6 +11,7 @@ the same on every rank) is used instead of a pass over the gradients.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -83,16 +84,21 @@ class StepGuard:
         if nonfinite != "off" and model is None:
             raise ValueError("StepGuard: pass the model whose gradients are checked (or nonfinite='off')")
         self.model, self.mode, self.max_skips, self.stop, self.group = model, nonfinite, max_skips, stop, group
+        self._params = list(model.parameters()) if model is not None else []  # listed once: walking modules is slow
         self.skipped: list[int] = []  # every step skipped so far
         self._in_a_row = 0
 
     def _local_gradient_measure(self, device: torch.device) -> torch.Tensor:
         """Sum of squared norms of this rank's local gradient pieces: finite iff every element is."""
-        grads = [local_of(p.grad) for p in self.model.parameters() if p.grad is not None]
-        if not grads:
+        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for p in self._params:
+            if p.grad is not None:
+                grad = local_of(p.grad)
+                by_device[grad.device].append(grad)
+        parts = [torch.stack(torch._foreach_norm(grads)).to(device, torch.float64) for grads in by_device.values()]
+        if not parts:
             return torch.zeros((), dtype=torch.float64, device=device)
-        norms = torch._foreach_norm([g.detach() for g in grads])
-        return torch.stack([n.to(device, torch.float64) for n in norms]).square().sum()
+        return torch.cat(parts).square().sum()
 
     def check(
         self, step: int, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None, *, loss_ranks=None
