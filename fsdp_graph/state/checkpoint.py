@@ -67,8 +67,8 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
 
 
 def _tensors(state: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, this rank's local tensor) of every floating-point tensor of `_state`'s result, in the same order on
-    every rank (state dicts list the same keys everywhere)."""
+    """(name, this rank's local tensor) of every floating-point tensor of `_state`'s result. Ranks may list
+    different names (pipeline stages hold different parameters)."""
     entries = [(f"model/{k}", v) for k, v in state.get("model", {}).items()]
     for fqn, per_param in state.get("optim", {}).get("state", {}).items():
         entries += [(f"optim/{fqn}/{k}", v) for k, v in per_param.items()]
@@ -78,21 +78,23 @@ def _tensors(state: dict) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def nonfinite_entries(state: dict) -> list[str]:
-    """The entries of `state` (`_state`'s layout) holding NaN or Inf on any rank. Collective: one all-reduce of a
-    flag per tensor."""
+    """The entries of `state` (`_state`'s layout) holding NaN or Inf on any rank, sorted. Collective: one
+    all-reduce of a count, and only when it is not 0 an all-gather of the names."""
     names, by_device = [], defaultdict(list)  # flags stay where the tensors are until one copy per device
     for name, local in _tensors(state):
-        by_device[local.device].append((len(names), (~torch.isfinite(local)).any()))
+        by_device[local.device].append((~torch.isfinite(local)).any())
         names.append(name)
-    if not names:
-        return []
     home = collective_device(None, torch.device("cpu"))
-    found = torch.zeros(len(names), dtype=torch.int32, device=home)
-    for flags in by_device.values():
-        index = torch.tensor([i for i, _ in flags], device=home)
-        found[index] = torch.stack([f for _, f in flags]).to(home, torch.int32)
-    dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    return [name for name, bad in zip(names, found.tolist()) if bad]
+    flags = [torch.stack(f).to(home) for f in by_device.values()]
+    flags = torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool, device=home)
+    count = flags.sum(dtype=torch.int64).reshape(1)
+    dist.all_reduce(count)
+    if not count.item():
+        return []
+    mine = [name for name, bad in zip(names, flags.tolist()) if bad]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return sorted({name for names_of_rank in everyone for name in names_of_rank})
 
 
 def _local_bytes(state: dict) -> int:

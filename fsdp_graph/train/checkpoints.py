@@ -259,7 +259,12 @@ def resume(args: argparse.Namespace, model, opt, rank: int) -> tuple[str, int, l
             continue
         if skipped and rank == 0:
             print(f"--resume: resuming from {path}, the newest intact checkpoint", flush=True)
-        return path, step_of(path), _history_of(path, rank)
+        step = step_of(path)
+        if step is None:  # a foreign checkpoint not named step_NNNNNN: its weights, the count from 0
+            step = 0
+            if rank == 0:
+                print(f"--resume: {path} names no step; counting steps from 0", flush=True)
+        return path, step, _history_of(path, rank)
     if skipped:
         raise CheckpointDirError(
             f"--resume: no intact checkpoint in {args.checkpoint_dir}; skipped:\n" + "\n".join(skipped)

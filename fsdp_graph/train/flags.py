@@ -178,7 +178,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     if args.resume == "latest" and not args.checkpoint_dir:
         parser.error("--resume without a PATH needs --checkpoint-dir")
     if args.resume not in (None, "latest"):
-        if checkpoints.step_of(args.resume) is None:
+        if args.foreign and not os.path.exists(os.path.join(args.resume, ".metadata")):
+            parser.error(f"--resume {args.resume} --foreign: not a DCP checkpoint (no .metadata file)")
+        if not args.foreign and checkpoints.step_of(args.resume) is None:
             parser.error(
                 f"--resume {args.resume}: not a checkpoint of this job (DIR/step_NNNNNN with a .metadata file)"
             )

@@ -157,7 +157,7 @@ def _failures(
     """(failures with the root cause first, the signal that killed the root cause). A rank that vanished without
     a traceback comes before ranks that raised: a peer's death makes the others raise (a broken collective), never
     vanish, and the parent notices a death later than the peers do. A rank that neither raised nor ended but that
-    the first rank to raise blames (its collective timed out waiting for it: hung, or stopped) comes first of all.
+    the first rank to blame others names (its collective timed out waiting for it: hung, or stopped) comes first.
     `states`: the process state of each rank still running when the launcher ended it."""
     raised, vanished, signals, blamed = [], [], {}, []
     for rank in range(world):
@@ -170,8 +170,9 @@ def _failures(
             text, signals[rank] = _exit_status(exits[rank][1])
             vanished.append((exits[rank][0], rank, text))
     failures = sorted(vanished) + sorted(raised)
-    if not vanished and blamed:
-        stamp, accuser, blames = min(blamed)
+    accusers = sorted(entry for entry in blamed if entry[2])
+    if not vanished and accusers:
+        stamp, accuser, blames = accusers[0]
         hung = [
             (
                 stamp,
@@ -187,7 +188,7 @@ def _failures(
 
 
 def _process_state(pid: int | None) -> str:
-    """'its process was stopped (state T)' and the like, from /proc (Linux); a plain phrase elsewhere."""
+    """'its process was stopped, e.g. by SIGSTOP' and the like, from /proc (Linux); a plain phrase elsewhere."""
     names = {
         "T": "stopped, e.g. by SIGSTOP",
         "t": "stopped by a debugger",
