@@ -105,14 +105,17 @@ def _check_extra_names(extra_files: Mapping[str, bytes] | None) -> dict[str, byt
     extras = dict(extra_files or {})
     for name, content in extras.items():
         if (
-            os.path.basename(name) != name
-            or name in (_DONE, MANIFEST, "", ".", "..")
+            not isinstance(name, str)
+            or os.path.isabs(name)
+            or os.path.normpath(name) != name
+            or name.split(os.sep)[0] in ("", ".", "..")
+            or name in (_DONE, MANIFEST)
             or name.endswith(".distcp")
             or not isinstance(content, bytes)
         ):
             raise ValueError(
-                f"save_checkpoint: extra file {name!r}: give a plain file name (not {_DONE}, {MANIFEST} or "
-                "*.distcp, no directory) mapped to bytes"
+                f"save_checkpoint: extra file {name!r}: give a relative path inside the checkpoint (e.g. "
+                f"'history.json' or 'compiled/graph_0.bin'; not {_DONE}, {MANIFEST} or *.distcp) mapped to bytes"
             )
     return extras
 
@@ -144,8 +147,8 @@ def save_checkpoint(
     Collective. Written to `<path>.tmp` first, then renamed into place, so an interrupted save never leaves a
     `path` that loads as if complete.
 
-    - `extra_files`: {file name: bytes} written by rank 0 into the checkpoint beside DCP's files (a loss history,
-      compiled artifacts) and covered by the manifest like them.
+    - `extra_files`: {relative path: bytes} written by rank 0 into the checkpoint beside DCP's files (a loss
+      history, compiled artifacts in a subdirectory) and covered by the manifest like them.
     - A state holding NaN or Inf raises `NonFiniteCheckpointError` on every rank before anything is written
       (`allow_nonfinite=True` writes it anyway).
     - A failed write raises `CheckpointSaveError` on every rank, its message saying why in one line (DCP's own
@@ -170,6 +173,7 @@ def save_checkpoint(
         if rank == 0:
             try:
                 for name, content in extras.items():
+                    os.makedirs(os.path.dirname(os.path.join(staging, name)), exist_ok=True)
                     with open(os.path.join(staging, name), "wb") as f:
                         f.write(content)
             except Exception as e:  # every rank must learn it, or the others would wait in the next collective

@@ -70,3 +70,4 @@ def test_load_refuses_a_checkpoint_without_its_manifest_unless_foreign(results):
         assert "pass foreign=True" in c["no_manifest"], c
         assert len(c["foreign_warnings"]) == (1 if rank == 0 else 0), c["foreign_warnings"]
         assert c["extra_damaged"] is not None and "notes.txt: its SHA-256 differs" in c["extra_damaged"], c
+        assert c["extra_files_listed"] == [".metadata", "compiled/a.bin", "notes.txt"], c

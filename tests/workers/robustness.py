@@ -4,6 +4,7 @@ signals agreed on by every rank, and what save_checkpoint / load_checkpoint refu
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -195,7 +196,11 @@ def checkpoint_cases(rank: int, world: int, root: str) -> dict:
     out["foreign_warnings"] = [str(w.message) for w in caught if "cannot be verified" in str(w.message)]
 
     extra = os.path.join(root, "extra")
-    fsdp_graph.save_checkpoint(extra, model, extra_files={"notes.txt": b"written beside the shards"})
+    fsdp_graph.save_checkpoint(
+        extra, model, extra_files={"notes.txt": b"written beside the shards", "compiled/a.bin": b"\x00\x01"}
+    )
+    with open(os.path.join(extra, "checksums.json")) as f:
+        out["extra_files_listed"] = sorted(n for n in json.load(f)["files"] if not n.endswith(".distcp"))
     if rank == 0:
         with open(os.path.join(extra, "notes.txt"), "r+b") as f:
             f.write(b"W")
