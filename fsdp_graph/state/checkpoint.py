@@ -64,7 +64,7 @@ def save_checkpoint(
     dist.barrier()
     metadata = dcp.save(_state(model, optimizer), storage_writer=writer(staging))
     dist.barrier()
-    entries = checksums(staging, files_written(metadata))
+    entries = checksums(staging, files_written(metadata, staging))
     error = None
     if dist.get_rank() == 0:
         try:
