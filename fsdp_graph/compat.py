@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 _NOTED: set[str] = set()
 
@@ -29,6 +30,13 @@ def note_missing(feature: str, consequence: str) -> None:
     warnings.warn(
         f"fsdp_graph: torch {torch.__version__} has no {feature}: {consequence}", TorchFeatureWarning, stacklevel=3
     )
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """`dist.all_gather_single`: torch 2.13's name for `all_gather_into_tensor` (deprecated there), the only name in
+    torch 2.11 and 2.12. Same arguments, same result. Looked up at each call, so a test's stand-in is called."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
 
 
 def _accepts(fn: Callable, parameter: str) -> bool:

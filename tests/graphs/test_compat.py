@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from fsdp_graph import compat
@@ -85,3 +86,17 @@ def test_files_written_by_dcp_save_with_and_without_storage_data(tmp_path):
     for returned in (metadata, as_211):
         assert compat.saved_storage_data(returned, str(tmp_path)) == on_disk
         assert files_written(returned, str(tmp_path)) == written
+
+
+def test_all_gather_single_under_either_name(monkeypatch):
+    """torch 2.13's `dist.all_gather_single`, else (torch 2.11, 2.12) `all_gather_into_tensor`: same result."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for old_name_only in (False, True):
+            if old_name_only:
+                monkeypatch.delattr(dist, "all_gather_single", raising=False)
+            out = torch.zeros(3)
+            compat.all_gather_single(out, torch.arange(3.0))
+            assert out.tolist() == [0.0, 1.0, 2.0], old_name_only
+    finally:
+        dist.destroy_process_group()
