@@ -12,6 +12,8 @@ import torch.distributed.checkpoint as dcp
 from fsdp_graph import compat
 from fsdp_graph.state.checksums import files_written
 
+pytestmark = pytest.mark.oldest_torch
+
 
 @pytest.fixture
 def fresh_notes(monkeypatch):

@@ -23,6 +23,9 @@ from benchmarks.gpu_report import (
     union,
 )
 
+# Under torch 2.11 too (.ci/run): the children are what the GPU machines (torch 2.11) run.
+pytestmark = pytest.mark.oldest_torch
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
