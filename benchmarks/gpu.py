@@ -1,6 +1,9 @@
-"""fsdp_graph on one GPU in one command: writes docs/benchmarks-gpu.md (sized for under 8 minutes on one H100).
+"""fsdp_graph on one GPU in one command (docs/gpus.md): writes benchmarks-gpu.md, its figures as benchmarks-gpu.json
+and benchmarks-gpu-timeline.png into the folder $FSDP_GRAPH_GPU_OUT names (else docs/), rewriting both reports as each
+section ends and printing each figure as soon as it is measured, so a run cut short keeps what it measured. Needs
+only torch, numpy, tqdm and matplotlib, from a plain checkout (`PYTHONPATH=.`).
 
-    python benchmarks/gpu.py [--quick] [--out docs/benchmarks-gpu.md] [--only train plan offload overlap ...]
+    python benchmarks/gpu.py [--quick] [--budget S] [--out FILE] [--only train plan offload overlap ...]
 
 1. train: the main job (`python -m fsdp_graph train --preset small --mixed-precision bf16`) as one torchrun-style
    NCCL rank, against plain `torch.compile` of the same model without FSDP: step time and peak CUDA memory.
