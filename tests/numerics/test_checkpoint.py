@@ -12,7 +12,6 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-@pytest.mark.oldest_torch
 def test_resume_in_fresh_processes_is_bit_exact(tmp_path):
     """`load_checkpoint`, and torch's plain DCP recipe with a fresh optimizer (issue 13: its state dict used to have
     no state entries, so DCP loaded nothing into it and the run went on with fresh AdamW moments, silently)."""
