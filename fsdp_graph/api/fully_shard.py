@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from fsdp_graph import compat
 from fsdp_graph.api.config import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_graph.api.groups import Groups, post_forward_groups, resolve_groups, with_reduce_group
 from fsdp_graph.api.placement import move_buffers, moves_to, parameter_device
@@ -208,6 +209,7 @@ def fully_shard(
         for unit, unit_fqn in zip(units, unit_fqns):
             if unit is not model and "_fsdp_states" in unit.__dict__ and unit_fqn not in refused:
                 make_reusable(unit)
+                compat.note_shared_bodies()
     model.__dict__["_fsdp_root"] = root_state
     module_state.install(model)
     return model

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 from torch._dynamo.comptime import comptime
 
+from fsdp_graph import compat
 from fsdp_graph.ir import REGION_PARAM_ANNOTATION
 from fsdp_graph.runtime.block_output import rebuild_output, refusal, split_output
 from fsdp_graph.runtime.flat_param import ParamSlot
@@ -161,7 +162,7 @@ def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
     return out if template is None else () if refusal(template) is not None else tensors
 
 
-_block_body = torch.compiler.nested_compile_region(_body, reuse_hash_fn=_reuse_key)
+_block_body = compat.nested_compile_region(_body, reuse_hash_fn=_reuse_key)
 _OUTPUT_TEMPLATES: dict[int, object] = {}  # reuse key -> `split_output`'s template
 _WARNED: set[tuple[str, str]] = set()
 _SCALARS = (bool, int, float, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)

@@ -179,7 +179,7 @@ def save_checkpoint(
             except Exception as e:  # every rank must learn it, or the others would wait in the next collective
                 error = e
         dist.barrier()
-        entries = checksums(staging, files_written(metadata) + sorted(extras))
+        entries = checksums(staging, files_written(metadata, staging) + sorted(extras))
         if rank == 0 and error is None:
             try:
                 write_manifest(staging, entries)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
+from fsdp_graph.compat import saved_storage_data
 from fsdp_graph.runtime.devices import collective_device
 
 MANIFEST = "checksums.json"
@@ -31,9 +32,11 @@ _DIGEST_WORDS = 32  # SHA-256 bytes, one int64 each: summed over ranks, where on
 _OK, _MISSING, _WRONG_SIZE, _WRONG_CHECKSUM, _UNREADABLE = range(5)
 
 
-def files_written(metadata) -> list[str]:
-    """The files of a checkpoint DCP's FileSystemWriter has just written (its returned `Metadata`), sorted."""
-    return sorted({info.relative_path for info in metadata.storage_data.values()} | {_METADATA})
+def files_written(metadata, directory: str) -> list[str]:
+    """The files of the checkpoint DCP's FileSystemWriter has just written to `directory` (`metadata`: what
+    `dcp.save` returned), sorted."""
+    storage_data = saved_storage_data(metadata, directory)
+    return sorted({info.relative_path for info in storage_data.values()} | {_METADATA})
 
 
 def _digest(path: str) -> tuple[int, bytes]:

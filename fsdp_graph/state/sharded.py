@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fsdp_graph import compat
 from fsdp_graph.runtime.devices import collective_device
 from fsdp_graph.runtime.tensor_parallel import TPSpec, state_dict_placements, tp_local_of
 from fsdp_graph.runtime.unit import FlatParamState, RootState
@@ -29,7 +30,7 @@ def gather_flat(state: FlatParamState, local: torch.Tensor) -> torch.Tensor:
     # CPU offload prefers the compute device: a mixed cpu:gloo,cuda:nccl group then gathers over NCCL.
     local = local.to(collective_device(group, state.compute_device or local.device))
     full = local.new_empty(state.layout.padded_numel)
-    dist.all_gather_single(full, local.contiguous(), group=group)
+    compat.all_gather_single(full, local.contiguous(), group=group)
     return full.to(home)
 
 

@@ -39,6 +39,7 @@ def test_llama_sharded_and_compiled_matches_single_process():
         assert meta["rope_diff"] == 0.0 and meta["logits_diff"] < 1e-5, meta
 
 
+@pytest.mark.oldest_torch
 def test_cli_end_to_end_then_resume_continues_exactly(tmp_path, capfd):
     ckpt = tmp_path / "ckpt"
     args = [*FAST, "--steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--keep", "2"]
