@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map
 
@@ -39,9 +39,8 @@ class RootState:
     gathered: dict[str, torch.Tensor] = field(default_factory=dict)
     recompute_task: int = -1  # the autograd graph task whose activation-checkpoint recompute `gathered` serves
     flat_params: list[FlatParamState] = field(default_factory=list)
-    mesh: object = None  # the DeviceMesh given to fully_shard (None: the world's, see checkpoint.state_dict_mesh)
+    mesh: object = None  # the DeviceMesh given to fully_shard (None: the world's); each flat parameter has its own
     world_meshes: dict = field(default_factory=dict)  # device type -> the world's DeviceMesh on it
-    placements: tuple = ()  # DTensor placements of a parameter on `mesh` (Shard(0), with Replicate for replicas)
     requires_gradient_sync: bool = True  # False inside `no_sync`: backwards accumulate unreduced gradients
     grad_fence: offload.GradFence = field(default_factory=offload.GradFence)  # CPU offload's end-of-backward wait
     session: eager_reshard.ForwardSession | None = None  # the eager forward running now (None: none, or compiled)
@@ -91,6 +90,8 @@ class FlatParamState:
     post_forward_group: str = ""  # the k ranks (a node) the backward gathers the pieces over
     piece_group: str = ""  # the world / k ranks the forward gathers this rank's piece over
     tp: tuple[TPSpec | None, ...] = ()  # per slot: the tensor-parallel DTensor it was (its local piece is sharded)
+    mesh: object = None  # the DeviceMesh it is sharded over (None: the world's, see sharded.state_dict_mesh)
+    placements: tuple = ()  # a Shard(0) parameter's DTensor placements on `mesh` (slot.dim replaces 0: slot_placements)
 
     def __post_init__(self) -> None:
         self.__dict__["static_unshard_args"] = _static_unshard_args(self)
@@ -105,6 +106,12 @@ class FlatParamState:
     @property
     def flat_shard(self) -> torch.Tensor:
         return self.module._fsdp_flat_shards[self.index]
+
+    def slot_placements(self, slot_index: int) -> tuple:
+        """The DTensor placements of slot `slot_index`'s parameter on `mesh`: `Shard(dim)` over the shard dim (the
+        dim its layout shards it on), Replicate over replicas."""
+        dim = self.layout.slots[slot_index].dim
+        return tuple(Shard(dim) if isinstance(p, Shard) else p for p in self.placements)
 
 
 @dataclass(frozen=True)
