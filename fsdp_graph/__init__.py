@@ -1,7 +1,14 @@
 """fsdp_graph: Fully Sharded Data Parallel training as a compiler pass."""
 
 from fsdp_graph.api.clip import clip_grad_norm_
-from fsdp_graph.api.config import Compression, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_graph.api.config import (
+    Compression,
+    CPUOffload,
+    MixedPrecision,
+    ParamPlacement,
+    ShardingStrategy,
+    UnitOptions,
+)
 from fsdp_graph.api.controls import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from fsdp_graph.api.full_params import summon_full_params
 from fsdp_graph.api.fully_shard import fully_shard
@@ -26,8 +33,10 @@ __all__ = [
     "GraphReport",
     "MixedPrecision",
     "ModuleWrapPolicy",
+    "ParamPlacement",
     "PipelineStage",
     "ShardingStrategy",
+    "UnitOptions",
     "UnshardHandle",
     "clip_grad_norm_",
     "explain",

@@ -149,9 +149,8 @@ def fully_shard(
     options = unit_settings(unit_options, units, unit_fqns, meshes, mp, cpu_offload, device)
     unit_entries = {fqn: o.entry for fqn, o in options.items()}
     placed = param_placements(params, uses, assignment, unit_entries, meshes, shard_placement_fn)
-    reshard = _resolve_reshard(
-        reshard_after_forward, strategy, units, unit_fqns, {fqn: o.entry.groups.shard_world for fqn, o in options.items()}
-    )
+    shard_worlds = {fqn: o.entry.groups.shard_world for fqn, o in options.items()}
+    reshard = _resolve_reshard(reshard_after_forward, strategy, units, unit_fqns, shard_worlds)
     if tp:
         _check_tp_options(uses, tp, reshard, cpu_offload, sync_module_states, meshes, placed)
     if sync_module_states:

@@ -116,7 +116,9 @@ def resolve_placement(
         )
     placement = result.placement if result.placement is not None else Shard(0)
     if not isinstance(placement, Shard) or type(placement) is not Shard:
-        raise TypeError(f"fully_shard: parameter '{fqn}' got the placement {placement!r}; only Shard(dim) is supported.")
+        raise TypeError(
+            f"fully_shard: parameter '{fqn}' got the placement {placement!r}; only Shard(dim) is supported."
+        )
     ndim = len(param.shape)
     if not -ndim <= placement.dim < max(ndim, 1):
         raise ValueError(

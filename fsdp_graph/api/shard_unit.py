@@ -138,7 +138,10 @@ def shard_flat_param(
     check_flat_params(name, members)
     groups, mp = entry.groups, settings.mixed_precision
     layout = LAYOUTS[layout_kind].build(
-        [(tuple(f"{m}.{n}".lstrip(".") for m, _, n in member.uses), member.value.shape, member.dim) for member in members],
+        [
+            (tuple(f"{m}.{n}".lstrip(".") for m, _, n in member.uses), member.value.shape, member.dim)
+            for member in members
+        ],
         groups.shard_world,
         groups.shard_rank,
     )

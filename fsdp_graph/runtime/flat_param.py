@@ -234,7 +234,7 @@ class RowShardLayout:
         # and moved to d. Uneven chunks: the full blocks so, then the one partial chunk (a prefix of its block).
         full_ranks = world if rows == 0 else min(world, slot.shape[slot.dim] // rows)
         padded = _with_dim(slot, rows)
-        stacked = blocks[:full_ranks].view(full_ranks, *padded).movedim(0, slot.dim)
+        stacked = (blocks if full_ranks == world else blocks[:full_ranks]).view(full_ranks, *padded).movedim(0, slot.dim)
         joined = stacked.reshape(_with_dim(slot, full_ranks * rows))
         tail = slot.shape[slot.dim] - full_ranks * rows
         if not tail:
