@@ -137,7 +137,7 @@ def _inside(call: _Call, other: _Call, subtree: dict[int, set[int]]) -> bool:
 def _shard_tree(root_call: _Call, inner: list[_Call], trigger: str) -> None:
     if len(root_call.modules) > 1:
         raise NotImplementedError(
-            f"fsdp_graph: {root_call.describe()} is the outermost call when {trigger} used the model; a list "
+            f"fsdp_graph.fsdp2: {root_call.describe()} is the outermost call when {trigger} used the model; a list "
             "of modules must be inside a later fully_shard call (e.g. on the model itself)."
         )
     root = root_call.modules[0]

@@ -402,7 +402,7 @@ def _group_roles(states: Sequence[FlatParamState], groups: Sequence[str]) -> dic
         for dim, name in enumerate(mesh.mesh_dim_names or ()):
             by_ranks.setdefault(tuple(dist.get_process_group_ranks(mesh.get_group(dim))), name)
     roles = {}
-    for group in groups:
+    for group in [g for g in groups if g] if by_ranks else ():
         ranks = tuple(dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group)))
         if ranks in by_ranks:
             roles[group] = by_ranks[ranks]

@@ -12,7 +12,7 @@ Re-created (upstream name -> check):
 - test_fully_shard_training.py::TestFullyShard1DTrainingCore::test_non_root_forward_backward -> non_root_forward
 - test_fully_shard_training.py::TestFullyShard1DTrainingCore::test_explicit_prefetching -> prefetch_lists
 - test_fully_shard_training.py::TestFullyShard1DTrainingCore::test_train_parity_single_group_shard_largest_dim
-  -> largest_dim_refused (a clear refusal: fsdp_graph shards by rows only)
+  -> tests/numerics/test_placements.py (largest_dim, against torch's FSDP2; issue 35)
 - test_fully_shard_training.py::TestFullyShardRegisteredParams::test_param_registration_after_backward
   -> registration
 - test_fully_shard_training.py::TestFullyShardCastAfterInit::test_to_float64_after_init -> to_float64
@@ -122,11 +122,6 @@ def test_ignored_params(results):
 def test_fully_shard_cls(results):
     for r in _each(results, "classes"):
         assert all(v == 1.0 for v in r.values()), r
-
-
-def test_shard_largest_dim_refused(results):
-    for r in _each(results, "largest_dim_refused"):
-        assert r == {"refused": 1.0, "names_param": 1.0}, r
 
 
 def test_clip_grad_norm_1d(results):

@@ -447,15 +447,6 @@ def _classes(rank: int, world: int) -> dict[str, float]:
     return out
 
 
-def _largest_dim_refused(rank: int, world: int) -> dict[str, float]:
-    model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
-    try:
-        fsdp2.fully_shard(model, shard_placement_fn=lambda p: Shard(p.shape.index(max(p.shape))))
-    except NotImplementedError as error:
-        return {"refused": 1.0, "names_param": float("'0.weight'" in str(error) or "'2.weight'" in str(error))}
-    return {"refused": 0.0, "names_param": 0.0}
-
-
 def _state_dict(rank: int, world: int) -> dict[str, float]:
     """Keys as unsharded, values DTensors sharded on dim 0; loading another model's state dict gives its weights."""
     torch.manual_seed(0)
@@ -497,7 +488,6 @@ EAGER_ONLY: dict[str, Callable[[int, int], dict[str, float]]] = {
     "ignored_params": _ignored,
     "classes": _classes,
     "clip_grad_norm": _clip_grad_norm,
-    "largest_dim_refused": _largest_dim_refused,
     "state_dict": _state_dict,
 }
 
