@@ -15,7 +15,8 @@ with Inductor). One spawn of 2 gloo ranks, one of 4 (tests/workers/placements.py
 - uneven_experts: 3 experts (`Shard(1)`) and 6 experts (`Shard(0)`, one rank empty) over 4 ranks;
 - hsdp_titan: HSDP over torchtitan's (dp_replicate, fsdp) mesh (eager);
 - per_call_mesh: a call on its own mesh in bf16 (eager);
-- dcp: the 2-rank checkpoint loaded at 4 ranks, and two-mesh checkpoints with torch's FSDP2 both ways.
+- dcp: the 2-rank checkpoints (`Shard(1)`; two meshes) loaded at 4 ranks, and two-mesh checkpoints with torch's
+  FSDP2 both ways.
 """
 
 import pytest
@@ -54,11 +55,11 @@ def _parity(results: list[dict], name: str) -> None:
             assert result[f"contiguous{s}"] == 1.0, result
             diffs = ("loss_diff", "grad_diff", "param_diff", "state_dict_diff")
             assert max(result[f"{k}{s}"] for k in diffs) < 1e-5, (name, result)  # measured: at most 6e-8
-        if not name.endswith("[eager]"):
-            assert result["graphs"] == 1.0, result
+            if not name.endswith("[eager]"):
+                assert result[f"graphs{s}"] == 1.0, result
 
 
-@pytest.mark.parametrize("name", [f"{n}[{m}]" for n in TWO_RANKS for m in MODES])
+@pytest.mark.parametrize("name", [f"{n}[{m}]" for n, (_, modes) in TWO_RANKS.items() for m in (modes or MODES)])
 def test_two_ranks(two_ranks, name):
     _parity(two_ranks, name)
 
@@ -74,9 +75,11 @@ def test_checkpoints_with_torch_fsdp2_and_across_world_sizes(two_ranks, four_ran
     for r in [*two_ranks, *four_ranks]:
         assert "error" not in r["dcp[eager]"], r["dcp[eager]"].get("error")
     for r in two_ranks:
-        assert r["dcp[eager]"] == {"into_fsdp2": 0.0, "from_fsdp2": 0.0, "shard_1_saved": 1.0}
+        result = r["dcp[eager]"]
+        assert result["into_fsdp2"] == result["from_fsdp2"] == 0.0 and result["shard_1_saved"] == 1.0, result
     for r in four_ranks:
         result = r["dcp[eager]"]
         assert result["world_2_to_4_rows"] == result["world_2_to_4_largest"] == 0.0, result
+        assert result["two_meshes_world_2_to_4"] == 0.0, result
         assert result["into_fsdp2"] == result["from_fsdp2"] == 0.0, result
         assert result["into_fsdp2_meshes"] == result["from_fsdp2_meshes"] == 1.0, result

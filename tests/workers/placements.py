@@ -201,12 +201,13 @@ def _checks(table: dict, rank: int, world: int, modes: tuple[str, ...], *args) -
     results = {}
     for name, (check, check_modes) in table.items():
         for mode in check_modes or modes:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             try:
                 results[f"{name}[{mode}]"] = check(rank, world, mode, *args)
             except Exception:
                 results[f"{name}[{mode}]"] = {"error": traceback.format_exc()}
-            results[f"{name}[{mode}]"]["seconds"] = time.perf_counter() - start
+            results[f"{name}[{mode}]"]["seconds"] = time.perf_counter() - start  # wall and CPU: what a check costs
+            results[f"{name}[{mode}]"]["cpu_seconds"] = time.process_time() - cpu
     return results
 
 
@@ -299,6 +300,14 @@ def _dcp_two_ranks(rank: int, world: int, mode: str, path: str) -> dict[str, flo
     ours.load_state_dict(sd)
     out["from_fsdp2"] = _worst((v.full_tensor(), theirs_full[k]) for k, v in ours.state_dict().items())
     out["shard_1_saved"] = float(ours.state_dict()["0.weight"].placements == (Shard(1),))
+    # On two meshes at 2 ranks (ep 2: efsdp is 1 rank), for the 4-rank spawn to load on its own two meshes.
+    dims = titan_dims(ep=2)
+    torch.manual_seed(7)
+    two = shard_moe_fsdp2(MoEModel(num_experts=2), fsdp2.fully_shard, dims.get_mesh("fsdp"), dims.get_mesh("efsdp"))
+    dcp.save(two.state_dict(), checkpoint_id=os.path.join(path, "two_meshes"))
+    two_full = {k: v.full_tensor() for k, v in two.state_dict().items()}
+    if rank == 0:
+        torch.save(two_full, os.path.join(path, "two_meshes_full.pt"))
     return out
 
 
@@ -373,8 +382,9 @@ def _per_call_mesh_check(rank: int, world: int, mode: str) -> dict[str, float]:
 
 
 def _dcp_four_ranks(rank: int, world: int, mode: str, path: str) -> dict[str, float]:
-    """The 2-rank `Shard(1)` checkpoint loads at 4 ranks (Shard(0) and Shard(1) layouts); a model on two meshes
-    saves and loads with torch's FSDP2 on the same meshes, both ways."""
+    """The 2-rank `Shard(1)` checkpoint loads at 4 ranks (Shard(0) and Shard(1) layouts), so does the 2-rank two-mesh
+    one (efsdp 1 rank there, 2 here); a model on two meshes saves and loads with torch's FSDP2 on the same meshes,
+    both ways."""
     import os
 
     import torch.distributed.checkpoint as dcp
@@ -393,6 +403,12 @@ def _dcp_four_ranks(rank: int, world: int, mode: str, path: str) -> dict[str, fl
         out[f"world_2_to_4_{name}"] = _worst((v.full_tensor(), full[k]) for k, v in model.state_dict().items())
     dims = titan_dims(ep=2)
     fsdp_mesh, efsdp_mesh = dims.get_mesh("fsdp"), dims.get_mesh("efsdp")
+    two_full = torch.load(os.path.join(path, "two_meshes_full.pt"))
+    model = shard_moe_fsdp2(MoEModel(num_experts=2), fsdp2.fully_shard, fsdp_mesh, efsdp_mesh)
+    sd = model.state_dict()
+    dcp.load(sd, checkpoint_id=os.path.join(path, "two_meshes"))
+    model.load_state_dict(sd)
+    out["two_meshes_world_2_to_4"] = _worst((v.full_tensor(), two_full[k]) for k, v in model.state_dict().items())
 
     def build(fully_shard, seed: int) -> nn.Module:
         torch.manual_seed(seed)
