@@ -8,8 +8,9 @@ with Inductor). One spawn of 2 gloo ranks, one of 4 (tests/workers/placements.py
   eager, compiled and with Inductor;
 - per_call_policies: calls that differ in mixed precision and CPU offload, over torchtitan's `ParallelDims` "fsdp"
   mesh (an `_unflatten`ed view of its world mesh: a dense model);
-- dcp: `Shard(1)` checkpoints into torch's FSDP2 (sharded on dim 0) and back
-  (test_fully_shard_state_dict.py::test_dp_state_dict_save_load's placements, through DCP).
+- state_dict_save_load: test_fully_shard_state_dict.py::test_dp_state_dict_save_load with
+  `use_shard_placement_fn=True` (HSDP at 4 ranks);
+- dcp: `Shard(1)` checkpoints into torch's FSDP2 (sharded on dim 0) and back.
 4 ranks:
 - two_meshes: torchtitan's EP meshes, experts `Shard(1)` on efsdp by `ShardPlacementResult`, the rest on fsdp;
 - uneven_experts: 3 experts (`Shard(1)`) and 6 experts (`Shard(0)`, one rank empty) over 4 ranks;
@@ -64,11 +65,17 @@ def test_two_ranks(two_ranks, name):
     _parity(two_ranks, name)
 
 
-@pytest.mark.parametrize(
-    "name", [f"{n}[{m}]" for n, (_, modes) in FOUR_RANKS.items() for m in (modes or MODES)]
-)
+@pytest.mark.parametrize("name", [f"{n}[{m}]" for n, (_, modes) in FOUR_RANKS.items() for m in (modes or MODES)])
 def test_four_ranks(four_ranks, name):
     _parity(four_ranks, name)
+
+
+def test_dp_state_dict_save_load_shard_largest_dim(two_ranks, four_ranks):
+    for r in [*two_ranks, *four_ranks]:
+        result = r["state_dict_save_load[eager]"]
+        assert "error" not in result, result.get("error")
+        flags = ("dtensors", "shares_storage", "loaded", "kept_storage", "after_forward", "shard_dims")
+        assert all(result[k] == 1.0 for k in flags), result
 
 
 def test_checkpoints_with_torch_fsdp2_and_across_world_sizes(two_ranks, four_ranks):

@@ -77,7 +77,10 @@ def shard_moe_fsdp2(model: MoEModel, fully_shard, fsdp_mesh, efsdp_mesh=None, ex
         experts = set(layer.experts.parameters())
         if efsdp_mesh is not None:
             placement = expert_dim or expert_placement(model, efsdp_mesh.size())
-            dense_info, expert_info = FSDPMeshInfo(fsdp_mesh, shard_mesh_dim=0), FSDPMeshInfo(efsdp_mesh, shard_mesh_dim=0)
+            dense_info, expert_info = (
+                FSDPMeshInfo(fsdp_mesh, shard_mesh_dim=0),
+                FSDPMeshInfo(efsdp_mesh, shard_mesh_dim=0),
+            )
 
             def place(p, experts=experts, placement=placement, dense_info=dense_info, expert_info=expert_info):
                 if p in experts:
@@ -311,6 +314,49 @@ def _dcp_two_ranks(rank: int, world: int, mode: str, path: str) -> dict[str, flo
     return out
 
 
+def _state_dict_save_load(rank: int, world: int, mode: str, mesh=None) -> dict[str, float]:
+    """test_fully_shard_state_dict.py::test_dp_state_dict_save_load with `use_shard_placement_fn=True` (mlp_dim 16,
+    each parameter on its largest dim; HSDP at 4 ranks): state-dict values are DTensors sharing the parameters'
+    storage; a state dict of new DTensors loads into the parameters in place; with reshard_after_forward=False the
+    state dict after a forward equals the one before."""
+    from fsdp_graph import fsdp2
+    from tests.workers.fsdp2_upstream import MLP
+
+    mesh = mesh or init_device_mesh("cpu", (world,))
+    torch.manual_seed(42)
+    base = nn.Sequential(MLP(16), nn.Sequential(MLP(16), nn.Linear(16, 16)), MLP(16))
+    out = {"dtensors": 1.0, "shares_storage": 1.0, "loaded": 1.0, "kept_storage": 1.0, "after_forward": 1.0}
+    for reshard in (True, False):
+        model = copy.deepcopy(base)
+        for module in model:
+            fsdp2.fully_shard(module, mesh=mesh, shard_placement_fn=_largest_dim, reshard_after_forward=reshard)
+        fsdp2.fully_shard(model, mesh=mesh, shard_placement_fn=_largest_dim, reshard_after_forward=reshard)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for p in params.values():
+                p.fill_(1.0)
+        pointers = {n: p.to_local().data_ptr() for n, p in params.items()}
+        sd = model.state_dict()
+        out["dtensors"] = min(out["dtensors"], float(sd.keys() == params.keys()))
+        out["shares_storage"] = min(
+            out["shares_storage"],
+            float(all(v.to_local().data_ptr() == pointers[k] for k, v in sd.items() if pointers[k])),
+        )
+        model.load_state_dict({k: v.detach().clone().fill_(42.0 + rank) for k, v in sd.items()})
+        out["loaded"] = min(out["loaded"], float(all(torch.all(p.to_local() == 42.0 + rank) for p in params.values())))
+        out["kept_storage"] = min(
+            out["kept_storage"], float(all(p.to_local().data_ptr() == pointers[n] for n, p in params.items()))
+        )
+        before = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        model(torch.randn(2, 16))
+        after = model.state_dict()
+        out["after_forward"] = min(
+            out["after_forward"], float(all(torch.equal(after[k].full_tensor(), v) for k, v in before.items()))
+        )
+    out["shard_dims"] = float({p.placements[-1].dim for p in params.values()} == {0, 1})
+    return out
+
+
 TWO_RANKS = {
     "largest_dim": (_largest_dim_check, ("eager", "compiled", "inductor")),
     "per_call_policies": (_per_call_policies_check, None),
@@ -319,6 +365,7 @@ TWO_RANKS = {
 
 def placement_checks_2(rank: int, world: int, path: str) -> dict[str, dict[str, float]]:
     results = _checks(TWO_RANKS, rank, world, MODES)
+    results.update(_checks({"state_dict_save_load": (_state_dict_save_load, ("eager",))}, rank, world, MODES))
     results.update(_checks({"dcp": (_dcp_two_ranks, ("eager",))}, rank, world, MODES, path))
     return results
 
@@ -443,7 +490,13 @@ FOUR_RANKS = {
 }
 
 
+def _hsdp_state_dict_save_load(rank: int, world: int, mode: str) -> dict[str, float]:
+    hsdp = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return _state_dict_save_load(rank, world, mode, hsdp)
+
+
 def placement_checks_4(rank: int, world: int, path: str) -> dict[str, dict[str, float]]:
     results = _checks(FOUR_RANKS, rank, world, MODES)
+    results.update(_checks({"state_dict_save_load": (_hsdp_state_dict_save_load, ("eager",))}, rank, world, MODES))
     results.update(_checks({"dcp": (_dcp_four_ranks, ("eager",))}, rank, world, MODES, path))
     return results
