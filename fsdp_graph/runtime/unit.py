@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map
 
@@ -91,7 +91,7 @@ class FlatParamState:
     piece_group: str = ""  # the world / k ranks the forward gathers this rank's piece over
     tp: tuple[TPSpec | None, ...] = ()  # per slot: the tensor-parallel DTensor it was (its local piece is sharded)
     mesh: object = None  # the DeviceMesh it is sharded over (None: the world's, see sharded.state_dict_mesh)
-    placements: tuple = ()  # a Shard(0) parameter's DTensor placements on `mesh` (slot.dim replaces 0: slot_placements)
+    placements: tuple = ()  # a Shard(0) parameter's DTensor placements on `mesh` (sharded.slot_placements: Shard(d))
 
     def __post_init__(self) -> None:
         self.__dict__["static_unshard_args"] = _static_unshard_args(self)
@@ -106,12 +106,6 @@ class FlatParamState:
     @property
     def flat_shard(self) -> torch.Tensor:
         return self.module._fsdp_flat_shards[self.index]
-
-    def slot_placements(self, slot_index: int) -> tuple:
-        """The DTensor placements of slot `slot_index`'s parameter on `mesh`: `Shard(dim)` over the shard dim (the
-        dim its layout shards it on), Replicate over replicas."""
-        dim = self.layout.slots[slot_index].dim
-        return tuple(Shard(dim) if isinstance(p, Shard) else p for p in self.placements)
 
 
 @dataclass(frozen=True)

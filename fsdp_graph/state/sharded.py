@@ -48,6 +48,13 @@ def state_dict_mesh(state: FlatParamState) -> DeviceMesh:
     return root.world_meshes[device_type]
 
 
+def slot_placements(state: FlatParamState, slot_index: int) -> tuple:
+    """The DTensor placements of slot `slot_index`'s parameter on its flat parameter's mesh: `Shard(dim)` over the
+    shard dim (the dim its layout shards it on), Replicate over replicas."""
+    dim = state.layout.slots[slot_index].dim
+    return tuple(Shard(dim) if isinstance(p, Shard) else p for p in state.placements)
+
+
 def to_dtensor(full: torch.Tensor, state: FlatParamState) -> DTensor:
     """`full` (identical on every rank) as a DTensor on `state`'s mesh, this rank holding its dim-0 chunk (the flat
     layout: every parameter `Shard(0)`)."""
@@ -95,7 +102,7 @@ def local_dtensor(local: torch.Tensor, state: FlatParamState, slot_index: int) -
     return DTensor.from_local(
         local,
         state_dict_mesh(state),
-        state.slot_placements(slot_index),
+        slot_placements(state, slot_index),
         run_check=False,
         shape=slot.shape,
         stride=stride,
@@ -110,7 +117,7 @@ def _is_own_local(value: DTensor, state: FlatParamState, slot_index: int) -> boo
         return state.layout.kind == "rows" and tuple(value.placements) == placements and value.device_mesh == mesh
     return (
         state.layout.kind == "rows"
-        and tuple(value.placements) == state.slot_placements(slot_index)
+        and tuple(value.placements) == slot_placements(state, slot_index)
         and value.device_mesh == state_dict_mesh(state)
     )
 

@@ -1,6 +1,6 @@
 """Issue 35 (and issue 32 item 3): per-parameter placements and meshes through `fsdp_graph.fsdp2`, against torch's
 FSDP2 on the same model, calls and meshes (SGD with momentum; eager, compiled with eager kernels, and one check
-with Inductor). One spawn of 2 gloo ranks, one of 4 (tests/workers/placements.py).
+with Inductor). One spawn of 2 gloo ranks, one of 4 (tests/workers/placement_checks.py).
 
 2 ranks:
 - largest_dim: test_fully_shard_training.py::test_train_parity_single_group_shard_largest_dim and
@@ -24,7 +24,7 @@ import pytest
 
 from fsdp_graph.train.launch import spawn
 from tests.workers import titan
-from tests.workers.placements import FOUR_RANKS, MODES, TWO_RANKS, placement_checks_2, placement_checks_4
+from tests.workers.placement_checks import FOUR_RANKS, MODES, TWO_RANKS, placement_checks_2, placement_checks_4
 
 
 @pytest.fixture(scope="module")
