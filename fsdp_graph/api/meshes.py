@@ -119,13 +119,22 @@ def resolve_placement(
         raise TypeError(
             f"fully_shard: parameter '{fqn}' got the placement {placement!r}; only Shard(dim) is supported."
         )
+    check_shard_dim(param, placement, fqn)
+    ndim = max(len(param.shape), 1)
+    return Placed(meshes.entry(result.mesh) if result.mesh is not None else unit_entry, placement.dim % ndim)
+
+
+class ShardDimError(ValueError, AssertionError):
+    """A placement naming no dim of its parameter: a ValueError, and the AssertionError FSDP2 raises for it."""
+
+
+def check_shard_dim(param: nn.Parameter, placement: Shard, fqn: str) -> None:
     ndim = len(param.shape)
     if not -ndim <= placement.dim < max(ndim, 1):
-        raise ValueError(
+        raise ShardDimError(
             f"fully_shard: shard_placement_fn gave parameter '{fqn}' of shape {tuple(param.shape)} the placement "
             f"{placement!r}, which names no dim of it."
         )
-    return Placed(meshes.entry(result.mesh) if result.mesh is not None else unit_entry, placement.dim % max(ndim, 1))
 
 
 def param_placements(

@@ -25,6 +25,7 @@ from torch.distributed.tensor import Shard
 from fsdp_graph.api import controls
 from fsdp_graph.api.config import CPUOffload, MixedPrecision, ParamPlacement, ShardingStrategy, UnitOptions
 from fsdp_graph.api.fully_shard import fully_shard as native_fully_shard
+from fsdp_graph.api.meshes import check_shard_dim
 from fsdp_graph.fsdp2.module import FSDP2Module, fsdp2_class
 from fsdp_graph.runtime.devices import collective_device
 
@@ -286,6 +287,9 @@ def _placements(call: _Call, shard_placement_fn: Callable[[nn.Parameter], Any]) 
                 continue
             result = _native_placement(shard_placement_fn(p), f"parameter '{name}' of {type(m).__name__}")
             if result is not None:
+                placement = result if isinstance(result, Shard) else result.placement
+                if placement is not None:  # refused at the call, as FSDP2 refuses it
+                    check_shard_dim(p, placement, f"{name}' of '{type(m).__name__}")
                 placements[id(p)] = result
     return placements
 

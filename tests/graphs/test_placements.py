@@ -170,6 +170,9 @@ def test_native_placements_are_checked(fake_pg):
         fsdp_graph.fully_shard(nn.Sequential(nn.Linear(4, 4)), shard_placement_fn=lambda p: replicated)
     with pytest.raises(ValueError, match="'0.bias' of shape \\(4,\\).*Shard\\(dim=1\\), which names no dim"):
         fsdp_graph.fully_shard(nn.Sequential(nn.Linear(4, 4)), shard_placement_fn=lambda p: Shard(1))
+    # test_fully_shard_init.py::test_invalid_shard_dim: FSDP2 raises an AssertionError, at the call
+    with pytest.raises(AssertionError, match="'bias' of 'Linear' of shape \\(4,\\).*no dim"):
+        fsdp2.fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1))
     with pytest.raises(ValueError, match="unit_options names 'nope'"):
         fsdp_graph.fully_shard(TwoBlock(), unit_options={"nope": fsdp_graph.UnitOptions()})
 
