@@ -1,7 +1,14 @@
 """fsdp_graph: Fully Sharded Data Parallel training as a compiler pass."""
 
 from fsdp_graph.api.clip import clip_grad_norm_
-from fsdp_graph.api.config import Compression, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_graph.api.config import (
+    Compression,
+    CPUOffload,
+    MixedPrecision,
+    ParamPlacement,
+    ShardingStrategy,
+    UnitOptions,
+)
 from fsdp_graph.api.controls import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from fsdp_graph.api.full_params import summon_full_params
 from fsdp_graph.api.fully_shard import fully_shard
@@ -40,11 +47,13 @@ __all__ = [
     "ModuleWrapPolicy",
     "NonFiniteCheckpointError",
     "NonFiniteError",
+    "ParamPlacement",
     "PipelineStage",
     "ShardingStrategy",
     "StepCheck",
     "StepGuard",
     "StopSignal",
+    "UnitOptions",
     "UnshardHandle",
     "check_checkpoint_dir",
     "clip_grad_norm_",

@@ -139,7 +139,7 @@ def block_key(unit: nn.Module) -> int:
         static = dict(zip(UNSHARD_SIGNATURE.names[1:], state.static_unshard_args))
         static.pop("unit", None)
         layout = state.layout
-        slots = tuple((tuple(s.shape), s.offset) for s in layout.slots)
+        slots = tuple((tuple(s.shape), s.offset, *((s.dim,) if s.dim else ())) for s in layout.slots)
         parts.append((sorted(static.items(), key=str), layout.kind, layout.world, layout.shard_numel, slots))
     return hash(repr(parts))
 

@@ -142,10 +142,10 @@ def test_state_dict_mesh_is_chosen_when_the_state_dict_is_made(fake_pg, monkeypa
     mesh over NCCL: the mesh's device type is the collective device of the shards' device at state-dict time.
     (Moving to meta cannot stand in for `.cuda()`: meta tensors cannot be `.data` of CPU parameters.)"""
     model = fsdp_graph.fully_shard(TwoBlock())
-    root = model.__dict__["_fsdp_root"]
-    assert fsdp_graph.state.sharded.to_dtensor(torch.zeros(8), root).device_mesh.device_type == "cpu"
+    state = model.__dict__["_fsdp_root"].flat_params[0]
+    assert fsdp_graph.state.sharded.to_dtensor(torch.zeros(8), state).device_mesh.device_type == "cpu"
     monkeypatch.setattr(devices, "choose_device", lambda config, preferred=None, current_index=None: META)
-    assert fsdp_graph.state.sharded.to_dtensor(torch.zeros(8), root).device_mesh.device_type == "meta"
+    assert fsdp_graph.state.sharded.to_dtensor(torch.zeros(8), state).device_mesh.device_type == "meta"
 
 
 def test_state_dict_mesh_of_an_accelerator_resident_model(fake_pg):
