@@ -84,3 +84,14 @@ def saved_storage_data(metadata, directory: str) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
 
     return FileSystemReader(directory).read_metadata().storage_data
+
+
+def mesh_dim_layout(mesh_layout, dim: int):
+    """Mesh dimension `dim` of a DeviceMesh's `_layout` as a one-dimensional mesh layout, whose `remap_to_tensor`
+    lists that dimension's groups over the world. torch 2.13's `_MeshLayout` is a sequence of `_FlatLayout` axes and
+    a slice keeps the mesh type; torch 2.11's is a CuTe layout whose item is already one (a slice is refused)."""
+    from torch.distributed import _mesh_layout
+
+    if hasattr(_mesh_layout, "_FlatLayout"):
+        return mesh_layout[dim : dim + 1]
+    return mesh_layout[dim]

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp_graph import compat
 from fsdp_graph.api.config import ShardingStrategy
 from fsdp_graph.runtime.gloo import GLOO_BACKENDS, gloo_timeout, single_thread_gloo_group
 
@@ -196,9 +197,7 @@ def _mesh_dim_ranks(mesh: DeviceMesh, dim: int) -> list[list[int]]:
     rank's one): for a view of a larger mesh, that dimension's groups in every slice of the world mesh, read from
     the mesh's layout (the one DeviceMesh itself makes the groups from), or by name from the root mesh."""
     if _has_layout(mesh):
-        from torch.distributed._mesh_layout import _MeshLayout
-
-        groups = _MeshLayout([mesh._layout[dim]]).remap_to_tensor(mesh._rank_map)
+        groups = compat.mesh_dim_layout(mesh._layout, dim).remap_to_tensor(mesh._rank_map)
         return groups.reshape(-1, mesh.size(dim)).tolist()
     root = mesh._get_root_mesh()
     if root is mesh:

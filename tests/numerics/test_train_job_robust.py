@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 
@@ -217,7 +218,13 @@ def test_ctrl_c_names_the_last_safe_checkpoint_without_a_traceback(tmp_path, mon
     newest complete checkpoint, and the directory's lock is released."""
     ckpt = tmp_path / "ckpt"
     monkeypatch.setenv("FSDP_GRAPH_FAIL_AT_STEP", "0:2:int")
-    code = train.cli([*FAST, "--no-compile", "--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"])
+    # Python raises KeyboardInterrupt on SIGINT only if SIGINT was not ignored when it started; a shell without job
+    # control starts background commands (`pytest &`) with it ignored, and the rank's SIGINT would then be lost.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code = train.cli([*FAST, "--no-compile", "--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     err = capfd.readouterr().err
     assert code == EXIT_INTERRUPTED and "Traceback" not in err, err
     assert (
