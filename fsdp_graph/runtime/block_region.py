@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 from torch._dynamo.comptime import comptime
 
+from fsdp_graph import compat
 from fsdp_graph.ir import REGION_PARAM_ANNOTATION
 from fsdp_graph.runtime.block_output import rebuild_output, refusal, split_output
 from fsdp_graph.runtime.flat_param import ParamSlot
@@ -138,7 +139,7 @@ def block_key(unit: nn.Module) -> int:
         static = dict(zip(UNSHARD_SIGNATURE.names[1:], state.static_unshard_args))
         static.pop("unit", None)
         layout = state.layout
-        slots = tuple((tuple(s.shape), s.offset) for s in layout.slots)
+        slots = tuple((tuple(s.shape), s.offset, *((s.dim,) if s.dim else ())) for s in layout.slots)
         parts.append((sorted(static.items(), key=str), layout.kind, layout.world, layout.shard_numel, slots))
     return hash(repr(parts))
 
@@ -161,7 +162,7 @@ def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
     return out if template is None else () if refusal(template) is not None else tensors
 
 
-_block_body = torch.compiler.nested_compile_region(_body, reuse_hash_fn=_reuse_key)
+_block_body = compat.nested_compile_region(_body, reuse_hash_fn=_reuse_key)
 _OUTPUT_TEMPLATES: dict[int, object] = {}  # reuse key -> `split_output`'s template
 _WARNED: set[tuple[str, str]] = set()
 _SCALARS = (bool, int, float, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)

@@ -39,9 +39,8 @@ class RootState:
     gathered: dict[str, torch.Tensor] = field(default_factory=dict)  # the running eager forward's gathers
     recompute: RecomputeGathers | None = None  # the gathers of the activation-checkpoint recompute running now
     flat_params: list[FlatParamState] = field(default_factory=list)
-    mesh: object = None  # the DeviceMesh given to fully_shard (None: the world's, see checkpoint.state_dict_mesh)
+    mesh: object = None  # the DeviceMesh given to fully_shard (None: the world's); each flat parameter has its own
     world_meshes: dict = field(default_factory=dict)  # device type -> the world's DeviceMesh on it
-    placements: tuple = ()  # DTensor placements of a parameter on `mesh` (Shard(0), with Replicate for replicas)
     requires_gradient_sync: bool = True  # False inside `no_sync`: backwards accumulate unreduced gradients
     grad_fence: offload.GradFence = field(default_factory=offload.GradFence)  # CPU offload's end-of-backward wait
     session: eager_reshard.ForwardSession | None = None  # the eager forward running now (None: none, or compiled)
@@ -94,6 +93,8 @@ class FlatParamState:
     post_forward_group: str = ""  # the k ranks (a node) the backward gathers the pieces over
     piece_group: str = ""  # the world / k ranks the forward gathers this rank's piece over
     tp: tuple[TPSpec | None, ...] = ()  # per slot: the tensor-parallel DTensor it was (its local piece is sharded)
+    mesh: object = None  # the DeviceMesh it is sharded over (None: the world's, see sharded.state_dict_mesh)
+    placements: tuple = ()  # a Shard(0) parameter's DTensor placements on `mesh` (sharded.slot_placements: Shard(d))
 
     def __post_init__(self) -> None:
         self.__dict__["static_unshard_args"] = _static_unshard_args(self)
