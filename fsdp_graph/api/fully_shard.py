@@ -20,11 +20,13 @@ from fsdp_graph.api.shard_unit import Member, shard_flat_param, unit_settings, u
 from fsdp_graph.api.wrap import auto_wrap_policy, check_group
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.runtime.block_region import complex_refusals, make_reusable, reuse_refusals
+from fsdp_graph.runtime.composable_checkpoint import adopt_composable_checkpoints
 from fsdp_graph.runtime.dtensor_views import dtensor_views_mesh
 from fsdp_graph.runtime.flat_param import LAYOUTS
+from fsdp_graph.runtime.held import track_kept_gathers
 from fsdp_graph.runtime.init import materialize_buffers, sync_module_states_from_rank0
 from fsdp_graph.runtime.tensor_parallel import TPSpec, tp_spec_of
-from fsdp_graph.runtime.unit import RootState, install_forward_hooks, is_sharded, swap_class, track_kept_gathers
+from fsdp_graph.runtime.unit import RootState, install_forward_hooks, is_sharded, swap_class
 from fsdp_graph.state import module_state
 
 WrapPolicy = Callable[[nn.Module], list[nn.Module]]
@@ -113,6 +115,8 @@ def fully_shard(
       reuse a body for (a KV cache object), or whose output the caller cannot rebuild from the body's tensors
       (anything but tensors, constants, arguments, and tuples, lists, dicts and dataclasses of them), runs that
       unit's forward on its own, with one warning. False: off.
+    - Modules under torch's composable `checkpoint()` run their forward through `torch.utils.checkpoint` instead
+      (same options; `fsdp_graph.runtime.composable_checkpoint`), which torch.compile can trace.
     - `dtensor_params` (rows layout, a `mesh`): every parameter the optimizer sees is a DTensor on `mesh` whose
       local tensor is its row block (FSDP2's parameters; `fsdp_graph.fsdp2` sets it), as with tensor parallelism.
     """
@@ -222,6 +226,7 @@ def fully_shard(
                 compat.note_shared_bodies()
     model.__dict__["_fsdp_root"] = root_state
     module_state.install(model)
+    adopt_composable_checkpoints(model)
     return model
 
 

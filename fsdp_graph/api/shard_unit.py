@@ -188,6 +188,7 @@ def shard_flat_param(
                 dtensor_spec = view_spec(member.tp, entry.mesh, entry.placements, slot.shape[0], shard.dtype)
         view = make_view(member.param, slot.fqns[0], shard, dtensor_spec)
         state.views.append(view)
+        state.owners.append([(module, pname) for _, module, pname in member.uses])
         for _, module, pname in member.uses:
             module._parameters[pname] = view
             module.__dict__.setdefault("_fsdp_views", {})[pname] = ViewSpec(unit, index, slot_index)

@@ -28,6 +28,7 @@ from fsdp_graph.api.fully_shard import fully_shard as native_fully_shard
 from fsdp_graph.api.meshes import check_shard_dim
 from fsdp_graph.fsdp2.module import FSDP2Module, fsdp2_class
 from fsdp_graph.runtime.devices import collective_device
+from fsdp_graph.runtime.exposed import UnshardedParams
 
 _SHARDED_KEYS = ("_fsdp_views", "_fsdp_states", "_fsdp_root")
 
@@ -173,6 +174,7 @@ def _shard_tree(root_call: _Call, inner: list[_Call], trigger: str) -> None:
         shard_placement_fn=(lambda p: placements.get(id(p))) if placements else None,
         unit_options=unit_options,
     )
+    root.__dict__["_fsdp_root"].exposure = UnshardedParams()  # FSDP2's registered parameters after forward
     for c in [*inner, root_call]:
         unit = root if c is root_call else max(c.modules, key=lambda m: order[id(m)])
         for m in c.modules:

@@ -17,7 +17,6 @@ import pytest
 from fsdp_graph.train.launch import spawn
 from tests.workers import accelerate_recipe, tune_recipe
 
-_EAGER_AC = "issue 32: eager gather cache reused across activation-checkpoint recompute (helper eager-sem)"
 _ASSIGN = "issue 32: load_state_dict(assign=True) refused (helper fsdp2-api)"
 _OUTPUT_DTYPE = "issue 32: MixedPrecisionPolicy(output_dtype=...) refused (helper fsdp2-api)"
 
@@ -41,10 +40,7 @@ def _xfail(reason: str, *values: str) -> list:
 
 @pytest.mark.parametrize(
     "name",
-    ["plain[eager]", "plain[compiled]", "ac[compiled]"]
-    + _xfail(_EAGER_AC, "ac[eager]")
-    + _xfail(_ASSIGN, "recipe[compiled]")
-    + _xfail(f"{_ASSIGN}; {_EAGER_AC}", "recipe[eager]"),
+    ["plain[eager]", "plain[compiled]", "ac[eager]", "ac[compiled]"] + _xfail(_ASSIGN, "recipe[compiled]", "recipe[eager]"),
 )
 def test_torchtune_recipe_matches_fsdp2(tune_results, name):
     for r in _each(tune_results, name):

@@ -72,17 +72,10 @@ from fsdp_graph.train.launch import spawn
 from tests.workers.fsdp2_upstream import CHECKS, MODES, upstream_checks
 from tests.workers.upstream_registry import EAGER, TRAINED
 
-_EAGER_SEM = "(helper eager-sem)"
 _API = "(helper fsdp2-api)"
 _NEW = "issue 32, found here"
 _DOC = "documented difference (docs/migrating-from-fsdp2.md)"
 XFAIL: dict[str, str] = {
-    "param_registration_after_forward": f"issue 32 item 6: registered parameters after forward {_EAGER_SEM}",
-    "train_parity_with_activation_checkpointing[eager]": f"issue 32 item 1: eager gathers kept across AC recompute {_EAGER_SEM}",
-    "partial_group_forward_grad_accum_chunked": f"issue 32 item 1: wrong gradient, chunked head {_EAGER_SEM}",
-    "gradient_accumulation_comm_counts": f"issue 32 item 8: CommDebugMode sees no eager collective {_EAGER_SEM}",
-    "post_acc_grad_hook_runs": f"issue 32 item 2: post-accumulate-grad hooks never run {_EAGER_SEM}",
-    "post_acc_grad_hook_optim_parity": f"issue 32 item 2: post-accumulate-grad hooks never run {_EAGER_SEM}",
     "shared_params_separate_fsdp_groups_error": f"issue 32 item 5: tied weights across calls accepted {_API}",
     "partial_group_forward_then_standalone_output_dtype": f"issue 32: output_dtype refused {_API}",
     "float16_on_one_submodule_output_dtype": f"issue 32: output_dtype refused {_API}",
