@@ -1,11 +1,17 @@
-"""User-facing configuration: sharding strategies and mixed precision (FSDP1's names and meanings)."""
+"""User-facing configuration: sharding strategies and mixed precision (FSDP1's names and meanings), per-parameter
+placements and per-unit options."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
 
 
 class ShardingStrategy(enum.Enum):
@@ -75,6 +81,29 @@ class MixedPrecision:
     @property
     def effective_reduce_dtype(self) -> torch.dtype | None:
         return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    """Where `fully_shard(shard_placement_fn=...)` puts one parameter: sharded on `placement`'s dim (a
+    `torch.distributed.tensor.Shard`; None: `Shard(0)`) over `mesh` (None: its unit's mesh). The native twin of
+    FSDP2's `ShardPlacementResult`: experts on an expert-data-parallel mesh, the dense weights on the FSDP one.
+    A `Shard(d)` alone may be returned instead when only the dim changes."""
+
+    placement: Shard | None = None
+    mesh: DeviceMesh | None = None
+
+
+@dataclass(frozen=True)
+class UnitOptions:
+    """Settings of one unit that differ from its `fully_shard` call's (`fully_shard(unit_options={unit: ...})`,
+    FSDP2's per-call options): its parameters' default `mesh`, its `mixed_precision`, its `cpu_offload`. None keeps
+    the call's. A unit's flat parameters each carry their own mesh, dtypes and device, so units may differ in all
+    three within one model and one graph."""
+
+    mesh: DeviceMesh | None = None
+    mixed_precision: MixedPrecision | None = None
+    cpu_offload: CPUOffload | None = None
 
 
 _WEIGHT_SCHEMES = ("int8", "fp8")

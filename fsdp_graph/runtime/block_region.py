@@ -36,6 +36,7 @@ import torch.nn as nn
 from torch._dynamo.comptime import comptime
 from torch.utils._pytree import tree_leaves
 
+from fsdp_graph import compat
 from fsdp_graph.ir import REGION_PARAM_ANNOTATION
 from fsdp_graph.runtime.block_output import rebuild_output, refusal, split_output
 from fsdp_graph.runtime.flat_param import ParamSlot
@@ -158,7 +159,7 @@ def block_key(unit: nn.Module) -> int:
         static = dict(zip(UNSHARD_SIGNATURE.names[1:], state.static_unshard_args))
         static.pop("unit", None)
         layout = state.layout
-        slots = tuple((tuple(s.shape), s.offset) for s in layout.slots)
+        slots = tuple((tuple(s.shape), s.offset, *((s.dim,) if s.dim else ())) for s in layout.slots)
         frozen = (state.flat_shard.requires_grad, state.detached_slots)  # a body bakes in which reads are detached
         parts.append((sorted(static.items(), key=str), layout.kind, layout.world, layout.shard_numel, slots, frozen))
     return hash(repr(parts))
@@ -201,7 +202,7 @@ def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
     return out if template is None else () if refusal(template) is not None else tensors
 
 
-_block_body = torch.compiler.nested_compile_region(_body, reuse_hash_fn=_reuse_key)
+_block_body = compat.nested_compile_region(_body, reuse_hash_fn=_reuse_key)
 _OUTPUT_TEMPLATES: dict[int, object] = {}  # reuse key -> `split_output`'s template
 _WARNED: set[tuple[str, str]] = set()
 _SCALARS = (bool, int, float, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)

@@ -33,7 +33,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_graph.runtime import offload
 from fsdp_graph.runtime.dtensor_views import local_of
-from fsdp_graph.runtime.unit import FlatParamState, ViewSpec, bind_flat_shard, drop_held
+from fsdp_graph.runtime.held import drop_held
+from fsdp_graph.runtime.unit import FlatParamState, ViewSpec, bind_flat_shard
 from fsdp_graph.state.sharded import gather_flat, gathered_dtensor, local_dtensor, local_range_of
 
 
@@ -77,12 +78,22 @@ def _sharded_params(module: nn.Module) -> list[tuple[str, FlatParamState, int, n
     return found
 
 
+def _restore_exposed(module: nn.Module) -> None:
+    """`fsdp_graph.fsdp2`'s unsharded parameters registered after a forward give way to the views first (FSDP2
+    reshards before a state-dict call too)."""
+    for spec in module.__dict__.get("_fsdp_views", {}).values():
+        state: FlatParamState = spec.unit._fsdp_states[spec.index]
+        if state.root.exposure is not None:
+            state.root.exposure.restore([state])
+
+
 @contextlib.contextmanager
 def _dtensor_params(module: nn.Module) -> Iterator[list[_Swapped]]:
     """The module's sharded parameters as DTensor `nn.Parameter`s in its `_parameters` for the duration (tied names
     share one), and the gathers its call made freed at the end of the call that made them."""
     _depth[0] += 1
     own_states = [id(s) for s in module.__dict__.get("_fsdp_states", [])]
+    _restore_exposed(module)
     swapped: list[_Swapped] = []
     made: dict[int, nn.Parameter] = {}
     try:

@@ -100,23 +100,15 @@ def test_native_error_gone_for_fsdp2_convention_and_type_error_gone_for_mp_polic
     assert all(s.param_dtype == torch.bfloat16 and s.reduce_dtype == torch.float32 for s in flat_params(model))
 
 
-def test_different_policies_between_calls_are_refused(fake_pg):
-    model = mlp_stack()
-    fsdp2.fully_shard(model[0], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    fsdp2.fully_shard(model)
-    with pytest.raises(NotImplementedError, match="mp_policy.*one mp_policy"):
-        list(model.parameters())
-
-
 def test_refusals_name_what_to_change(fake_pg):
     with pytest.raises(TypeError, match="MixedPrecisionPolicy"):
         fsdp2.fully_shard(mlp_stack(), mp_policy=fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16))
 
-    class OwnMesh:  # a ShardPlacementResult's shape: a placement and a mesh of its own
+    class NoMesh:  # a ShardPlacementResult's shape, but its mesh_info has no mesh
         placement, mesh_info = None, object()
 
-    with pytest.raises(NotImplementedError, match="'in_proj.weight'.*own mesh"):
-        fsdp2.fully_shard(MLP(8), shard_placement_fn=lambda p: OwnMesh())
+    with pytest.raises(TypeError, match="'in_proj.weight'.*mesh_info without a mesh"):
+        fsdp2.fully_shard(MLP(8), shard_placement_fn=lambda p: NoMesh())
 
 
 def test_group_as_outermost_call_is_refused(fake_pg):
