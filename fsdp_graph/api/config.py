@@ -58,6 +58,8 @@ class MixedPrecision:
       cast_root_forward_inputs: the root does (default True, as FSDP1).
     - keep_low_precision_grads: `.grad` is stored in param_dtype (on fp32 parameters, as FSDP1: upcast them
       before a stock optimizer's step, or use one that accepts mixed dtypes).
+    - output_dtype: every unit (each module of a unit of several modules too) casts the floating-point tensors its
+      forward returns to it (FSDP2's `MixedPrecisionPolicy.output_dtype`; None: no cast).
     """
 
     param_dtype: torch.dtype | None = None
@@ -66,9 +68,10 @@ class MixedPrecision:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
+    output_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise TypeError(f"MixedPrecision.{name} must be a floating-point torch.dtype, got {value!r}")

@@ -19,7 +19,7 @@ from fsdp_graph.api.placement import move_buffers, parameter_device
 from fsdp_graph.api.shard_unit import Member, shard_flat_param, unit_settings, unit_values
 from fsdp_graph.api.wrap import auto_wrap_policy, check_group
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
-from fsdp_graph.runtime.block_region import complex_refusals, make_reusable, reuse_refusals
+from fsdp_graph.runtime.block_region import complex_refusals, make_reusable, reuse_lost, reuse_refusals
 from fsdp_graph.runtime.composable_checkpoint import adopt_composable_checkpoints
 from fsdp_graph.runtime.dtensor_views import dtensor_views_mesh
 from fsdp_graph.runtime.flat_param import LAYOUTS
@@ -114,7 +114,8 @@ def fully_shard(
       warning; with True it is refused (ValueError, before anything is sharded). A call whose arguments torch cannot
       reuse a body for (a KV cache object), or whose output the caller cannot rebuild from the body's tensors
       (anything but tensors, constants, arguments, and tuples, lists, dicts and dataclasses of them), runs that
-      unit's forward on its own, with one warning. False: off.
+      unit's forward on its own, with one warning. False: off. The warning names only units that lose a body they
+      would have shared (another unit has the same module classes).
     - Modules under torch's composable `checkpoint()` run their forward through `torch.utils.checkpoint` instead
       (same options; `fsdp_graph.runtime.composable_checkpoint`), which torch.compile can trace.
     - `dtensor_params` (rows layout, a `mesh`): every parameter the optimizer sees is a DTensor on `mesh` whose
@@ -143,10 +144,12 @@ def fully_shard(
         refused.update(complex_refusals({fqn: u for fqn, u in zip(unit_fqns[:-1], units) if fqn not in refused}))
     if refused and reuse_blocks:
         raise ValueError(f"reuse_blocks: {next(iter(refused.values()))}")
-    if refused:
+    lost = reuse_lost(refused, units, unit_fqns, group_members)
+    if lost:
         warnings.warn(
-            f"reuse_blocks: {next(iter(refused.values()))}; {len(refused)} unit(s) traced on their own, not as a "
-            "shared body (reuse_blocks=False turns reuse off, and this warning)",
+            f"reuse_blocks: {next(iter(lost.values()))}; {len(lost)} unit(s) traced on their own, not as a "
+            "shared body with the units of the same structure (reuse_blocks=False turns reuse off, and this warning; "
+            "fsdp_graph.fsdp2.fully_shard takes it too)",
             stacklevel=2,
         )
     mp = mixed_precision or MixedPrecision()
@@ -206,7 +209,8 @@ def fully_shard(
         unit_mp = options[module_fqns[id(unit)]].mixed_precision
         for member in members:
             cast_to = unit_mp.param_dtype if unit_mp.cast_forward_inputs else None
-            swap_class(member, frozenset(member.__dict__.get("_fsdp_views", {})), cast_inputs_to=cast_to)
+            names = frozenset(member.__dict__.get("_fsdp_views", {}))
+            swap_class(member, names, cast_inputs_to=cast_to, cast_outputs_to=unit_mp.output_dtype)
     for unit, unit_fqn in zip(units, unit_fqns):
         unit_mp = options[unit_fqn].mixed_precision
         casts = unit_mp.cast_forward_inputs or (unit is model and unit_mp.cast_root_forward_inputs)
@@ -218,6 +222,7 @@ def fully_shard(
             frozenset(unit.__dict__.get("_fsdp_views", {})),
             is_unit=has_states,
             cast_inputs_to=unit_mp.param_dtype if casts else None,
+            cast_outputs_to=unit_mp.output_dtype,
         )
     if reuse_blocks is not False:
         for unit, unit_fqn in zip(units, unit_fqns):

@@ -147,8 +147,8 @@ def shard_flat_param(
     )
     shard = layout.shard_of([member.value for member in members])
     compute_device = settings.compute_device
-    if compute_device is not None:  # pinned: the host-to-device copy of each gather can be asynchronous
-        shard = offload.pinned(shard.to("cpu"))
+    if compute_device is not None and shard.device.type != "meta":  # pinned: host-to-device copies can be async
+        shard = offload.pinned(shard.to("cpu"))  # (a meta shard goes to the CPU at `to_empty()` or an assign load)
     elif moves_to(shard.device, device):
         shard = shard.to(device)
     shard.requires_grad_(members[0].param.requires_grad)

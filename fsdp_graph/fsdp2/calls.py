@@ -26,9 +26,11 @@ from fsdp_graph.api import controls
 from fsdp_graph.api.config import CPUOffload, MixedPrecision, ParamPlacement, ShardingStrategy, UnitOptions
 from fsdp_graph.api.fully_shard import fully_shard as native_fully_shard
 from fsdp_graph.api.meshes import check_shard_dim
+from fsdp_graph.api.placement import move_buffers, parameter_device
 from fsdp_graph.fsdp2.module import FSDP2Module, fsdp2_class
 from fsdp_graph.runtime.devices import collective_device
 from fsdp_graph.runtime.exposed import UnshardedParams
+from fsdp_graph.runtime.unit import flat_params
 
 _SHARDED_KEYS = ("_fsdp_views", "_fsdp_states", "_fsdp_root")
 
@@ -42,6 +44,7 @@ class _Call:
     offload_policy: OffloadPolicy
     ignored_params: frozenset[nn.Parameter] = field(default_factory=frozenset)
     placements: dict[int, Shard | ParamPlacement] = field(default_factory=dict)  # id(param) -> its placement
+    reuse_blocks: bool | None = None
 
     def describe(self) -> str:
         names = ", ".join(type(m).__name__ for m in self.modules)
@@ -60,6 +63,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008  (frozen, as FSDP2's default)
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
     ignored_params: set[nn.Parameter] | None = None,
+    reuse_blocks: bool | None = None,
 ) -> nn.Module | list[nn.Module]:
     """FSDP2's `fully_shard`: call it on each module to be a unit, bottom-up, the root last; returns its argument,
     whose modules are now `torch.distributed.fsdp.FSDPModule`s. A list of modules is one unit. Build the optimizer
@@ -70,8 +74,12 @@ def fully_shard(
     - `reshard_after_forward`: None (True, or False for the root), a bool, or an int dividing the shard dim's size.
     - `shard_placement_fn`: per parameter None, `Shard(d)` (any dim) or torch's `ShardPlacementResult(placement,
       mesh_info)` (a mesh of its own: expert parallelism); asked at this call, as FSDP2 asks it.
-    - `mp_policy`, `offload_policy`: torch's own classes; calls may differ (output_dtype is refused).
+    - `mp_policy`, `offload_policy`: torch's own classes; calls may differ. `output_dtype` casts the floating-point
+      outputs of every module a call names, as FSDP2.
     - `ignored_params`: left unsharded; their gradients are not reduced.
+    - `reuse_blocks` (fsdp_graph's, not FSDP2's): the native `fully_shard`'s option for the model (compile one body
+      for blocks of the same structure): None (default: where eligible), True (refuse what is not) or False (off).
+      Calls of one model that set it must agree.
     """
     modules = tuple(module) if isinstance(module, list | tuple) else (module,)
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
@@ -83,6 +91,7 @@ def fully_shard(
         _checked_mp(mp_policy),
         _checked_offload(offload_policy),
         frozenset(ignored_params or ()),
+        reuse_blocks=_checked_reuse(reuse_blocks),
     )
     for m in modules:
         _check_not_called(m)
@@ -144,6 +153,8 @@ def _shard_tree(root_call: _Call, inner: list[_Call], trigger: str) -> None:
         )
     root = root_call.modules[0]
     world = _world_mesh(root) if any(c.mesh is None for c in (root_call, *inner)) else None
+    _check_no_param_in_two_calls(root, [*inner, root_call])
+    reuse = _model_reuse_blocks([*inner, root_call])
     order = {id(m): i for i, m in enumerate(root.modules())}
     reshard: dict[nn.Module, bool | int] = {}
     wrap: list[nn.Module | tuple[nn.Module, ...]] = []
@@ -173,14 +184,30 @@ def _shard_tree(root_call: _Call, inner: list[_Call], trigger: str) -> None:
         dtensor_params=True,
         shard_placement_fn=(lambda p: placements.get(id(p))) if placements else None,
         unit_options=unit_options,
+        reuse_blocks=reuse,
     )
     root.__dict__["_fsdp_root"].exposure = UnshardedParams()  # FSDP2's registered parameters after forward
+    if on_meta:
+        _compute_off_meta(root, mesh)
     for c in [*inner, root_call]:
         unit = root if c is root_call else max(c.modules, key=lambda m: order[id(m)])
         for m in c.modules:
             m.__dict__["_fsdp2_unit"] = unit
             m.__dict__["_fsdp2_root"] = root
             m.__class__ = fsdp2_class(type(m))
+
+
+def _compute_off_meta(root: nn.Module, mesh: DeviceMesh) -> None:
+    """A model sharded on meta with CPU offload: the engine took `device="meta"` (keep the parameters on meta) as
+    the compute device too. Gathers and compute belong where the model would compute without meta (FSDP2: the
+    mesh's device); the shards go to the CPU at `to_empty()` or an assign load, and the buffers not on meta move to
+    the compute device as offload moves them."""
+    device = parameter_device(mesh, None)
+    offloaded = [s for s in flat_params(root) if s.compute_device is not None and s.compute_device.type == "meta"]
+    for state in offloaded:
+        state.compute_device = device
+    if offloaded:
+        move_buffers(root, device, all_devices=True)
 
 
 def _strategy(mesh: DeviceMesh) -> ShardingStrategy:
@@ -193,6 +220,7 @@ def _mixed_precision(mp: MixedPrecisionPolicy) -> MixedPrecision:
         reduce_dtype=mp.reduce_dtype,
         cast_forward_inputs=mp.cast_forward_inputs,
         cast_root_forward_inputs=mp.cast_forward_inputs,
+        output_dtype=mp.output_dtype,
     )
 
 
@@ -245,12 +273,63 @@ def _checked_mp(mp_policy: object) -> MixedPrecisionPolicy:
             "fsdp2.fully_shard: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
             f"{type(mp_policy).__name__} (fsdp_graph.MixedPrecision belongs to the native fully_shard)"
         )
-    if mp_policy.output_dtype is not None:
-        raise NotImplementedError(
-            f"fsdp2.fully_shard: MixedPrecisionPolicy(output_dtype={mp_policy.output_dtype}) is not supported: "
-            "fsdp_graph casts forward inputs, not outputs; cast the output in the model instead."
-        )
     return mp_policy
+
+
+def _checked_reuse(value: object) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"fsdp2.fully_shard: reuse_blocks must be None, True or False, got {value!r}")
+    return value
+
+
+def _model_reuse_blocks(calls: list[_Call]) -> bool | None:
+    """The model's `reuse_blocks`: the value the calls that set one gave (None when none did)."""
+    given = {c.reuse_blocks: c for c in calls if c.reuse_blocks is not None}
+    if len(given) > 1:
+        raise ValueError(
+            f"fsdp2.fully_shard: {given[True].describe()} has reuse_blocks=True but {given[False].describe()} has "
+            "reuse_blocks=False; block reuse is one setting for the model: pass the same value (or leave it out)."
+        )
+    return next(iter(given), None)
+
+
+def _check_no_param_in_two_calls(root: nn.Module, calls: list[_Call]) -> None:
+    """FSDP2 refuses a parameter that two calls manage (torch 2.13's `_validate_no_duplicate_params`, ValueError at
+    the first forward): a call manages the parameters of its modules and of their submodules not inside another
+    call's modules, so tied weights read by modules of two calls (an embedding and an output head called apart) are
+    in two FSDP groups. fsdp_graph would tie them in their lowest common unit instead; the error keeps code that
+    FSDP2 refuses from passing here."""
+    names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+    owner = {id(m): c for c in calls for m in c.modules}
+    ignored = {id(p) for c in calls for p in c.ignored_params}
+    managed: dict[int, tuple[_Call, str]] = {}
+    for call in calls:
+        pending, seen = list(call.modules), set()
+        while pending:
+            module = pending.pop()
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            pending.extend(m for m in module.children() if owner.get(id(m), call) is call)
+            for pname, p in module._parameters.items():
+                if p is None or id(p) in ignored:
+                    continue
+                fqn = f"{names.get(id(module), type(module).__name__)}.{pname}".lstrip(".")
+                first = managed.setdefault(id(p), (call, fqn))
+                if first[0] is not call:
+                    raise ValueError(
+                        f"fsdp2.fully_shard: parameter '{fqn}' is the same tensor as '{first[1]}' (shared or tied "
+                        f"weights), and {_named(call, names)} and {_named(first[0], names)} each manage it: a parameter "
+                        "may be in one FSDP group only (torch's FSDP2 raises this ValueError too). Put the modules "
+                        "sharing it in one call, e.g. fully_shard([embedding, output_head]), or leave them to a call "
+                        "on a module containing both."
+                    )
+
+
+def _named(call: _Call, names: dict[int, str]) -> str:
+    """`call` as written, its modules by FQN in the root (`names`)."""
+    fqns = [repr(names.get(id(m)) or type(m).__name__) for m in call.modules]
+    return f"fully_shard({'[' + ', '.join(fqns) + ']' if len(fqns) > 1 else fqns[0]})"
 
 
 def _checked_offload(offload_policy: object) -> OffloadPolicy:
@@ -377,7 +456,12 @@ class _ShardsOnFirstUse:
         shard_pending("a .to()/.cuda()/.float()", self)
         return self._apply(*args, **kwargs)
 
-    def forward(self, *args: Any, **kwargs: Any):
+    def __call__(self, *args: Any, **kwargs: Any):
+        # Before nn.Module's call runs any hook: sharding installs the units' forward hooks, and the user's own
+        # hooks then run once (a forward override would have to call the module again, running them twice).
         shard_pending("a forward", self)
-        # Called anew: this call started before sharding installed the units' forward hooks.
         return self(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any):  # `module.forward(...)` called directly
+        shard_pending("a forward", self)
+        return self.forward(*args, **kwargs)

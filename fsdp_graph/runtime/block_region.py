@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 from torch._dynamo.comptime import comptime
+from torch.utils._pytree import tree_leaves
 
 from fsdp_graph import compat
 from fsdp_graph.ir import REGION_PARAM_ANNOTATION
@@ -73,6 +74,24 @@ def reuse_refusals(unit_fqns: list[str], assignment: dict[int, str], uses: dict,
     `uses` to the (module FQN, module, name) reading them, `tp` holds the tensor-parallel ones."""
     refusals = {unit: _refusal(unit, unit_fqns, assignment, uses, tp) for unit in unit_fqns if unit}
     return {unit: why for unit, why in refusals.items() if why is not None}
+
+
+def reuse_lost(
+    refused: dict[str, str], units: list[nn.Module], unit_fqns: list[str], group_members: dict
+) -> dict[str, str]:
+    """Of the `refused` units (FQN -> why; `units` in model order, the root last; `group_members`: the other modules
+    of each unit of several), those that would have shared a body: another unit (not the root) has the same module
+    classes. A unit of a structure of its own (an output head with its final norm as one unit of several modules)
+    is traced once either way, so its refusal costs nothing and is not worth a warning."""
+
+    def structure(unit: nn.Module) -> tuple[type, ...]:
+        return tuple(type(m) for m in (*group_members.get(unit, ()), unit))
+
+    counts: dict[tuple[type, ...], int] = {}
+    for unit in units[:-1]:
+        counts[structure(unit)] = counts.get(structure(unit), 0) + 1
+    by_fqn = dict(zip(unit_fqns, units))
+    return {fqn: why for fqn, why in refused.items() if counts[structure(by_fqn[fqn])] > 1}
 
 
 def complex_refusals(units: dict[str, nn.Module]) -> dict[str, str]:
@@ -120,8 +139,9 @@ def make_reusable(unit: nn.Module) -> None:
 
 def block_key(unit: nn.Module) -> int:
     """What a body traced for one unit bakes in, as an int: every submodule's class and plain attributes, its
-    buffers' metadata, where each parameter lives in which flat parameter, and the flats' gather facts (not the
-    unit's name). Units with equal keys share one body."""
+    buffers' metadata, where each parameter lives in which flat parameter, the flats' gather facts (not the
+    unit's name) and which of their parameters are frozen. Units with equal keys share one body; a change of
+    `requires_grad` after fully_shard computes the key again (`unit.sync_requires_grad`)."""
     from fsdp_graph.ir.ops import UNSHARD_SIGNATURE
 
     parts: list = []
@@ -140,12 +160,32 @@ def block_key(unit: nn.Module) -> int:
         static.pop("unit", None)
         layout = state.layout
         slots = tuple((tuple(s.shape), s.offset, *((s.dim,) if s.dim else ())) for s in layout.slots)
-        parts.append((sorted(static.items(), key=str), layout.kind, layout.world, layout.shard_numel, slots))
+        frozen = (state.flat_shard.requires_grad, state.detached_slots)  # a body bakes in which reads are detached
+        parts.append((sorted(static.items(), key=str), layout.kind, layout.world, layout.shard_numel, slots, frozen))
     return hash(repr(parts))
 
 
+_KEY_MOD = (1 << 61) - 1
+
+
 def _reuse_key(self: nn.Module, count: int, *flats_and_args, **kwargs) -> int:
-    return self.__dict__[BLOCK_KEY] * 2 + int(self.training)
+    """The unit's structure key, its training flag and what the call's arguments bake into a body: each tensor's
+    dtype, shape and device type, and each constant (not `requires_grad`: a body computes every input's gradient,
+    the first block's too). Dynamo traces this (it stamps out a body for an equal key without comparing arguments
+    itself), so it is integer arithmetic on values known at trace time.
+    Without the arguments, a block whose input is float32 (an embedding plus a float32 table) and the next one,
+    whose input is its bf16 output, shared a body traced for float32: the backward failed on mixed dtypes."""
+    key = self.__dict__[BLOCK_KEY] * 2 + int(self.training)
+    for leaf in tree_leaves((flats_and_args[count:], kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            facts = (hash(str(leaf.dtype)), hash(leaf.device.type), leaf.ndim, *leaf.shape)
+        elif isinstance(leaf, _PLAIN):
+            facts = (hash(leaf),)
+        else:  # a module: its class (its parameters are the unit's or outside the key, as before)
+            facts = (hash(type(leaf).__qualname__),)
+        for fact in facts:
+            key = (key * 1_000_003 + fact) % _KEY_MOD
+    return key
 
 
 def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
@@ -153,7 +193,7 @@ def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
     setattr(self, REGION_FLATS, flats)
     out = type(self)._fsdp_block_forward(self, *args, **kwargs)
     setattr(self, REGION_FLATS, None)
-    key = _reuse_key(self, count)  # noqa: F841 (comptime reads it, and `template`, by name at trace time)
+    key = _reuse_key(self, count, *flats_and_args, **kwargs)  # noqa: F841 (comptime reads it and `template`)
     # torch reuses a body only if it returns tensors, none of them an input: return those, and record the rest of
     # the output (T5's None and the position bias a block passes on, a dict, a dataclass) for the caller to rebuild.
     template, tensors = split_output(out, args, kwargs)
@@ -187,7 +227,7 @@ def _gathering_forward(self: nn.Module, *args, **kwargs):
     # The flats unpacked, not one tuple argument: with only tensors, ints and modules as arguments Dynamo
     # fingerprints a call without pytree-flattening it (`build_fingerprint_fast`), about 0.07 s a call.
     out = _block_body(self, len(flats), *flats, *args, **kwargs)
-    template = _output_template(_reuse_key(self, len(flats)))
+    template = _output_template(_reuse_key(self, len(flats), *flats, *args, **kwargs))
     if template is None:
         return out
     why = refusal(template)

@@ -11,12 +11,13 @@ rows, a DTensor on the (dp, tp) mesh around that block: `dtensor_views`) outside
 
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map
 
 from fsdp_graph.api.controls import FSDPModule
 from fsdp_graph.ir.ops import UNSHARD_SIGNATURE, gather_pieces, piece_of, reuse_gathered
@@ -26,8 +27,11 @@ from fsdp_graph.runtime.dtensor_views import hide_views, restore_views, set_loca
 from fsdp_graph.runtime.eager_prefetch import ForwardPrefetch
 from fsdp_graph.runtime.exposed import UnshardedParams
 from fsdp_graph.runtime.flat_param import Layout
-from fsdp_graph.runtime.grads import install_grad_hook
 from fsdp_graph.runtime.held import HeldGather, drop_held, hold, keeps, valid_held
+from fsdp_graph.runtime.misuse import REQUIRES_GRAD_CHANGED
+from fsdp_graph.runtime.mp_cast import casting_forward
+from fsdp_graph.runtime.owner_apply import owner_apply, unit_applying
+from fsdp_graph.runtime.param_changes import ensure_grad_hook, sync_requires_grad
 from fsdp_graph.runtime.tensor_parallel import TPSpec
 
 
@@ -93,6 +97,9 @@ class FlatParamState:
     post_forward_group: str = ""  # the k ranks (a node) the backward gathers the pieces over
     piece_group: str = ""  # the world / k ranks the forward gathers this rank's piece over
     tp: tuple[TPSpec | None, ...] = ()  # per slot: the tensor-parallel DTensor it was (its local piece is sharded)
+    detached_slots: tuple[int, ...] = ()  # frozen views of a shard that requires grad: read detached in forward
+    hooked: weakref.ref | None = None  # the flat shard the gradient hook is installed on
+    staged: dict[int, torch.Tensor] = field(default_factory=dict)  # a meta shard's slots loaded so far (assign)
     mesh: object = None  # the DeviceMesh it is sharded over (None: the world's, see sharded.state_dict_mesh)
     placements: tuple = ()  # a Shard(0) parameter's DTensor placements on `mesh` (sharded.slot_placements: Shard(d))
 
@@ -183,6 +190,10 @@ def _compiled_gather(shard: torch.Tensor, state: FlatParamState) -> torch.Tensor
     input instead of gathering. Dynamo guards on whether a gather is kept and on the flag, so there are at most
     four graphs (first, middle and last microbatch, and none kept), each compiled once. The backward cannot hand
     out a gather of its own, so a compiled step keeps the forward's (resharding after forward or not)."""
+    if state.detached_slots:
+        # Read here, in the outer trace, so that Dynamo guards on every unit's frozen reads: a block-reuse body
+        # traced for another unit bakes in that unit's, and its stamped-out calls install no guards of their own.
+        pass
     held = state.root.held.get(state.name)
     if held is not None:  # kept by an earlier step, or by an earlier read in this one (the dedup pass folds those)
         return _call_unshard(shard, state, gathered=held.flat)
@@ -302,12 +313,16 @@ def _make_property(name: str) -> property:
         spec: ViewSpec = self._fsdp_views[name]
         flat = region_flat(spec.unit, spec.index)
         if flat is not None:  # inside a reused block's body (`reuse_blocks`): its gathered flat is an argument
-            layout = spec.unit._fsdp_states[spec.index].layout
-            return region_param(layout.param_of, flat, layout.slots[spec.slot])
+            state = spec.unit._fsdp_states[spec.index]
+            if spec.slot in state.detached_slots:
+                flat = flat.detach()
+            return region_param(state.layout.param_of, flat, state.layout.slots[spec.slot])
         flat = unsharded_flat(spec.unit, spec.index)
         if flat is None:
             return self._parameters[name]
         state: FlatParamState = spec.unit._fsdp_states[spec.index]
+        if spec.slot in state.detached_slots:  # frozen after fully_shard: no gradient, as an unsharded frozen one
+            flat = flat.detach()
         tp = state.tp[spec.slot] if state.tp else None
         if tp is None:  # (no local name for the result: Dynamo would name the graph's node after it)
             return _tracked(state, spec.slot, flat, state.layout.param_of(flat, state.layout.slots[spec.slot]))
@@ -344,6 +359,7 @@ def bind_flat_shard(state: FlatParamState, flat_shard: torch.Tensor) -> None:
             set_local(view, layout.local_view(base, slot))
         else:
             _point(view, layout.local_view(base, slot))
+        view.__dict__[REQUIRES_GRAD_CHANGED] = functools.partial(sync_requires_grad, state)
     # A flat shard's size never changes. Without this, compiling a second model of the same class in one process
     # (other sizes) makes Dynamo's automatic-dynamic mark the shards dynamic: symbolic collective sizes, which the
     # passes then cannot bucket, convert or schedule by size.
@@ -353,12 +369,7 @@ def bind_flat_shard(state: FlatParamState, flat_shard: torch.Tensor) -> None:
         shards.append(flat_shard)
     else:
         shards[state.index] = flat_shard
-    if flat_shard.requires_grad:
-        # CPU offload from an accelerator: the gradient arrives by an asynchronous device-to-host copy.
-        fence = None
-        if offload.is_accelerator(state.compute_device) and flat_shard.device.type == "cpu":
-            fence = (state.root.grad_fence, state.compute_device)
-        install_grad_hook(flat_shard, state.views, layout, state.after_grad, state.grad_dtype, fence)
+    ensure_grad_hook(state)
 
 
 def _point(view: nn.Parameter, local: torch.Tensor) -> None:
@@ -379,52 +390,48 @@ def _unit_apply(self: nn.Module, fn, recurse: bool = True):
         self._fsdp_states[0].root.exposure.restore(self._fsdp_states)
     hidden = hide_views(self)
     try:
-        result = self._fsdp_original_class._apply(self, fn, recurse)
+        with unit_applying():
+            result = self._fsdp_original_class._apply(self, fn, recurse)
     finally:
         restore_views(hidden)
     for state in self._fsdp_states:
         drop_held(state)
+        state.staged.clear()  # loaded into a meta shard that this conversion replaces (`to_empty()`)
         old = state.flat_shard
         new = fn(old.detach()).detach()
         if state.compute_device is not None:  # CPU offload: dtype conversions apply, moves do not
-            new = offload.keep_pinned(old, new.to(old.device))
+            if old.device.type == "meta":  # sharded on meta (`to_empty()`): allocated at its offload home
+                new = offload.pinned(new.to("cpu"))
+            else:
+                new = offload.keep_pinned(old, new.to(old.device))
         bind_flat_shard(state, new.requires_grad_(old.requires_grad))
     return result
 
 
-def _casting_forward(dtype: torch.dtype):
-    """Mixed precision's input cast, inside `forward` so that Dynamo traces it into the model's graph (module
-    hooks of the compiled root run as frames of their own, which would make a second graph)."""
-
-    def cast(value):
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
-            return value.to(dtype)
-        return value
-
-    def forward(self, *args, **kwargs):
-        return self._fsdp_original_class.forward(self, *tree_map(cast, args), **tree_map(cast, kwargs))
-
-    return forward
-
-
-_SWAPPED_CLASSES: dict[tuple[type, frozenset[str], bool, torch.dtype | None], type] = {}
+_SWAPPED_CLASSES: dict[tuple[type, frozenset[str], bool, torch.dtype | None, torch.dtype | None], type] = {}
 
 
 def swap_class(
-    module: nn.Module, names: frozenset[str], is_unit: bool = False, cast_inputs_to: torch.dtype | None = None
+    module: nn.Module,
+    names: frozenset[str],
+    is_unit: bool = False,
+    cast_inputs_to: torch.dtype | None = None,
+    cast_outputs_to: torch.dtype | None = None,
 ) -> None:
     """Give `module` a subclass with one property per sharded parameter name; for a unit module, an `_apply`
-    that moves its flat shards; with `cast_inputs_to`, a forward casting floating-point inputs to it
-    (cached per class, names, role and dtype)."""
+    that moves its flat shards; with `cast_inputs_to` / `cast_outputs_to`, a forward casting floating-point inputs
+    / outputs to it (`mp_cast`) (cached per class, names, role and dtypes)."""
     cls = getattr(type(module), "_fsdp_original_class", type(module))
-    key = (cls, names, is_unit, cast_inputs_to)
+    key = (cls, names, is_unit, cast_inputs_to, cast_outputs_to)
     if key not in _SWAPPED_CLASSES:
         members = {n: _make_property(n) for n in sorted(names)}
         members["_fsdp_original_class"] = cls
         if is_unit:
             members["_apply"] = _unit_apply
-        if cast_inputs_to is not None:
-            members["forward"] = _casting_forward(cast_inputs_to)
+        elif names:
+            members["_apply"] = owner_apply
+        if cast_inputs_to is not None or cast_outputs_to is not None:
+            members["forward"] = casting_forward(cast_inputs_to, cast_outputs_to)
         bases = (cls, FSDPModule) if is_unit else (cls,)  # the model's own methods win over FSDPModule's
         _SWAPPED_CLASSES[key] = type(f"FSDP{cls.__name__}", bases, members)
     module.__class__ = _SWAPPED_CLASSES[key]

@@ -72,17 +72,9 @@ from fsdp_graph.train.launch import spawn
 from tests.workers.fsdp2_upstream import CHECKS, MODES, upstream_checks
 from tests.workers.upstream_registry import EAGER, TRAINED
 
-_API = "(helper fsdp2-api)"
 _NEW = "issue 32, found here"
 _DOC = "documented difference (docs/migrating-from-fsdp2.md)"
 XFAIL: dict[str, str] = {
-    "shared_params_separate_fsdp_groups_error": f"issue 32 item 5: tied weights across calls accepted {_API}",
-    "partial_group_forward_then_standalone_output_dtype": f"issue 32: output_dtype refused {_API}",
-    "float16_on_one_submodule_output_dtype": f"issue 32: output_dtype refused {_API}",
-    "train_mixed_requires_grad_per_group_freeze_after_init": f"issue 32 item 4: requires_grad changed after calls {_API}",
-    "train_mixed_requires_grad_across_groups": f"issue 32 item 4: requires_grad changed after calls {_API}",
-    "dp_state_dict_cpu_offload": f"issue 32 item 7: meta model with CPUOffloadPolicy, assign=True {_API}",
-    "rank0_broadcast_meta_device_init": f"issue 32: load_state_dict(assign=True) refused {_API}",
     # Found by these re-created tests, no helper yet:
     "unused_forward_output[compiled]": f"{_NEW}: compiled, a parameter the loss does not reach gets a zero gradient, "
     "FSDP2 leaves None (SGD momentum then still moves it)",
