@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 from torch._dynamo.comptime import comptime
 
+from fsdp_graph import compat
 from fsdp_graph.ir import REGION_PARAM_ANNOTATION
 from fsdp_graph.runtime import block_cache
 from fsdp_graph.runtime.block_output import rebuild_output, refusal, split_output
@@ -81,6 +82,24 @@ def reuse_refusals(unit_fqns: list[str], assignment: dict[int, str], uses: dict,
     `uses` to the (module FQN, module, name) reading them, `tp` holds the tensor-parallel ones."""
     refusals = {unit: _refusal(unit, unit_fqns, assignment, uses, tp) for unit in unit_fqns if unit}
     return {unit: why for unit, why in refusals.items() if why is not None}
+
+
+def reuse_lost(
+    refused: dict[str, str], units: list[nn.Module], unit_fqns: list[str], group_members: dict
+) -> dict[str, str]:
+    """Of the `refused` units (FQN -> why; `units` in model order, the root last; `group_members`: the other modules
+    of each unit of several), those that would have shared a body: another unit (not the root) has the same module
+    classes. A unit of a structure of its own (an output head with its final norm as one unit of several modules)
+    is traced once either way, so its refusal costs nothing and is not worth a warning."""
+
+    def structure(unit: nn.Module) -> tuple[type, ...]:
+        return tuple(type(m) for m in (*group_members.get(unit, ()), unit))
+
+    counts: dict[tuple[type, ...], int] = {}
+    for unit in units[:-1]:
+        counts[structure(unit)] = counts.get(structure(unit), 0) + 1
+    by_fqn = dict(zip(unit_fqns, units))
+    return {fqn: why for fqn, why in refused.items() if counts[structure(by_fqn[fqn])] > 1}
 
 
 def complex_refusals(units: dict[str, nn.Module]) -> dict[str, str]:
@@ -131,8 +150,9 @@ def make_reusable(unit: nn.Module, strict: bool = False) -> None:
 
 def block_key(unit: nn.Module) -> int:
     """What a body traced for one unit bakes in, as an int: every submodule's class and plain attributes, its
-    buffers' metadata, where each parameter lives in which flat parameter, and the flats' gather facts (not the
-    unit's name). Units with equal keys share one body."""
+    buffers' metadata, where each parameter lives in which flat parameter, the flats' gather facts (not the
+    unit's name) and which of their parameters are frozen. Units with equal keys share one body; a change of
+    `requires_grad` after fully_shard computes the key again (`unit.sync_requires_grad`)."""
     from fsdp_graph.ir.ops import UNSHARD_SIGNATURE
 
     parts: list = []
@@ -150,9 +170,11 @@ def block_key(unit: nn.Module) -> int:
         static = dict(zip(UNSHARD_SIGNATURE.names[1:], state.static_unshard_args))
         static.pop("unit", None)
         layout = state.layout
-        slots = tuple((tuple(s.shape), s.offset) for s in layout.slots)
-        parts.append((sorted(static.items(), key=str), layout.kind, layout.world, layout.shard_numel, slots))
+        slots = tuple((tuple(s.shape), s.offset, *((s.dim,) if s.dim else ())) for s in layout.slots)
+        frozen = (state.flat_shard.requires_grad, state.detached_slots)  # a body bakes in which reads are detached
+        parts.append((sorted(static.items(), key=str), layout.kind, layout.world, layout.shard_numel, slots, frozen))
     return hash(repr(parts))
+
 
 
 def _reuse_key(self: nn.Module, count: int, *flats_and_args, **kwargs) -> int:
@@ -294,7 +316,7 @@ def _fakes(variable) -> list:
 
 # torch keeps at most `max_reuse_entries` keys per body function (8 by default, then an error): one key per block
 # structure and call pattern in a graph, so a model with nine kinds of blocks would fail to compile.
-_block_body = torch.compiler.nested_compile_region(_body, reuse_hash_fn=_reuse_key, max_reuse_entries=1 << 16)
+_block_body = compat.nested_compile_region(_body, reuse_hash_fn=_reuse_key, max_reuse_entries=1 << 16)
 _RECORDS: dict[int, tuple] = {}  # reuse key -> (`split_output`'s template, `recorded_updates`' replay)
 _GRAD_DEPENDENT: set[int] = set()  # `_call_key`s whose bodies are keyed by their arguments' requires_grad too
 _VERSIONS: list = []  # `_note_versions`, read by `_note_grad_dependence` in the same body's trace

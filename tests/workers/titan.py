@@ -13,9 +13,11 @@ import torch.nn as nn
 
 
 def available() -> str | None:
-    """None when torchtitan's models import here, else the reason they do not."""
+    """None when torchtitan's models and its FSDP recipe import here, else the reason they do not (torchtitan 0.3.0
+    imports names torch 2.11 lacks, e.g. `torch.distributed.fsdp.DataParallelMeshDims`)."""
     try:
         _import_models()
+        importlib.import_module("torchtitan.distributed.fsdp")
     except Exception as error:  # an absent package or one of its dependencies
         return f"torchtitan 0.3.0 with its CPU dependencies is not importable: {error!r}"
     return None
