@@ -53,14 +53,17 @@ def has_reuse_hash_fn() -> bool:
     return _accepts(torch.compiler.nested_compile_region, "reuse_hash_fn")
 
 
-def nested_compile_region(fn: Callable, reuse_hash_fn: Callable) -> Callable:
+def nested_compile_region(fn: Callable, reuse_hash_fn: Callable, **options) -> Callable:
     """`torch.compiler.nested_compile_region(fn, reuse_hash_fn=...)`. Without `reuse_hash_fn` (torch 2.11) the region
     is made without it: Dynamo then traces the body at every call and installs one subgraph per distinct traced graph,
     so identical blocks still share one body, which AOT autograd and Inductor compile once; only Dynamo's tracing
-    grows with the depth. `note_shared_bodies` says so once."""
+    grows with the depth. `note_shared_bodies` says so once. `options` (`max_reuse_entries`) go with `reuse_hash_fn`
+    and only where the installed torch takes them."""
+    region = torch.compiler.nested_compile_region
     if has_reuse_hash_fn():
-        return torch.compiler.nested_compile_region(fn, reuse_hash_fn=reuse_hash_fn)
-    return torch.compiler.nested_compile_region(fn)
+        taken = {name: value for name, value in options.items() if _accepts(region, name)}
+        return region(fn, reuse_hash_fn=reuse_hash_fn, **taken)
+    return region(fn)
 
 
 def note_shared_bodies() -> None:

@@ -227,7 +227,7 @@ def fully_shard(
     if reuse_blocks is not False:
         for unit, unit_fqn in zip(units, unit_fqns):
             if unit is not model and "_fsdp_states" in unit.__dict__ and unit_fqn not in refused:
-                make_reusable(unit)
+                make_reusable(unit, strict=reuse_blocks is True)
                 compat.note_shared_bodies()
     model.__dict__["_fsdp_root"] = root_state
     module_state.install(model)
