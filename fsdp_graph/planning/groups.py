@@ -26,17 +26,16 @@ def other_group_sizes(graphs: Sequence[GraphReport], known: Mapping[str, int]) -
 
 
 def group_roles(states: Sequence[FlatParamState], groups: Sequence[str]) -> dict[str, str]:
-    """Group name -> the world mesh dimension it is this rank's group of ("dp", "tp", ...), matched by ranks (ours
-    on gloo are copies of the mesh's groups, with other names); groups matching no single dimension are left out."""
-    mesh = next((s.root.mesh for s in states if s.root.mesh is not None), None)
-    if mesh is None or not mesh.mesh_dim_names:
-        return {}
-    root = mesh._get_root_mesh()
+    """Group name -> the mesh dimension it is this rank's group of ("dp", "tp", "efsdp", ...), matched by ranks (ours
+    on gloo are copies of the mesh's groups, with other names): the dimensions of every mesh the flat parameters
+    are on (per-parameter meshes included), then those of their world mesh; groups matching none are left out."""
+    meshes = list({id(m): m for s in states for m in (s.mesh, s.root.mesh) if m is not None}.values())
     by_ranks: dict[tuple[int, ...], str] = {}
-    for name in root.mesh_dim_names or ():
-        by_ranks.setdefault(tuple(dist.get_process_group_ranks(root[name].get_group())), name)
+    for mesh in [*meshes, *{id(r): r for r in (m._get_root_mesh() for m in meshes)}.values()]:
+        for dim, name in enumerate(mesh.mesh_dim_names or ()):
+            by_ranks.setdefault(tuple(dist.get_process_group_ranks(mesh.get_group(dim))), name)
     roles = {}
-    for group in groups:
+    for group in [g for g in groups if g] if by_ranks else ():
         ranks = tuple(dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group)))
         if ranks in by_ranks:
             roles[group] = by_ranks[ranks]

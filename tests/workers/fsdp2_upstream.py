@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 import fsdp_graph
 from fsdp_graph import fsdp2
 from fsdp_graph.fsdp2 import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
+from tests.workers import upstream_common, upstream_registry
 
 MODES = ("eager", "compiled")
 
@@ -34,20 +35,6 @@ def mlp_stack(dim: int = 8, depth: int = 3) -> nn.Sequential:
     return nn.Sequential(*(MLP(dim) for _ in range(depth)))
 
 
-class TiedLM(nn.Module):
-    """Embedding and head share a weight across units (TestFullyShardSharedParams)."""
-
-    def __init__(self, vocab: int = 16, dim: int = 8) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = mlp_stack(dim, 2)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.embed(tokens)))
-
-
 class ParameterOnly(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -55,24 +42,6 @@ class ParameterOnly(nn.Module):
 
     def forward(self) -> torch.Tensor:
         return self.weight @ self.weight
-
-
-class WithUnused(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.used, self.unused = MLP(8), MLP(8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.used(x)
-
-
-class TwiceCalled(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner, self.outer = MLP(8), MLP(8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.outer(self.inner(self.inner(x)))
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -174,58 +143,6 @@ def train_parity(
     return out
 
 
-def _two_shapes(rank: int, world: int, mode: str) -> dict[str, float]:
-    out = {}
-    for i, shapes in enumerate([((16, 15), (15, 8)), ((7, 15), (15, 3))]):
-
-        def build(shapes=shapes):
-            return nn.Sequential(nn.Linear(*shapes[0]), nn.ReLU(), nn.Linear(*shapes[1]))
-
-        def inputs(g, n=shapes[0][0]):
-            return torch.randn(world * 4, n, generator=g)
-
-        result = train_parity(build, fsdp2.fully_shard, rank, world, mode, inputs=inputs)
-        out.update({f"{k}_{i}": v for k, v in result.items()})
-    return out
-
-
-def _multi_group(rank: int, world: int, mode: str) -> dict[str, float]:
-    out = {}
-    for reshard in (True, False):
-        result = train_parity(mlp_stack, lambda m, r=reshard: shard_blocks(m, reshard_after_forward=r), rank, world, mode)
-        out.update({f"{k}_{reshard}": v for k, v in result.items()})
-    return out
-
-
-def _frozen(rank: int, world: int, mode: str) -> dict[str, float]:
-    def build():
-        model = mlp_stack()
-        for mlp in model:
-            mlp.in_proj.weight.requires_grad_(False)
-        return model
-
-    return train_parity(build, shard_blocks, rank, world, mode)
-
-
-def _tied(rank: int, world: int, mode: str) -> dict[str, float]:
-    def shard(model: TiedLM) -> None:
-        for block in model.blocks:
-            fsdp2.fully_shard(block)
-        fsdp2.fully_shard(model)
-
-    return train_parity(TiedLM, shard, rank, world, mode, inputs=lambda g: torch.randint(0, 16, (world * 4, 5), generator=g))
-
-
-def _unused(rank: int, world: int, mode: str) -> dict[str, float]:
-    def shard(model: WithUnused) -> None:
-        fsdp2.fully_shard(model.used)
-        fsdp2.fully_shard(model.unused)
-        fsdp2.fully_shard(model)
-
-    result = train_parity(WithUnused, shard, rank, world, mode)
-    return result
-
-
 def _mixed_precision(rank: int, world: int, mode: str) -> dict[str, float]:
     """bf16 compute, fp32 reduction: against torch's FSDP2 with the same policy (TestFullyShardMixedPrecisionTraining
     compares with a reference doing FSDP2's casts by hand; FSDP2 itself is that reference here)."""
@@ -263,32 +180,6 @@ def _mixed_precision(rank: int, world: int, mode: str) -> dict[str, float]:
     return out
 
 
-def _registration(rank: int, world: int) -> dict[str, float]:
-    """Parameters outside forward are DTensors sharded on dim 0 whose local tensors are FSDP2's, after the calls,
-    after a forward (reshard_after_forward=True) and after a backward; so are the gradients."""
-    torch.manual_seed(0)
-    model, theirs = mlp_stack(), mlp_stack()
-    shard_blocks(model)
-    for child in theirs:
-        torch.distributed.fsdp.fully_shard(child)
-    torch.distributed.fsdp.fully_shard(theirs)
-    expected = {n: (p.shape, p.placements, p.to_local().shape) for n, p in theirs.named_parameters()}
-
-    def same() -> float:
-        mine = {n: (p.shape, p.placements, p.to_local().shape) for n, p in model.named_parameters()}
-        return float(mine == expected)
-
-    out = {"after_calls": same()}
-    loss = model(torch.randn(4, 8)).sum()
-    out["after_forward"] = same()
-    loss.backward()
-    out["after_backward"] = same()
-    out["grads_sharded"] = float(
-        all((p.grad.shape, p.grad.placements, p.grad.to_local().shape) == expected[n] for n, p in model.named_parameters())
-    )
-    return out
-
-
 def _no_forward_inputs(rank: int, world: int) -> dict[str, float]:
     torch.manual_seed(0)
     model = ParameterOnly()
@@ -304,126 +195,8 @@ def _no_forward_inputs(rank: int, world: int) -> dict[str, float]:
     }
 
 
-def _forward_method(rank: int, world: int) -> dict[str, float]:
-    class WithGenerate(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = mlp_stack()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.blocks(x)
-
-        def generate(self, x: torch.Tensor) -> torch.Tensor:
-            return self.blocks[-1].out_proj(torch.relu(self.blocks[0].in_proj(x)))
-
-    torch.manual_seed(0)
-    model = WithGenerate()
-    ref = copy.deepcopy(model)
-    for block in model.blocks:
-        fsdp2.fully_shard(block)
-    fsdp2.fully_shard(model)
-    fsdp2.register_fsdp_forward_method(model, "generate")
-    x = torch.randn(3, 8)
-    return {"diff": (model.generate(x) - ref.generate(x)).abs().max().item()}
-
-
-def _non_root_forward(rank: int, world: int) -> dict[str, float]:
-    """A non-root module's forward and backward on their own, then the root's (eager, as upstream)."""
-    torch.manual_seed(0)
-    model = mlp_stack()
-    ref = copy.deepcopy(model)
-    shard_blocks(model)
-    x = torch.randn(world * 4, 8)
-    model[0](x.chunk(world)[rank]).sum().backward()
-    (sum(ref[0](c).sum() for c in x.chunk(world)) / world).backward()
-    grads = {n: local(p.grad) for n, p in model.named_parameters() if p.grad is not None}
-    out = {"non_root_grads": float(len(grads) == 4)}
-    out["grad_diff"] = max(
-        (grads[n] - row_block(p.grad, rank, world)).abs().max().item() for n, p in ref.named_parameters() if n in grads
-    )
-    model(x.chunk(world)[rank]).sum().backward()
-    (sum(ref(c).sum() for c in x.chunk(world)) / world).backward()
-    out["root_grad_diff"] = max(
-        (local(dict(model.named_parameters())[n].grad) - row_block(p.grad, rank, world)).abs().max().item()
-        for n, p in ref.named_parameters()
-    )
-    return out
-
-
-def _prefetch_lists(rank: int, world: int) -> dict[str, float]:
-    def shard(model: nn.Sequential) -> None:
-        shard_blocks(model)
-        blocks = list(model)
-        for block, following in zip(blocks, blocks[1:]):
-            block.set_modules_to_forward_prefetch([following])
-            following.set_modules_to_backward_prefetch([block])
-
-    return train_parity(mlp_stack, shard, rank, world, "eager")
-
-
-def _multi_forward(rank: int, world: int, mode: str) -> dict[str, float]:
-    def shard(model: TwiceCalled) -> None:
-        fsdp2.fully_shard(model.inner)
-        fsdp2.fully_shard(model.outer)
-        fsdp2.fully_shard(model)
-
-    return train_parity(TwiceCalled, shard, rank, world, mode)
-
-
 def _cpu_offload(rank: int, world: int) -> dict[str, float]:
     return train_parity(mlp_stack, lambda m: shard_blocks(m, offload_policy=CPUOffloadPolicy()), rank, world, "eager")
-
-
-def _ignored(rank: int, world: int) -> dict[str, float]:
-    """Ignored parameters stay whole on every rank and their gradients are this rank's own (not reduced)."""
-    torch.manual_seed(0)
-    model = mlp_stack()
-    ref = copy.deepcopy(model)
-    ignored = set(model[1].parameters())
-    fsdp2.fully_shard(model[0])
-    fsdp2.fully_shard(model[2])
-    fsdp2.fully_shard(model, ignored_params=ignored)
-    x = torch.randn(world * 4, 8)
-    model(x.chunk(world)[rank]).sum().backward()
-    local_ref = copy.deepcopy(ref)
-    local_ref(x.chunk(world)[rank]).sum().backward()
-    (sum(ref(c).sum() for c in x.chunk(world)) / world).backward()
-    params = dict(model.named_parameters())
-    out = {"whole": float(all(params[n].shape == p.shape for n, p in ref[1].named_parameters(prefix="1")))}
-    out["ignored_grad_diff"] = max(
-        (params[n].grad - p.grad).abs().max().item() for n, p in local_ref.named_parameters() if n.startswith("1.")
-    )
-    out["sharded_grad_diff"] = max(
-        (local(params[n].grad) - row_block(p.grad, rank, world)).abs().max().item()
-        for n, p in ref.named_parameters()
-        if not n.startswith("1.")
-    )
-    return out
-
-
-def _clip_grad_norm(rank: int, world: int) -> dict[str, float]:
-    """torch's own clip_grad_norm_ on the DTensor gradients: the norm of the whole model's gradient, as DDP's."""
-    torch.manual_seed(0)
-    model = mlp_stack()
-    ref = copy.deepcopy(model)
-    shard_blocks(model)
-    x = torch.randn(world * 4, 8)
-    out = {"norm_diff": 0.0, "grad_diff": 0.0}  # norm_diff: relative
-    for norm_type in (2.0, 1.0, float("inf")):
-        model.zero_grad()
-        ref.zero_grad()
-        model(x.chunk(world)[rank]).sum().backward()
-        (sum(ref(c).sum() for c in x.chunk(world)) / world).backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5, norm_type=norm_type)
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.5, norm_type=norm_type)
-        relative = abs(norm.full_tensor().item() - ref_norm.item()) / ref_norm.item()  # the 1-norm is in the hundreds
-        out["norm_diff"] = max(out["norm_diff"], relative)
-        params = dict(model.named_parameters())
-        out["grad_diff"] = max(
-            out["grad_diff"],
-            *((local(params[n].grad) - row_block(p.grad, rank, world)).abs().max().item() for n, p in ref.named_parameters()),
-        )
-    return out
 
 
 def _classes(rank: int, world: int) -> dict[str, float]:
@@ -447,15 +220,6 @@ def _classes(rank: int, world: int) -> dict[str, float]:
     return out
 
 
-def _largest_dim_refused(rank: int, world: int) -> dict[str, float]:
-    model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
-    try:
-        fsdp2.fully_shard(model, shard_placement_fn=lambda p: Shard(p.shape.index(max(p.shape))))
-    except NotImplementedError as error:
-        return {"refused": 1.0, "names_param": float("'0.weight'" in str(error) or "'2.weight'" in str(error))}
-    return {"refused": 0.0, "names_param": 0.0}
-
-
 def _state_dict(rank: int, world: int) -> dict[str, float]:
     """Keys as unsharded, values DTensors sharded on dim 0; loading another model's state dict gives its weights."""
     torch.manual_seed(0)
@@ -475,12 +239,6 @@ def _state_dict(rank: int, world: int) -> dict[str, float]:
 
 
 CHECKS: dict[str, Callable[[int, int, str], dict[str, float]]] = {
-    "single_group": _two_shapes,
-    "multi_group": _multi_group,
-    "frozen": _frozen,
-    "shared_params": _tied,
-    "unused_module": _unused,
-    "multi_forward": _multi_forward,
     "mixed_precision": _mixed_precision,
     "to_float64": lambda rank, world, mode: train_parity(mlp_stack, shard_blocks, rank, world, mode, dtype=torch.float64),
     "grad_accumulation": lambda rank, world, mode: train_parity(
@@ -488,26 +246,34 @@ CHECKS: dict[str, Callable[[int, int, str], dict[str, float]]] = {
     ),
 }
 EAGER_ONLY: dict[str, Callable[[int, int], dict[str, float]]] = {
-    "registration": _registration,
     "no_forward_inputs": _no_forward_inputs,
-    "forward_method": _forward_method,
-    "non_root_forward": _non_root_forward,
-    "prefetch_lists": _prefetch_lists,
     "cpu_offload": _cpu_offload,
-    "ignored_params": _ignored,
     "classes": _classes,
-    "clip_grad_norm": _clip_grad_norm,
-    "largest_dim_refused": _largest_dim_refused,
     "state_dict": _state_dict,
 }
 
 
-def upstream_checks(rank: int, world: int) -> dict[str, dict[str, float | str]]:
+def upstream_checks(rank: int, world: int, part: str) -> dict[str, dict[str, float | str]]:
+    """The re-created checks of one part: "trained" (eager and compiled) or "eager" (the others). Two spawns keep
+    each under pytest's per-test timeout on a loaded machine."""
     results: dict[str, dict[str, float | str]] = {}
-    for mode in MODES:
-        for name, check in CHECKS.items():
-            results[f"{name}[{mode}]"] = _recorded(check, rank, world, mode)
-    for name, check in EAGER_ONLY.items():
+    if part == "trained":
+        for mode in MODES:
+            for name, check in {**CHECKS, **upstream_registry.TRAINED}.items():
+                results[f"{name}[{mode}]"] = _recorded(check, rank, world, mode)
+        return results
+    for name, check in {**EAGER_ONLY, **upstream_registry.EAGER}.items():
+        results[name] = _recorded(check, rank, world)
+    return results
+
+
+def upstream_checks_on_torch_fsdp2(rank: int, world: int) -> dict[str, dict[str, float | str]]:
+    """The same checks, eager, with torch's `fully_shard` (how they were confirmed to pass on FSDP2, CPU, gloo)."""
+    upstream_common.USE_TORCH_FSDP2 = True
+    results: dict[str, dict[str, float | str]] = {}
+    for name, check in upstream_registry.TRAINED.items():
+        results[f"{name}[eager]"] = _recorded(check, rank, world, "eager")
+    for name, check in upstream_registry.EAGER.items():
         results[name] = _recorded(check, rank, world)
     return results
 
@@ -519,3 +285,4 @@ def _recorded(check: Callable[..., dict[str, float]], *args) -> dict[str, float 
         return {"error": traceback.format_exc(limit=6)}
     finally:
         fsdp2.calls._PENDING.clear()  # a failed check's calls must not shard with the next check's
+        torch.distributed.barrier()  # a check that failed on one rank only must not pair collectives with the next
