@@ -20,6 +20,7 @@ from fsdp_graph.api.wrap import ModuleWrapPolicy, size_based_wrap_policy
 from fsdp_graph.compiler.backend import FSDPBackend, GraphReport, fsdp_backend, make_backend
 from fsdp_graph.planning.depth import DepthPlan, explain_by_depth
 from fsdp_graph.planning.explain import ExplainReport, explain
+from fsdp_graph.planning.planner import PlanResult, plan
 from fsdp_graph.state.checkpoint import (
     DamagedCheckpointError,
     NonFiniteCheckpointError,
@@ -49,6 +50,7 @@ __all__ = [
     "NonFiniteError",
     "ParamPlacement",
     "PipelineStage",
+    "PlanResult",
     "ShardingStrategy",
     "StepCheck",
     "StepGuard",
@@ -70,6 +72,7 @@ __all__ = [
     "save_checkpoint",
     "set_requires_gradient_sync",
     "optimizer_in_backward",
+    "plan",
     "register_fsdp_forward_method",
     "summon_full_params",
     "size_based_wrap_policy",

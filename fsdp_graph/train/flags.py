@@ -10,7 +10,7 @@ import os
 
 import fsdp_graph
 from fsdp_graph.api.guard import MODES as NONFINITE_MODES
-from fsdp_graph.train import checkpoints
+from fsdp_graph.train import checkpoints, layout
 from fsdp_graph.train.corpus import load_tokens
 from fsdp_graph.train.llama import PRESETS, check_tp
 from fsdp_graph.train.pipeline import SCHEDULES
@@ -124,6 +124,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help="--resume PATH is a checkpoint written by torch's DCP (no checksums.json): only its file sizes are checked",
     )
+    layout.add_arguments(p)
     return p
 
 
@@ -194,6 +195,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
             args.compress = fsdp_graph.Compression.parse(args.compress)
         except (TypeError, ValueError) as error:
             parser.error(f"--compress {args.compress}: {error}")
+    if args.ac != "none" and args.pp > 1:
+        parser.error("--ac with --pp is not supported yet")
+    if args.ac != "none":
+        args.reuse_blocks = False  # a shared block body keeps every activation under checkpointing (issue 37)
     if args.microbatches is None:
         args.microbatches = args.pp
     if why := _check_tp_args(args):

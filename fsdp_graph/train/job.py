@@ -37,7 +37,7 @@ import fsdp_graph
 from fsdp_graph.planning.measure import executed_collectives
 from fsdp_graph.runtime.devices import collective_device
 from fsdp_graph.state.directory import CheckpointDirError
-from fsdp_graph.train import checkpoints, progress
+from fsdp_graph.train import checkpoints, layout, progress
 from fsdp_graph.train.corpus import batch_at, load_tokens
 from fsdp_graph.train.flags import _under_torchrun, build_parser  # noqa: F401  (build_parser: the CLI's options)
 from fsdp_graph.train.flags import parse_args as _parse_args
@@ -64,6 +64,14 @@ def main(argv: list[str] | None = None) -> dict | None:
 
 def run(args: argparse.Namespace) -> dict | None:
     """`main` on parsed options."""
+    if args.plan or args.layout == "auto":
+        result = layout.plan_job(args, layout.planned_world(args), log=lambda line: print(line, file=sys.stderr))
+        print(result.to_text(), flush=True)
+        if args.plan:
+            return None
+        if result.best is None:
+            raise SystemExit("fsdp-graph train --layout auto: no layout fits (the plan above says why)")
+        layout.apply_layout(args, result.best.layout)
     if _under_torchrun():
         return _torchrun_rank(args)
     if torch.cuda.is_available():
@@ -208,7 +216,7 @@ def _build(args: argparse.Namespace, world: int, device: torch.device):
     With --tp: a (world / tp, tp) mesh ("dp", "tp"); the meta-device model is split by `tp_plan` over tp, then
     fully_shard over dp materialises it a unit at a time, each tp parameter initialised whole and cut to this
     rank's piece (so it starts from the values the job without --tp starts from)."""
-    cfg = preset(args.preset, seq=max(args.seq, PRESETS[args.preset].seq))
+    cfg = preset(args.preset, seq=max(args.seq, PRESETS[args.preset].seq), checkpoint=args.ac)
     torch.manual_seed(args.seed)
     with torch.device("meta"):
         model = Llama(cfg)
