@@ -98,3 +98,25 @@ def mesh_dim_layout(mesh_layout, dim: int):
     if hasattr(_mesh_layout, "_FlatLayout"):
         return mesh_layout[dim : dim + 1]
     return mesh_layout[dim]
+
+
+def mutated_sources(side_effects) -> set:
+    """The sources of the pre-existing Python objects a Dynamo trace has written so far (attributes as `AttrSource`s,
+    lists and dicts by their own source): torch 2.13's `SideEffects.mutated_sources`; derived for torch 2.11, whose
+    `SideEffects` keeps attribute writes in `store_attr_mutations` and marks other writes on each variable."""
+    if hasattr(side_effects, "mutated_sources"):
+        return set(side_effects.mutated_sources)
+    from torch._dynamo.source import AttrSource
+
+    sources = {
+        AttrSource(variable.source, name)
+        for variable, names in side_effects.store_attr_mutations.items()
+        if variable.source is not None
+        for name in names
+    }
+    for variable in side_effects.id_to_variable.values():
+        if variable.source is None or side_effects.is_attribute_mutation(variable):
+            continue
+        if side_effects.is_modified(variable):
+            sources.add(variable.source)
+    return sources

@@ -19,7 +19,7 @@ from fsdp_graph.api.placement import move_buffers, parameter_device
 from fsdp_graph.api.shard_unit import Member, shard_flat_param, unit_settings, unit_values
 from fsdp_graph.api.wrap import auto_wrap_policy, check_group
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
-from fsdp_graph.runtime.block_region import complex_refusals, make_reusable, reuse_lost, reuse_refusals
+from fsdp_graph.runtime.block_region import buffer_refusals, complex_refusals, make_reusable, reuse_lost, reuse_refusals
 from fsdp_graph.runtime.composable_checkpoint import adopt_composable_checkpoints
 from fsdp_graph.runtime.dtensor_views import dtensor_views_mesh
 from fsdp_graph.runtime.flat_param import LAYOUTS
@@ -135,13 +135,16 @@ def fully_shard(
     unit_fqns = [module_fqns[id(u)] for u in units]
     params, uses, tp = _collect_parameters(model, ignored, mesh)
     owner_of_prefix = {fqn: fqn for fqn in unit_fqns}
-    owner_of_prefix.update({module_fqns[id(m)]: module_fqns[id(u)] for u, group in group_members.items() for m in group})
+    owner_of_prefix.update(
+        {module_fqns[id(m)]: module_fqns[id(u)] for u, group in group_members.items() for m in group}
+    )
     assignment = _assign_to_units(params, uses, owner_of_prefix)
     refused = reuse_refusals(unit_fqns[:-1], assignment, uses, tp) if reuse_blocks is not False else {}
     if reuse_blocks is not False:
         for unit in group_members:
             refused[module_fqns[id(unit)]] = f"unit {module_fqns[id(unit)]!r} is several modules (a tuple in wrap)"
         refused.update(complex_refusals({fqn: u for fqn, u in zip(unit_fqns[:-1], units) if fqn not in refused}))
+        refused.update(buffer_refusals({fqn: u for fqn, u in zip(unit_fqns[:-1], units) if fqn not in refused}))
     if refused and reuse_blocks:
         raise ValueError(f"reuse_blocks: {next(iter(refused.values()))}")
     lost = reuse_lost(refused, units, unit_fqns, group_members)
@@ -298,7 +301,9 @@ def _select_units(
         group = list(choice) if isinstance(choice, list | tuple) else [choice]
         for m in group:
             if not isinstance(m, nn.Module) or id(m) not in module_fqns:
-                raise ValueError(f"fully_shard: wrap selected a {type(m).__name__} that is not a submodule of the model.")
+                raise ValueError(
+                    f"fully_shard: wrap selected a {type(m).__name__} that is not a submodule of the model."
+                )
         group = sorted(
             {id(m): m for m in group if m is not model and id(m) not in inside_ignored}.values(),
             key=lambda m: order[id(m)],
@@ -311,7 +316,6 @@ def _select_units(
             members[group[-1]] = group[:-1]
     units = sorted({id(m): m for m in units}.values(), key=lambda m: order[id(m)])
     return units + [model], members
-
 
 
 def _collect_parameters(model: nn.Module, ignored: set[int], mesh: DeviceMesh | None):

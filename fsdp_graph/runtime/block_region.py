@@ -102,6 +102,25 @@ def reuse_lost(
     return {fqn: why for fqn, why in refused.items() if counts[structure(by_fqn[fqn])] > 1}
 
 
+def buffer_refusals(units: dict[str, nn.Module]) -> dict[str, str]:
+    """Under a torch without `nested_compile_region(reuse_hash_fn=)` (2.11): for each unit (FQN -> module) holding a
+    buffer, why it cannot share a body. torch 2.11's invoke_subgraph fails the backward of a shared body that writes
+    a buffer ("Trying to backward through the graph a second time"; measured: running statistics, counters, a cache
+    written through a view), and whether a forward writes its buffers is known only once it is traced; a unit
+    without buffers (a transformer block whose rotary table is the model's) shares its body as on torch 2.13."""
+    if compat.has_reuse_hash_fn():
+        return {}
+    refusals = {}
+    for fqn, unit in units.items():
+        name = next((name for name, _ in unit.named_buffers()), None)
+        if name is not None:
+            refusals[fqn] = (
+                f"unit {fqn!r} holds a buffer ({name!r}), and torch {torch.__version__}'s invoke_subgraph cannot train "
+                "a shared body that writes one (torch 2.13 can)"
+            )
+    return refusals
+
+
 def complex_refusals(units: dict[str, nn.Module]) -> dict[str, str]:
     """For each unit (FQN -> module) holding a complex tensor (torchtitan's complex RoPE cache is a buffer of every
     layer), why it cannot share a body: torch 2.13's invoke_subgraph has no kernel for the Conjugate dispatch key
@@ -176,7 +195,6 @@ def block_key(unit: nn.Module) -> int:
     return hash(repr(parts))
 
 
-
 def _reuse_key(self: nn.Module, count: int, *flats_and_args, **kwargs) -> int:
     # With a `reuse_hash_fn` this key is all torch checks before stamping a traced body out for a call, so it holds
     # what the body's trace depends on besides the unit's structure: each argument's kind, a tensor's dtype and
@@ -185,13 +203,19 @@ def _reuse_key(self: nn.Module, count: int, *flats_and_args, **kwargs) -> int:
     key = _call_key(self, *flats_and_args, **kwargs)
     if not _grad_dependent(key):
         return key
-    return hash((key, _grads(flats_and_args), _grads(kwargs)))
+    return _hashed(key, _grads(flats_and_args), _grads(kwargs))
 
 
 def _call_key(self: nn.Module, *flats_and_args, **kwargs) -> int:
-    return hash(
-        (self.__dict__[BLOCK_KEY], torch.is_grad_enabled(), self.training, _pattern(flats_and_args), _pattern(kwargs))
+    return _hashed(
+        self.__dict__[BLOCK_KEY], torch.is_grad_enabled(), self.training, _pattern(flats_and_args), _pattern(kwargs)
     )
+
+
+@torch._dynamo.assume_constant_result
+def _hashed(*parts: object) -> int:
+    """`hash(parts)` of constants, computed at trace time: torch 2.11's Dynamo cannot trace the builtin `hash`."""
+    return hash(parts)
 
 
 def _pattern(value: object) -> object:
@@ -254,7 +278,7 @@ def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
 def _note_python_writes(ctx) -> None:
     """At trace time, before the block's forward: the sources Dynamo has seen written so far in this trace."""
     _WRITTEN_BEFORE[:] = [ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator().output.side_effects]
-    _WRITTEN_BEFORE.append(set(_WRITTEN_BEFORE[0].mutated_sources))
+    _WRITTEN_BEFORE.append(compat.mutated_sources(_WRITTEN_BEFORE[0]))
 
 
 def _refuse_python_writes(ctx, call_key: int) -> None:
@@ -263,7 +287,7 @@ def _refuse_python_writes(ctx, call_key: int) -> None:
     for the block it traced, and stamps the body out for the others without them. Recorded for `call_key`, and the
     trace restarts (`RestartAnalysis`), so that this body's side effects are not applied on top of the fallback's."""
     side_effects, before = _WRITTEN_BEFORE
-    written = [s for s in side_effects.mutated_sources - before if getattr(s, "member", None) != REGION_FLATS]
+    written = [s for s in compat.mutated_sources(side_effects) - before if getattr(s, "member", None) != REGION_FLATS]
     if written:
         _PYTHON_WRITES[call_key] = sorted(_described(source) for source in written)[0]
         # the restarted trace takes another path at this call (Dynamo would report a diverged speculation log)

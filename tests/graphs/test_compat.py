@@ -102,3 +102,18 @@ def test_all_gather_single_under_either_name(monkeypatch):
             assert out.tolist() == [0.0, 1.0, 2.0], old_name_only
     finally:
         dist.destroy_process_group()
+
+
+def test_units_with_buffers_keep_their_own_body_without_reuse_hash_fn(monkeypatch):
+    """torch 2.11's invoke_subgraph cannot train a shared body that writes a buffer, and whether a forward writes one
+    is known only once traced: there, a unit holding a buffer is traced on its own (the reason names the buffer);
+    a unit without buffers still shares; torch 2.13 refuses neither."""
+    from fsdp_graph.runtime.block_region import buffer_refusals
+
+    with_buffer, plain = torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4)
+    units = {"layers.0": with_buffer, "layers.1": plain}
+    monkeypatch.setattr(compat, "has_reuse_hash_fn", lambda: False)
+    refused = buffer_refusals(units)
+    assert list(refused) == ["layers.0"] and "'running_mean'" in refused["layers.0"], refused
+    monkeypatch.setattr(compat, "has_reuse_hash_fn", lambda: True)
+    assert buffer_refusals(units) == {}
