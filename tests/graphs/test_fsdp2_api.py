@@ -18,7 +18,21 @@ from fsdp_graph import fsdp2
 from fsdp_graph.fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy
 from fsdp_graph.fsdp2.module import FSDP2Module
 from fsdp_graph.runtime.unit import flat_params
-from tests.workers.fsdp2_upstream import MLP, TiedLM, mlp_stack, row_block, shard_blocks
+from tests.workers.fsdp2_upstream import MLP, mlp_stack, row_block, shard_blocks
+
+
+class TiedLM(nn.Module):
+    """Embedding and head share a weight (TestFullyShardSharedParams's tied weights)."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = mlp_stack(dim, 2)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(tokens)))
 
 
 @pytest.fixture(autouse=True)
