@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_graph.api.controls import FSDPModule
 from fsdp_graph.ir.ops import UNSHARD_SIGNATURE, gather_pieces, piece_of, reuse_gathered
-from fsdp_graph.runtime import eager_reshard, offload
+from fsdp_graph.runtime import eager_reshard, grad_presence, offload
 from fsdp_graph.runtime.block_region import region_flat, region_param
 from fsdp_graph.runtime.dtensor_views import hide_views, restore_views, set_local
 from fsdp_graph.runtime.eager_prefetch import ForwardPrefetch
@@ -335,6 +335,8 @@ def _tracked(state: FlatParamState, slot: int, flat: torch.Tensor, param: torch.
     """`param`, read from `flat` in an eager forward; a copy of it (rows layout) is tracked like the gather itself:
     freed with it, made again in backward. Of a unit keeping its gather, remembered where `fsdp_graph.fsdp2`
     registers it after the forward (`exposed`)."""
+    if not torch.compiler.is_compiling():
+        grad_presence.track_read(state.flat_shard, state.layout.slots[slot].offset, param)
     session = state.root.session
     if session is not None:
         if not resharded_in_eager(state):

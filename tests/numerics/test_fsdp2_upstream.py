@@ -76,10 +76,6 @@ _NEW = "issue 32, found here"
 _DOC = "documented difference (docs/migrating-from-fsdp2.md)"
 XFAIL: dict[str, str] = {
     # Found by these re-created tests, no helper yet:
-    "unused_forward_output[compiled]": f"{_NEW}: compiled, a parameter the loss does not reach gets a zero gradient, "
-    "FSDP2 leaves None (SGD momentum then still moves it)",
-    "double_partial_forward_then_backward": f"{_NEW}: eager, the unused grouped head gets a zero DTensor gradient, "
-    "FSDP2 leaves None",
     "nontensor_activations[compiled]": f"{_NEW}: compiled with block reuse, activations in list/tuple/dict/namedtuple "
     "between blocks break the graph inside invoke_subgraph",
     "reset_sharded_param_in_lazy_init": f"{_NEW}: a meta model whose root parameter is replaced after the calls fails "
