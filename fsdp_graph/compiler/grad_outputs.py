@@ -29,6 +29,7 @@ def watch_gradients(compiled: Callable, reads: list[GatheredRead]) -> Callable:
                 per_output[index][read.shard_input].add(read.position)
             bits, index = bits >> 1, index + 1
     outputs = [(index, [(i, tuple(p)) for i, p in targets.items()]) for index, targets in per_output.items()]
+
     def run(*args):
         # Graph inputs are tensors and numbers: a single list is the boxed convention (which callers use is not
         # what `_boxed_call` says: aot_module_simplified's unboxed wrapper copies the attribute).
@@ -41,7 +42,9 @@ def watch_gradients(compiled: Callable, reads: list[GatheredRead]) -> Callable:
         for index, targets in outputs:
             out = result[index]
             if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(on_gradient((shards[i], positions) for i, positions in targets if shards[i].requires_grad))
+                out.register_hook(
+                    on_gradient((shards[i], positions) for i, positions in targets if shards[i].requires_grad)
+                )
         return result
 
     if getattr(compiled, "_boxed_call", False):
