@@ -78,10 +78,8 @@ XFAIL: dict[str, str] = {
     # Found by these re-created tests, no helper yet:
     "nontensor_activations[compiled]": f"{_NEW}: compiled with block reuse, activations in list/tuple/dict/namedtuple "
     "between blocks break the graph inside invoke_subgraph",
-    "reset_sharded_param_in_lazy_init": f"{_NEW}: a meta model whose root parameter is replaced after the calls fails "
-    "in backward ('Cannot copy out of meta tensor')",
-    "invalid_meta_device_init": f"{_NEW}: a forward with parameters left on meta raises 'Tensor on device meta is not "
-    "on the expected device cpu!' without naming them (FSDP2 names them)",
+    "reset_sharded_param_in_lazy_init": f"{_DOC}: a parameter replaced by a new nn.Parameter after the calls is not "
+    "adopted; the forward refuses it, naming it, while its shard is on meta",
     "gradient_accumulation_partial_sync": f"{_DOC}: set_requires_gradient_sync on part of the model is refused",
 }
 
