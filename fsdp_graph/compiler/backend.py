@@ -26,6 +26,7 @@ import passes
 from fsdp_graph import ir
 from fsdp_graph.api.config import Compression
 from fsdp_graph.compiler.dump import GraphDumper, no_caches_when_dumping
+from fsdp_graph.compiler.grad_outputs import watch_gradients
 from fsdp_graph.compiler.options import OWNED_VALUES, inductor_config_patches, patches_key
 from fsdp_graph.compiler.rank_check import STORE, GraphCollectives, RankAgreement, check_first_call
 from fsdp_graph.compiler.region_schema import cached_region_schemas
@@ -233,9 +234,11 @@ class FSDPBackend:
                     )
                 return _compile_eager(gm, example_inputs, reshard, lower)
 
+        reads = passes.gathered_reads(gm)  # before AOT autograd, on the graph whose outputs the caller sees
         if not verify:
-            return compile_graph()
-        return self._compile_verified(compile_graph, dumper.graph_index, STORE.key(uuid, gm, example_inputs))
+            return watch_gradients(compile_graph(), reads)
+        compiled = self._compile_verified(compile_graph, dumper.graph_index, STORE.key(uuid, gm, example_inputs))
+        return watch_gradients(compiled, reads)
 
     def _compile_verified(self, compile_graph, index: int, store_key: str):
         """Compiles, and wraps the result to check the ranks' collectives on its first call. The lists come from
