@@ -445,6 +445,8 @@ def enter_forward(root: RootState, args: tuple = ()) -> None:
     if torch.compiler.is_compiling():
         return
     if root.forward_depth == 0 and torch._C._current_graph_task_id() == -1:
+        if root.exposure is not None:  # a unit no backward resharded (frozen, or a no_grad forward): views back first,
+            root.exposure.restore_all()  # with any requires_grad_() applied to its registered parameters since
         refuse_meta_parameters(root.flat_params, args)
         root.recompute = None  # a backward that raised left its recompute's gathers: they are the last step's
         root.session, root.saved_hooks = eager_reshard.begin(_regather)
