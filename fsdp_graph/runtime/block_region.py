@@ -157,6 +157,7 @@ def make_reusable(unit: nn.Module, strict: bool = False) -> None:
     """Give `unit` (a unit with flat parameters, its class already swapped, no `reuse_refusals` entry) a forward that
     gathers outside a compile region shared by every unit of the same structure. `strict` (reuse_blocks=True): a
     call that cannot run the shared body raises at trace time instead of falling back with a warning."""
+    compat.dynamo_traces_hash()  # probed here, eagerly: the body's keys ask it while traced
     unit.__dict__[BLOCK_KEY] = block_key(unit)
     unit.__dict__[CACHE_LAYER] = block_cache.layer_index(unit)
     unit.__dict__[STRICT] = strict
@@ -212,14 +213,23 @@ def _call_key(self: nn.Module, *flats_and_args, **kwargs) -> int:
     )
 
 
-@torch._dynamo.assume_constant_result
 def _hashed(*parts: object) -> int:
-    """`hash(parts)` of constants, computed at trace time: torch 2.11's Dynamo cannot trace the builtin `hash`."""
+    """`hash(parts)`; where Dynamo cannot trace the builtin `hash` (torch 2.11), computed at trace time instead, which
+    takes constants only (`_pattern` turns symbolic numbers into their type's name)."""
+    if compat.dynamo_traces_hash():
+        return hash(parts)
+    return _hashed_at_trace_time(*parts)
+
+
+@torch._dynamo.assume_constant_result
+def _hashed_at_trace_time(*parts: object) -> int:
     return hash(parts)
 
 
 def _pattern(value: object) -> object:
     """What a traced body depends on in an argument (see `_reuse_key`) but its requires_grad, as constants."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return type(value).__name__
     if isinstance(value, torch.Tensor):
         return ("tensor", value.dtype, tuple(size if isinstance(size, int) else None for size in value.shape))
     if isinstance(value, (tuple, list)):
