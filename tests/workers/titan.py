@@ -83,3 +83,74 @@ def apply_fsdp(model: nn.Module, mesh, fully_shard) -> None:
 
     with mock.patch.object(titan_fsdp, "fully_shard", fully_shard):
         titan_fsdp.apply_fsdp_to_decoder(model, mesh, torch.float32, torch.float32, pp_enabled=False)
+
+
+def ep_dims(world: int, ep: int):
+    """torchtitan's `ParallelDims` for FSDP x EP on `world` CPU ranks (ep x efsdp, efsdp = world / ep), with its
+    meshes built. Two settings its trainer makes from its config: the "partial_dtensor" SPMD backend (trainer.py
+    calls `set_spmd_backend(config.parallelism.spmd_backend)`; DTensor for tp and ep only, as FSDP2 needs), and the
+    meshes' device type, which torchtitan takes from `tools.utils.device_type` ("cuda" on a machine without GPUs)."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.distributed.utils as dist_utils
+    from torchtitan.distributed import ParallelDims
+
+    _import_models()
+    dist_utils.set_spmd_backend("partial_dtensor")
+    parallel_dims.device_type = "cpu"
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep, world_size=world, spmd_backend="partial_dtensor"
+    )
+    dims.build_mesh()
+    return dims
+
+
+def build_ep(flavor: str, dims, layers: int | None = None, expert_hidden: int | None = None, seed: int = 0):
+    """Qwen3's `flavor` (see `build`) configured for `dims`' expert parallelism as torchtitan's trainer does it:
+    `set_qwen3_sharding_config(config, enable_ep=...)`, the one step of `Qwen3Model.Config.update_from_config`
+    that concerns EP (that method imports torchtitan.trainer, whose metrics import tensorboard, absent here; its
+    other EP step, `update_ep_token_dispatcher_config`, only configures the DeepEP/HybridEP dispatchers)."""
+    _import_models()
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import qwen3_configs
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    config = qwen3_configs[flavor]("flex")
+    if layers is not None:
+        config.layers = config.layers[:layers]
+    if expert_hidden is not None:
+        for layer in config.layers:
+            layer.moe.routed_experts.inner_experts.hidden_dim = expert_hidden
+    set_qwen3_sharding_config(config, enable_sp=ParallelismConfig().enable_sequence_parallel, enable_ep=dims.ep_enabled)
+    torch.manual_seed(seed)
+    model = config.build()
+    model.init_states()
+    for layer in model.layers.values():
+        layer.attention.inner_attention = ScaledDotProductAttention(None)
+    return model
+
+
+def parallelize_ep(model: nn.Module, dims, fully_shard) -> None:
+    """torchtitan's own `parallelize_qwen3`, unmodified (its `model.parallelize(parallel_dims)`: the experts become
+    DTensors on "ep", the token dispatcher gets the "ep" mesh; then `apply_fsdp_to_decoder(..., ep_degree,
+    edp_mesh=efsdp)`), fp32, with `fully_shard` in place of the name torchtitan's fsdp module imports."""
+    from unittest import mock
+
+    import torchtitan.distributed.fsdp as titan_fsdp
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+    parallelism = ParallelismConfig(
+        data_parallel_shard_degree=dims.dp_shard, expert_parallel_degree=dims.ep, spmd_backend="partial_dtensor"
+    )
+    training = TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32")
+    with mock.patch.object(titan_fsdp, "fully_shard", fully_shard):
+        parallelize_qwen3(
+            model,
+            parallel_dims=dims,
+            training=training,
+            parallelism=parallelism,
+            compile_config=CompileConfig(),
+            ac_config=None,
+            dump_folder="",
+        )

@@ -1,0 +1,94 @@
+"""Rank-side worker: torchtitan 0.3.0's expert-parallel recipe (`parallelize_qwen3` with ep x efsdp) with
+`fsdp_graph.fsdp2.fully_shard` in place of torch's, eager and compiled, against torchtitan with torch's FSDP2 + EP
+(issue 35)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+
+import fsdp_graph
+import fsdp_graph.fsdp2
+from tests.workers import titan
+from tests.workers.fsdp2_titan import _train
+
+
+def _shard(model: nn.Module, dims, fully_shard) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="reuse_blocks")  # blocks holding DTensors are traced one by one
+        titan.parallelize_ep(model, dims, fully_shard)
+    for module in model.modules():
+        if isinstance(module, torch.distributed.fsdp.FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+
+def _routing(model: nn.Module) -> list[float]:
+    """Tokens routed to each expert so far, over every MoE layer (torchtitan counts them in a buffer, in place)."""
+    return [v for n, b in model.named_buffers() if n.endswith("tokens_per_expert_E") for v in b.tolist()]
+
+
+def _train_counting(run, model, rank, world, steps) -> tuple[list[float], list[list[float]]]:
+    """`_train`, one step at a time, with each step's routing (the counts it added)."""
+    losses, routings, before = [], [], _routing(model)
+    for _ in range(steps):
+        losses += _train(run, model, rank, world, 1)
+        after = _routing(model)
+        routings.append([a - b for a, b in zip(after, before)])
+        before = after
+    return losses, routings
+
+
+def ep_parity(rank: int, world: int, ep: int, layers: int, expert_hidden: int, steps: int) -> dict:
+    """Losses, every weight (local tensor and DTensor placement) and every buffer after `steps` SGD-with-momentum
+    steps of torchtitan's Qwen3 debugmodel_moe (`layers` layers, experts of hidden size `expert_hidden`) under
+    torchtitan's ep x efsdp recipe: with torch's FSDP2 (eager), against the same recipe with fsdp_graph.fsdp2's
+    fully_shard, eager and compiled (fullgraph, eager kernels)."""
+    dims = titan.ep_dims(world, ep)
+    reference = titan.build_ep("debugmodel_moe", dims, layers, expert_hidden)
+    _shard(reference, dims, torch.distributed.fsdp.fully_shard)
+    ref_losses, ref_routing = _train_counting(reference, reference, rank, world, steps)
+    ref_params = dict(reference.named_parameters())
+    ref_buffers = {n: b.clone() for n, b in reference.named_buffers()}
+    out: dict = {"loss_moved": ref_losses[0] - ref_losses[-1]}
+    out["routing_changed"] = float(any(a != b for a, b in zip(ref_routing, ref_routing[1:])))
+    experts = [n for n, p in ref_params.items() if "inner_experts" in n]
+    out["experts_on"] = sorted(
+        {(ref_params[n].device_mesh.mesh_dim_names, str(ref_params[n].placements)) for n in experts}
+    )
+    for mode in ("eager", "compiled"):
+        model = titan.build_ep("debugmodel_moe", dims, layers, expert_hidden)
+        _shard(model, dims, fsdp_graph.fsdp2.fully_shard)
+        run, backend = model, None
+        if mode == "compiled":
+            backend = fsdp_graph.make_backend(inductor=False)
+            run = torch.compile(model, backend=backend, fullgraph=True)
+        losses, routing = _train_counting(run, model, rank, world, steps)
+        params = dict(model.named_parameters())
+        out[f"{mode}_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        out[f"{mode}_routing_same"] = float(routing == ref_routing)
+        out[f"{mode}_same_names"] = float(sorted(params) == sorted(ref_params))
+        out[f"{mode}_same_specs"] = float(
+            all(
+                params[n].device_mesh.mesh_dim_names == p.device_mesh.mesh_dim_names
+                and params[n].placements == p.placements
+                and params[n].shape == p.shape
+                for n, p in ref_params.items()
+            )
+        )
+        out[f"{mode}_weight_diff"] = max(
+            (params[n].to_local() - p.to_local()).abs().max().item() for n, p in ref_params.items()
+        )
+        buffers = dict(model.named_buffers())
+        out[f"{mode}_buffer_diff"] = max((buffers[n] - b).abs().max().item() for n, b in ref_buffers.items())
+        if backend is not None:
+            out["graphs"] = backend.dynamo_graphs
+            ep_group = dims.get_mesh("ep").get_group().group_name
+            # the model's own all-to-alls carry no fsdp unit; fully_shard's (gloo's reduce-scatters) do
+            out["ep_all_to_alls"] = {
+                r.stage: sum(1 for kind, unit in r.collectives.units if kind == "all_to_all" and unit == "?")
+                for r in backend.reports
+            }
+            out["ep_group_in_graphs"] = {r.stage: ep_group in r.groups for r in backend.reports}
+    return out
