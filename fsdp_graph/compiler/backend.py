@@ -343,10 +343,16 @@ def _user_gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
     """The gloo process groups of the model's own functional collectives in this graph (torchtitan's token
     dispatch and combine all-to-alls on its "ep" mesh): serial like fully_shard's, so the schedule and
     `check_collectives` keep one collective in flight on each (the backward's all-to-alls run on the same groups)."""
+    packets = {op.overloadpacket for op in ir.COLLECTIVES}
     names = set()
     for node in gm.graph.nodes:
-        group = passes.fx_nodes.collective_group(node)
-        if group is None:
+        target = node.target
+        # Dynamo records a traced functional collective as its overload packet; its group name is the last argument
+        packet = target if isinstance(target, torch._ops.OpOverloadPacket) else getattr(target, "overloadpacket", None)
+        if node.op != "call_function" or packet not in packets or not node.args:
+            continue
+        group = node.kwargs.get("group_name", node.args[-1])
+        if not isinstance(group, str):
             continue
         source = node.args[0].meta.get("example_value") if isinstance(node.args[0], fx.Node) else None
         device = source.device if isinstance(source, torch.Tensor) else torch.device("cpu")
