@@ -246,9 +246,11 @@ def _views_tp_meshes(layout: str, tp: dict[int, TPSpec], placed, meshes: Meshes,
         return None
     views: dict[int, DeviceMesh | None] = {}
     for entry in meshes.entries:
-        specs = [spec for pid, spec in tp.items() if placed[pid].entry is entry]
+        on_entry = [pid for pid in tp if placed[pid].entry is entry]
+        specs = [tp[pid] for pid in on_entry]
         if specs:
-            tp_mesh = dtensor_views_mesh(specs, entry.mesh, entry.placements)
+            placements = [entry.placements_for(placed[pid].dim) for pid in on_entry]
+            tp_mesh = dtensor_views_mesh(specs, entry.mesh, placements)
             if tp_mesh is None:
                 return None
             views[id(entry)] = tp_mesh
@@ -270,8 +272,6 @@ def _check_tp_options(uses, tp, reshard, cpu_offload, sync_module_states, meshes
         ("cpu_offload", cpu_offload is not None and cpu_offload.offload_params, "not tested yet; train without it"),
         ("reshard_after_forward=int", any(not isinstance(k, bool) for k in reshard.values()),
          "not tested yet; use True or False"),
-        ("shard dims other than 0 (shard_placement_fn)", any(placed[pid].dim for pid in tp),
-         "not built yet for tensor- or expert-parallel parameters; shard them by rows"),
     ]  # fmt: skip
     for option, given, why in refused:
         if given:

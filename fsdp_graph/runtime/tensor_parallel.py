@@ -139,20 +139,23 @@ def state_dict_placements(spec: TPSpec, fsdp_mesh: DeviceMesh, fsdp_placements: 
 
 
 def _spmd_placements(spec: TPSpec, fsdp_mesh: DeviceMesh, fsdp_placements: tuple, local_rows: int) -> tuple:
+    """fully_shard's placements (`Shard(d)` on its shard dim) then the tp one; where both split the same dim d, the
+    dp blocks are blocks of each tp piece: `_StridedShard(d, split_factor=tp)`, even blocks only."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
     placements = list(fsdp_placements)
-    if spec.shard_dim == 0:
-        for index, placement in enumerate(placements):
-            if isinstance(placement, Shard) and placement.dim == 0:
-                size = fsdp_mesh.size(index)
-                if local_rows % size:
-                    raise ValueError(
-                        f"state_dict: a tensor-parallel parameter sharded on dim 0 has {local_rows} rows per tp rank, "
-                        f"not divisible by the {size} data-parallel ranks: its dp row blocks are uneven, which no "
-                        "DTensor placement describes exactly. Choose sizes divisible by dp x tp."
-                    )
-                placements[index] = _StridedShard(0, split_factor=spec.mesh.size())
+    for index, placement in enumerate(placements):
+        if not isinstance(placement, Shard) or spec.shard_dim != placement.dim:
+            continue
+        dim, size = placement.dim, fsdp_mesh.size(index)
+        local = local_rows if dim == 0 else spec.shape[dim] // spec.mesh.size()
+        if local % size:
+            raise ValueError(
+                f"state_dict: a tensor-parallel parameter sharded on dim {dim} has {local} of it per tp rank, "
+                f"not divisible by the {size} data-parallel ranks: its dp blocks are uneven, which no DTensor "
+                "placement describes exactly. Choose sizes divisible by dp x tp."
+            )
+        placements[index] = _StridedShard(dim, split_factor=spec.mesh.size())
     return (*placements, spec.placements[0])
 
 

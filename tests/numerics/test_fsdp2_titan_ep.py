@@ -8,27 +8,41 @@ import pytest
 
 from fsdp_graph.train.launch import spawn
 from tests.workers import titan
-from tests.workers.titan_ep import ep_parity
+from tests.workers.titan_ep import ep_recipes
 
-# Qwen3's debugmodel_moe, 2 of its 8 layers (every layer is a MoE one), its 64 experts (top-8 routing) of hidden
-# size 32 instead of 768: 16 experts per ep rank, each sharded over efsdp by rows (64 >= ep x efsdp: Shard(0)).
-LAYERS, EXPERT_HIDDEN, STEPS = 2, 32, 5
+# Qwen3's debugmodel_moe with 2 of its 8 layers (every layer is a MoE one) and experts of hidden size 32 instead of
+# 768. "rows": its 64 experts (top-8 routing), 32 per ep rank, each ep piece sharded over efsdp by rows
+# (64 >= ep x efsdp: torchtitan picks Shard(0)). "dim1": 2 experts (top-1), one per ep rank, which torchtitan shards
+# over efsdp on dim 1 (2 < ep x efsdp: Shard(1)); eager only (the compiled path is the same gathers on another dim,
+# tested for plain parameters in test_placements.py).
+LAYERS, STEPS = 2, 5
+CASES = {
+    "rows": dict(layers=LAYERS, expert_hidden=32, steps=STEPS),
+    "dim1": dict(layers=LAYERS, expert_hidden=32, steps=STEPS, experts=2, top_k=1, modes=("eager",)),
+}
+EXPERTS_ON = {
+    "rows": [(("efsdp", "ep"), "(_StridedShard(dim=0, sf=2), Shard(dim=0))")],
+    "dim1": [(("efsdp", "ep"), "(Shard(dim=1), Shard(dim=0))")],
+}
 
 
 def test_torchtitan_expert_parallel_matches_fsdp2():
     if (why := titan.available()) is not None:
         pytest.skip(why)
-    for r in spawn(ep_parity, 4, (2, LAYERS, EXPERT_HIDDEN, STEPS)):
-        assert r["loss_moved"] > 0.0, r
-        assert r["routing_changed"] == 1.0, r  # the steps route differently: the compiled graph must not recompile
-        # FSDP2's spmd mesh for the experts: efsdp then ep, rows of each ep piece
-        assert r["experts_on"] == [(("efsdp", "ep"), "(_StridedShard(dim=0, sf=2), Shard(dim=0))")], r
-        for mode in ("eager", "compiled"):
-            assert r[f"{mode}_same_names"] == r[f"{mode}_same_specs"] == r[f"{mode}_routing_same"] == 1.0, (mode, r)
-            # measured: eager 5e-7, compiled 5e-7 (loss); weights 0 / ~1e-8
-            assert r[f"{mode}_loss_diff"] < 1e-5 and r[f"{mode}_weight_diff"] < 1e-5, (mode, r)
-            assert r[f"{mode}_buffer_diff"] == 0.0, (mode, r)  # the routed-token counts as FSDP2's, exactly
-        assert r["graphs"] == 1, r  # fullgraph, and no recompile across steps whose routing differs
-        # dispatch: counts + tokens, combine: tokens, per MoE layer; backward: the tokens' two, reversed
-        assert r["ep_all_to_alls"] == {"fw": 3 * LAYERS, "bw": 2 * LAYERS}, r
-        assert r["ep_group_in_graphs"] == {"fw": True, "bw": True}, r
+    for results in spawn(ep_recipes, 4, (2, CASES)):
+        for case, r in results.items():
+            modes = CASES[case].get("modes", ("eager", "compiled"))
+            assert r["loss_moved"] > 0.0, (case, r)
+            assert r["routing_changed"] == 1.0, (case, r)  # the steps route differently: no recompile allowed
+            assert r["experts_on"] == EXPERTS_ON[case], (case, r)  # FSDP2's spmd mesh and placements
+            for mode in modes:
+                same = (r[f"{mode}_same_names"], r[f"{mode}_same_specs"], r[f"{mode}_routing_same"])
+                assert same == (1.0, 1.0, 1.0), (case, mode, r)
+                # measured: losses 5e-7 apart (eager and compiled), weights 1e-8
+                assert r[f"{mode}_loss_diff"] < 1e-5 and r[f"{mode}_weight_diff"] < 1e-5, (case, mode, r)
+                assert r[f"{mode}_buffer_diff"] == 0.0, (case, mode, r)  # the routed-token counts, exactly
+            if "compiled" in modes:
+                assert r["graphs"] == 1, r  # fullgraph, and no recompile across steps whose routing differs
+                # forward: dispatch (counts, then tokens) and combine per MoE layer; backward: the tokens' two
+                assert r["ep_all_to_alls"] == {"fw": 3 * LAYERS, "bw": 2 * LAYERS}, r
+                assert r["ep_group_in_graphs"] == {"fw": True, "bw": True}, r

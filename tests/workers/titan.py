@@ -104,11 +104,21 @@ def ep_dims(world: int, ep: int):
     return dims
 
 
-def build_ep(flavor: str, dims, layers: int | None = None, expert_hidden: int | None = None, seed: int = 0):
+def build_ep(
+    flavor: str,
+    dims,
+    layers: int | None = None,
+    expert_hidden: int | None = None,
+    experts: int | None = None,
+    top_k: int | None = None,
+    seed: int = 0,
+):
     """Qwen3's `flavor` (see `build`) configured for `dims`' expert parallelism as torchtitan's trainer does it:
     `set_qwen3_sharding_config(config, enable_ep=...)`, the one step of `Qwen3Model.Config.update_from_config`
     that concerns EP (that method imports torchtitan.trainer, whose metrics import tensorboard, absent here; its
-    other EP step, `update_ep_token_dispatcher_config`, only configures the DeepEP/HybridEP dispatchers)."""
+    other EP step, `update_ep_token_dispatcher_config`, only configures the DeepEP/HybridEP dispatchers).
+    `experts` and `top_k`: that many experts, each token routed to `top_k` of them, in layers torchtitan's own
+    `_build_qwen3_moe_layers` makes with debugmodel_moe's other sizes (its 64 experts and top 8 otherwise)."""
     _import_models()
     from torchtitan.config import ParallelismConfig
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -116,6 +126,24 @@ def build_ep(flavor: str, dims, layers: int | None = None, expert_hidden: int | 
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
     config = qwen3_configs[flavor]("flex")
+    if experts is not None:
+        import torchtitan.models.qwen3 as qwen3
+
+        first = config.layers[0]
+        attention = first.attention
+        config.layers = qwen3._build_qwen3_moe_layers(
+            n_layers=len(config.layers),
+            dim=config.dim,
+            n_heads=attention.n_heads,
+            n_kv_heads=attention.n_kv_heads,
+            head_dim=attention.head_dim,
+            moe_hidden_dim=first.moe.routed_experts.inner_experts.hidden_dim,
+            num_experts=experts,
+            top_k=top_k,
+            attn_backend="flex",
+            moe_comm_backend="standard",
+            rope=attention.rope,
+        )
     if layers is not None:
         config.layers = config.layers[:layers]
     if expert_hidden is not None:
