@@ -85,8 +85,9 @@ def apply_fsdp(model: nn.Module, mesh, fully_shard) -> None:
         titan_fsdp.apply_fsdp_to_decoder(model, mesh, torch.float32, torch.float32, pp_enabled=False)
 
 
-def ep_dims(world: int, ep: int):
-    """torchtitan's `ParallelDims` for FSDP x EP on `world` CPU ranks (ep x efsdp, efsdp = world / ep), with its
+def ep_dims(world: int, ep: int, replicate: int = 1):
+    """torchtitan's `ParallelDims` for FSDP x EP on `world` CPU ranks (ep x efsdp, efsdp = world / ep; `replicate`:
+    HSDP, dp_replicate x dp_shard, efsdp = dp_shard / ep), with its
     meshes built. Two settings its trainer makes from its config: the "partial_dtensor" SPMD backend (trainer.py
     calls `set_spmd_backend(config.parallelism.spmd_backend)`; DTensor for tp and ep only, as FSDP2 needs), and the
     meshes' device type, which torchtitan takes from `tools.utils.device_type` ("cuda" on a machine without GPUs)."""
@@ -98,7 +99,14 @@ def ep_dims(world: int, ep: int):
     dist_utils.set_spmd_backend("partial_dtensor")
     parallel_dims.device_type = "cpu"
     dims = ParallelDims(
-        dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep, world_size=world, spmd_backend="partial_dtensor"
+        dp_replicate=replicate,
+        dp_shard=world // replicate,
+        cp=1,
+        tp=1,
+        pp=1,
+        ep=ep,
+        world_size=world,
+        spmd_backend="partial_dtensor",
     )
     dims.build_mesh()
     return dims
@@ -169,7 +177,10 @@ def parallelize_ep(model: nn.Module, dims, fully_shard) -> None:
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
     parallelism = ParallelismConfig(
-        data_parallel_shard_degree=dims.dp_shard, expert_parallel_degree=dims.ep, spmd_backend="partial_dtensor"
+        data_parallel_replicate_degree=dims.dp_replicate,
+        data_parallel_shard_degree=dims.dp_shard,
+        expert_parallel_degree=dims.ep,
+        spmd_backend="partial_dtensor",
     )
     training = TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32")
     with mock.patch.object(titan_fsdp, "fully_shard", fully_shard):

@@ -8,6 +8,7 @@ import warnings
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 import fsdp_graph
 import fsdp_graph.fsdp2
@@ -40,10 +41,65 @@ def _train_counting(run, model, rank, world, steps) -> tuple[list[float], list[l
     return losses, routings
 
 
-def ep_recipes(rank: int, world: int, ep: int, cases: dict[str, dict]) -> dict[str, dict]:
-    """`ep_parity` of each case (its keyword arguments), on one set of torchtitan meshes (ep x efsdp)."""
+def ep_recipes(
+    rank: int, world: int, ep: int, cases: dict[str, dict], checkpoint: tuple[str, str, tuple[int, ...]] | None = None
+) -> dict[str, dict]:
+    """`ep_parity` of each case (its keyword arguments; "replicate": HSDP's dp_replicate degree), on torchtitan's
+    meshes (ep x efsdp). `checkpoint`
+    (case, directory, EP degrees): `ep_checkpoints` with that case's trained models, under "checkpoint"."""
     dims = titan.ep_dims(world, ep)
-    return {name: ep_parity(rank, world, dims, **case) for name, case in cases.items()}
+    out, models = {}, {}
+    for name, case in cases.items():
+        case = dict(case)
+        replicate = case.pop("replicate", 1)
+        at = dims if replicate == 1 else titan.ep_dims(world, ep, replicate)
+        out[name], models[name] = ep_parity(rank, world, at, **case)
+    if checkpoint is not None:
+        name, path, degrees = checkpoint
+        ours, theirs = models[name]
+        sizes = {k: cases[name].get(k) for k in ("layers", "expert_hidden", "experts", "top_k")}
+        out["checkpoint"] = ep_checkpoints(world, dims, ours, theirs, sizes, path, degrees)
+    return out
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+
+
+def _worst(loaded: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> float:
+    assert sorted(loaded) == sorted(saved), (sorted(loaded), sorted(saved))
+    return max((loaded[k].float() - v.float()).abs().max().item() for k, v in saved.items() if v.numel())
+
+
+def ep_checkpoints(world: int, dims, ours: nn.Module, theirs: nn.Module, sizes: dict, path: str, degrees) -> dict:
+    """DCP checkpoints of torchtitan's EP recipe: ours (fsdp_graph.fsdp2, trained) saved at `dims`' EP degree loads
+    into torchtitan + torch's FSDP2 + EP at that degree, and into ours at each EP degree in `degrees` (experts
+    resharded: ep 1 is plain experts over the dense mesh); torch's FSDP2 + EP's checkpoint (`theirs`, trained) loads
+    into ours. Each value: the largest difference of any full state-dict tensor from the saved one."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    saved, their_saved = _full(ours), _full(theirs)
+    dcp.save(ours.state_dict(), checkpoint_id=os.path.join(path, "ours"))
+    dcp.save(theirs.state_dict(), checkpoint_id=os.path.join(path, "theirs"))
+
+    def load(fully_shard, at, source: str) -> nn.Module:
+        model = titan.build_ep("debugmodel_moe", at, **sizes, seed=1)
+        _shard(model, at, fully_shard)
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=os.path.join(path, source))
+        model.load_state_dict(state)
+        return model
+
+    out = {"into_fsdp2": _worst(_full(load(torch.distributed.fsdp.fully_shard, dims, "ours")), saved)}
+    out["from_fsdp2"] = _worst(_full(load(fsdp_graph.fsdp2.fully_shard, dims, "theirs")), their_saved)
+    for degree in degrees:
+        model = load(fsdp_graph.fsdp2.fully_shard, titan.ep_dims(world, degree), "ours")
+        out[f"ep{degree}"] = _worst(_full(model), saved)
+        experts = next(p for n, p in model.named_parameters() if "inner_experts" in n)
+        out[f"ep{degree}_experts_on"] = experts.device_mesh.mesh_dim_names
+    return out
 
 
 def ep_parity(
@@ -61,7 +117,7 @@ def ep_parity(
     steps of torchtitan's Qwen3 debugmodel_moe (`layers` layers, experts of hidden size `expert_hidden`; `experts`
     and `top_k`: see `titan.build_ep`) under torchtitan's ep x efsdp recipe on `dims`: with torch's FSDP2 (eager),
     against the same recipe with fsdp_graph.fsdp2's fully_shard in each of `modes`, "eager" and "compiled"
-    (fullgraph, eager kernels)."""
+    (fullgraph, eager kernels). Returns them and (the last mode's model, the reference), trained."""
     sizes = dict(layers=layers, expert_hidden=expert_hidden, experts=experts, top_k=top_k)
     reference = titan.build_ep("debugmodel_moe", dims, **sizes)
     _shard(reference, dims, torch.distributed.fsdp.fully_shard)
@@ -109,4 +165,10 @@ def ep_parity(
                 for r in backend.reports
             }
             out["ep_group_in_graphs"] = {r.stage: ep_group in r.groups for r in backend.reports}
-    return out
+            # what explain() names each group of the graphs by (its bytes are reported per role)
+            from fsdp_graph.planning.explain import _group_roles
+            from fsdp_graph.runtime.unit import flat_params
+
+            groups = sorted({g for r in backend.reports for g in r.groups})
+            out["group_roles"] = sorted(set(_group_roles(flat_params(model), groups).values()))
+    return out, (model, reference)
