@@ -54,4 +54,5 @@ def test_torchtitan_expert_parallel_matches_fsdp2(tmp_path):
                 # forward: dispatch (counts, then tokens) and combine per MoE layer; backward: the tokens' two
                 assert r["ep_all_to_alls"] == {"fw": 3 * LAYERS, "bw": 2 * LAYERS}, r
                 assert r["ep_group_in_graphs"] == {"fw": True, "bw": True}, r
+                assert r["ep_fingerprint"] == r["ep_all_to_alls"], r  # compared across ranks on the first call
                 assert r["group_roles"] == ["efsdp", "ep", "fsdp"], r  # explain()'s bytes by group name these

@@ -165,6 +165,11 @@ def ep_parity(
                 for r in backend.reports
             }
             out["ep_group_in_graphs"] = {r.stage: ep_group in r.groups for r in backend.reports}
+            # the lines the rank-agreement check compares across ranks (compiler/rank_check.py)
+            out["ep_fingerprint"] = {
+                r.stage: sum(line.startswith(f"all_to_all_single(group={ep_group},") for line in r.fingerprint)
+                for r in backend.reports
+            }
             # what explain() names each group of the graphs by (its bytes are reported per role)
             from fsdp_graph.planning.explain import _group_roles
             from fsdp_graph.runtime.unit import flat_params
