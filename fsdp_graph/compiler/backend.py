@@ -194,8 +194,9 @@ class FSDPBackend:
         dumper.graph("01_dedup", gm)
         if self.schedule.compress is not None:
             _check_compressible(gm, self.schedule.compress)
-        gloo = _gloo_groups(gm)
-        all_to_all = frozenset() if self.schedule.reduce_scatter == "native" else gloo
+        fsdp_gloo = _gloo_groups(gm)
+        all_to_all = frozenset() if self.schedule.reduce_scatter == "native" else fsdp_gloo
+        gloo = fsdp_gloo | _user_gloo_groups(gm)  # serial too: expert parallelism's all-to-alls, a user's all-reduce
         # The process groups' backends decide the lowering, and torch.compile's options what Inductor makes of it:
         # both are part of the compiled code's cache key; so are, under compression (which packs by them), the node
         # groups' piece sizes, which the backward graph does not show.
@@ -339,6 +340,28 @@ def _gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
             for arg in ("group", "reduce_group", "replicate_group", "piece_group", "post_forward_group"):
                 names.add((args[arg] or "", device))
     return frozenset(name for name, device in names if name and ops.is_gloo_group(name, device))
+
+
+def _user_gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
+    """The gloo process groups of the model's own functional collectives in this graph (torchtitan's token
+    dispatch and combine all-to-alls on its "ep" mesh): serial like fully_shard's, so the schedule and
+    `check_collectives` keep one collective in flight on each (the backward's all-to-alls run on the same groups)."""
+    packets = {op.overloadpacket for op in ir.COLLECTIVES}
+    names = set()
+    for node in gm.graph.nodes:
+        target = node.target
+        # Dynamo records a traced functional collective as its overload packet; its group name is the last argument
+        packet = target if isinstance(target, torch._ops.OpOverloadPacket) else getattr(target, "overloadpacket", None)
+        if node.op != "call_function" or packet not in packets or not node.args:
+            continue
+        group = node.kwargs.get("group_name", node.args[-1])
+        if not isinstance(group, str):
+            continue
+        source = node.args[0].meta.get("example_value") if isinstance(node.args[0], fx.Node) else None
+        device = source.device if isinstance(source, torch.Tensor) else torch.device("cpu")
+        if ops.is_gloo_group(group, device):
+            names.add(group)
+    return frozenset(names)
 
 
 def _piece_rows(gm: fx.GraphModule) -> dict[str, int]:
