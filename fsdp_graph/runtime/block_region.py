@@ -208,14 +208,18 @@ def _reuse_key(self: nn.Module, count: int, *flats_and_args, **kwargs) -> int:
 
 
 def _call_key(self: nn.Module, *flats_and_args, **kwargs) -> int:
-    return _hashed(
-        self.__dict__[BLOCK_KEY], torch.is_grad_enabled(), self.training, _pattern(flats_and_args), _pattern(kwargs)
-    )
+    if torch.compiler.is_compiling():
+        # The arguments' pattern is read at trace time from their example values: computed by the traced code, a
+        # tensor's size would be specialized (every new sequence length a recompile under dynamic shapes)
+        comptime(lambda ctx: _note_pattern(ctx.get_local("flats_and_args"), ctx.get_local("kwargs")))
+        pattern = _noted_pattern()
+    else:
+        pattern = hash((_pattern(flats_and_args), _pattern(kwargs)))
+    return _hashed(self.__dict__[BLOCK_KEY], torch.is_grad_enabled(), self.training, pattern)
 
 
 def _hashed(*parts: object) -> int:
-    """`hash(parts)`; where Dynamo cannot trace the builtin `hash` (torch 2.11), computed at trace time instead, which
-    takes constants only (`_pattern` turns symbolic numbers into their type's name)."""
+    """`hash(parts)` of constants; where Dynamo cannot trace the builtin `hash` (torch 2.11), computed at trace time."""
     if compat.dynamo_traces_hash():
         return hash(parts)
     return _hashed_at_trace_time(*parts)
@@ -226,8 +230,48 @@ def _hashed_at_trace_time(*parts: object) -> int:
     return hash(parts)
 
 
+_NOTED_PATTERN: list[int] = [0]
+
+
+def _note_pattern(args, kwargs) -> None:
+    """At trace time (`comptime`): the hash of the call's pattern (`_pattern` of the arguments' example values)."""
+    values = [_example(variable._i_will_not_complain_if_bc_breaks_VariableTracker()) for variable in (args, kwargs)]
+    _NOTED_PATTERN[0] = hash(tuple(_pattern(value) for value in values))
+
+
+@torch._dynamo.assume_constant_result
+def _noted_pattern() -> int:
+    return _NOTED_PATTERN[0]
+
+
+def _example(variable) -> object:
+    """A traced value as `_pattern` reads it: tensors as their example (fake) values, containers item by item,
+    constants as themselves, anything else (a module, a symbolic number) as its type."""
+    from torch._dynamo.variables import ConstDictVariable, TensorVariable
+    from torch._dynamo.variables.lists import BaseListVariable
+
+    if isinstance(variable, TensorVariable):
+        return variable.as_proxy().node.meta.get("example_value")
+    if isinstance(variable, BaseListVariable):
+        return variable.python_type()(_example(item) for item in variable.items)
+    if isinstance(variable, ConstDictVariable):
+        return {
+            getattr(name, "vt", name).as_python_constant(): _example(item) for name, item in variable.items.items()
+        }
+    if variable.is_python_constant():
+        return variable.as_python_constant()
+    return _Kind(variable.python_type().__name__)
+
+
+class _Kind(str):
+    """A traced value that is not a constant, by its type's name (a module, a symbolic number)."""
+
+
 def _pattern(value: object) -> object:
-    """What a traced body depends on in an argument (see `_reuse_key`) but its requires_grad, as constants."""
+    """What a traced body depends on in an argument (see `_reuse_key`) but its requires_grad, as constants: a tensor's
+    dtype and static sizes (a symbolic size as None)."""
+    if isinstance(value, _Kind):
+        return ("kind", str(value))
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return type(value).__name__
     if isinstance(value, torch.Tensor):
