@@ -14,8 +14,9 @@ from passes.grad_reads import GatheredRead
 
 def watch_gradients(compiled: Callable, reads: list[GatheredRead]) -> Callable:
     """`compiled`, arming each flat shard it reads and hooking each output that requires grad (Dynamo's boxed
-    calling convention kept). Unchanged when the graph reads no gathered parameter with a gradient."""
-    if not reads:
+    calling convention kept). Unchanged when the graph reads no gathered parameter with a gradient, or when the
+    compiler gave no callable (Dynamo then reports the failed compile itself)."""
+    if not reads or not callable(compiled):
         return compiled
     inputs = sorted({read.shard_input for read in reads})
     always: dict[int, set] = defaultdict(set)
