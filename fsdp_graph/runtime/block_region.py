@@ -234,9 +234,9 @@ _NOTED_PATTERN: list[int] = [0]
 
 
 def _note_pattern(args, kwargs) -> None:
-    """At trace time (`comptime`): the hash of the call's pattern (`_pattern` of the arguments' example values)."""
-    values = [_example(variable._i_will_not_complain_if_bc_breaks_VariableTracker()) for variable in (args, kwargs)]
-    _NOTED_PATTERN[0] = hash(tuple(_pattern(value) for value in values))
+    """At trace time (`comptime`): the hash of the call's pattern, `_pattern` of the arguments' example values."""
+    variables = [variable._i_will_not_complain_if_bc_breaks_VariableTracker() for variable in (args, kwargs)]
+    _NOTED_PATTERN[0] = hash(tuple(_traced_pattern(variable) for variable in variables))
 
 
 @torch._dynamo.assume_constant_result
@@ -244,34 +244,27 @@ def _noted_pattern() -> int:
     return _NOTED_PATTERN[0]
 
 
-def _example(variable) -> object:
-    """A traced value as `_pattern` reads it: tensors as their example (fake) values, containers item by item,
-    constants as themselves, anything else (a module, a symbolic number) as its type."""
+def _traced_pattern(variable) -> object:
+    """`_pattern` of a traced value: a tensor's example (fake) value, containers item by item (a namedtuple by its
+    own name), constants as themselves, anything else (a module, a symbolic number) by its type's name."""
     from torch._dynamo.variables import ConstDictVariable, TensorVariable
     from torch._dynamo.variables.lists import BaseListVariable
 
     if isinstance(variable, TensorVariable):
-        return variable.as_proxy().node.meta.get("example_value")
+        return _pattern(variable.as_proxy().node.meta.get("example_value"))
     if isinstance(variable, BaseListVariable):
-        return variable.python_type()(_example(item) for item in variable.items)
+        return (variable.python_type().__name__, tuple(_traced_pattern(item) for item in variable.items))
     if isinstance(variable, ConstDictVariable):
-        return {
-            getattr(name, "vt", name).as_python_constant(): _example(item) for name, item in variable.items.items()
-        }
+        items = variable.items.items()
+        return ("dict", tuple((getattr(k, "vt", k).as_python_constant(), _traced_pattern(v)) for k, v in items))
     if variable.is_python_constant():
-        return variable.as_python_constant()
-    return _Kind(variable.python_type().__name__)
-
-
-class _Kind(str):
-    """A traced value that is not a constant, by its type's name (a module, a symbolic number)."""
+        return _pattern(variable.as_python_constant())
+    return variable.python_type().__name__
 
 
 def _pattern(value: object) -> object:
     """What a traced body depends on in an argument (see `_reuse_key`) but its requires_grad, as constants: a tensor's
     dtype and static sizes (a symbolic size as None)."""
-    if isinstance(value, _Kind):
-        return ("kind", str(value))
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return type(value).__name__
     if isinstance(value, torch.Tensor):
