@@ -171,9 +171,9 @@ def ep_parity(
                 for r in backend.reports
             }
             # what explain() names each group of the graphs by (its bytes are reported per role)
-            from fsdp_graph.planning.explain import _group_roles
+            from fsdp_graph.planning.groups import group_roles
             from fsdp_graph.runtime.unit import flat_params
 
             groups = sorted({g for r in backend.reports for g in r.groups})
-            out["group_roles"] = sorted(set(_group_roles(flat_params(model), groups).values()))
+            out["group_roles"] = sorted(set(group_roles(flat_params(model), groups).values()))
     return out, (model, reference)
