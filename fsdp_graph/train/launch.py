@@ -263,13 +263,14 @@ def _forwarding_signals(processes: list):
 
 
 START_METHOD_ENV = "FSDP_GRAPH_START_METHOD"
-_PRELOAD = ["torch", "fsdp_graph"]
+_PRELOAD = ["torch", "fsdp_graph", "fsdp_graph.train.warm_start"]
 
 
 def _start_method(fn: Callable) -> str:
     """ "spawn" (a fresh interpreter per rank: each imports torch, seconds on a small machine), or with
     FSDP_GRAPH_START_METHOD=forkserver, ranks forked from one server process that imported torch, fsdp_graph and
-    `fn`'s module once (the test suite runs hundreds of short multi-rank runs). The server starts clean (no
+    `fn`'s module once and warmed the compile stack up (`fsdp_graph.train.warm_start`; the test suite runs hundreds
+    of short multi-rank runs). The server starts clean (no
     threads of the caller's, no process group) and each rank gets the caller's current environment (`_entry`)."""
     method = os.environ.get(START_METHOD_ENV, "spawn")
     if method not in ("spawn", "forkserver"):
