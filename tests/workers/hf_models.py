@@ -140,5 +140,9 @@ def train_hf(rank: int, world: int, name: str, steps: int = 5, inductor: bool = 
     )
 
 
-def run_hf_models(rank: int, world: int, names: list[str], inductor: bool = False) -> list[HFResult]:
-    return [train_hf(rank, world, name, inductor=inductor) for name in names]
+def run_hf_models(
+    rank: int, world: int, names: list[str], inductor: bool | tuple[bool, ...] = False
+) -> list[HFResult]:
+    """`train_hf` of each name; `inductor`: one flag for all, or one per name."""
+    flags = inductor if isinstance(inductor, tuple) else (inductor,) * len(names)
+    return [train_hf(rank, world, name, inductor=flag) for name, flag in zip(names, flags, strict=True)]
