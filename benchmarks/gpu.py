@@ -1,6 +1,9 @@
-"""fsdp_graph on one GPU in one command: writes docs/benchmarks-gpu.md (sized for under 8 minutes on one H100).
+"""fsdp_graph on one GPU in one command (docs/gpus.md): writes benchmarks-gpu.md, its figures as benchmarks-gpu.json
+and benchmarks-gpu-timeline.png into the folder $FSDP_GRAPH_GPU_OUT names (else docs/), rewriting both reports as each
+section ends and printing each figure as soon as it is measured, so a run cut short keeps what it measured. Needs
+only torch, numpy, tqdm and matplotlib, from a plain checkout (`PYTHONPATH=.`).
 
-    python benchmarks/gpu.py [--quick] [--out docs/benchmarks-gpu.md] [--only train plan offload overlap ...]
+    python benchmarks/gpu.py [--quick] [--budget S] [--out FILE] [--only train plan offload overlap ...]
 
 1. train: the main job (`python -m fsdp_graph train --preset small --mixed-precision bf16`) as one torchrun-style
    NCCL rank, against plain `torch.compile` of the same model without FSDP: step time and peak CUDA memory.
@@ -44,12 +47,15 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_report import (  # noqa: E402
+    ORDER,
+    child_line,
     draw_timeline,
+    headline,
     kernel_intervals,
     length,
     overlap_fraction,
     parse_args,
-    render_markdown,
+    write_reports,
 )
 
 _TRAIN = ["--preset", "small", "--mixed-precision", "bf16", "--plot", "none", "--world", "1"]
@@ -87,41 +93,51 @@ def main(argv: list[str] | None = None) -> int:
     deadline = started + args.budget
     cache = tempfile.mkdtemp(prefix="fsdp_graph_gpu_bench_")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    pending = [name for name in ORDER if name in args.only]
+    meta = {
+        "command": " ".join(["python benchmarks/gpu.py", *(argv if argv is not None else sys.argv[1:])]),
+        "date": datetime.date.today().isoformat(),
+        "elapsed_s": 0.0,
+        "quick": args.quick,
+        "device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
+        "torch": f"{torch.__version__} (CUDA {torch.version.cuda})",
+        "pending": pending,
+    }
+    results: dict[str, dict] = {}
+
+    def publish(section: str, result: dict) -> None:
+        """Print the section's figure now and rewrite the report and its JSON with it."""
+        results[section] = result
+        pending.remove(section)
+        meta["elapsed_s"] = time.perf_counter() - started
+        print(headline(section, result), flush=True)
+        write_reports(out, results, meta)
 
     def child(kind: str, cap: float | None = None, **params) -> dict:
         return _run_child(kind, {"steps": args.steps, **params}, deadline, cache, cap)
 
-    results: dict[str, dict] = {}
+    print(f"fsdp_graph on {meta['device']}, torch {meta['torch']}: {', '.join(pending)}; writing {out}", flush=True)
+    write_reports(out, results, meta)
     if {"train", "offload"} & set(args.only):
         ours = child("train", offload=False)
     if "train" in args.only:
-        results["train"] = _pair(ours=ours, plain=child("plain"))
+        publish("train", _pair(ours=ours, plain=child("plain")))
     if "offload" in args.only:
-        results["offload"] = _pair(off=ours, on=child("train", offload=True))
+        publish("offload", _pair(off=ours, on=child("train", offload=True)))
     small = _small_params(args.quick)
     if {"hybrid", "compress"} & set(args.only):
         full_shard = child("plan", cap=150.0, strategy="FULL_SHARD", **small)
     if "hybrid" in args.only:
-        results["hybrid"] = _pair(FULL_SHARD=full_shard, HYBRID_SHARD=child("plan", cap=150.0, **_HYBRID, **small))
+        publish("hybrid", _pair(FULL_SHARD=full_shard, HYBRID_SHARD=child("plan", cap=150.0, **_HYBRID, **small)))
     if "compress" in args.only:
-        results["compress"] = _pair(off=full_shard, on=child("plan", cap=150.0, **_COMPRESSED, **small))
+        publish("compress", _pair(off=full_shard, on=child("plan", cap=150.0, **_COMPRESSED, **small)))
     if "plan" in args.only:
-        results["plan"] = child("plan", seq=args.plan_seq, batch=1, repeats=2 if args.quick else 4)
+        publish("plan", child("plan", seq=args.plan_seq, batch=1, repeats=2 if args.quick else 4))
     if "overlap" in args.only:
-        results["overlap"] = child("overlap", png=str(out.with_name(f"{out.stem}-timeline.png")))
-    meta = {
-        "command": " ".join(["python benchmarks/gpu.py", *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.date.today().isoformat(),
-        "elapsed_s": time.perf_counter() - started,
-        "quick": args.quick,
-        "device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
-        "torch": f"{torch.__version__} (CUDA {torch.version.cuda})",
-    }
-    report = render_markdown(results, meta)
-    out.write_text(report)
-    print(report)
-    print(f"written: {out}")
+        publish("overlap", child("overlap", png=str(out.with_name(f"{out.stem}-timeline.png"))))
+    report, figures = write_reports(out, results, meta)
+    print(report.read_text())
+    print(f"written: {report}, {figures}")
     return 0
 
 
@@ -148,13 +164,16 @@ def _run_child(kind: str, params: dict, deadline: float, cache: str, cap: float 
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        print(f"== {kind} timed out after {timeout:.0f} s", flush=True)
         return {"error": f"timed out after {timeout:.0f} s"}
-    print(f"== {kind} done in {time.perf_counter() - began:.0f} s", flush=True)
     text = Path(result_path).read_text()
     os.unlink(result_path)
     if not text:
-        return {"error": f"the child process exited with status {code} without a result (see its output above)"}
-    return json.loads(text)
+        result = {"error": f"the child process exited with status {code} without a result (see its output above)"}
+    else:
+        result = json.loads(text)
+    print(f"== {kind} done in {time.perf_counter() - began:.0f} s: {child_line(kind, result)}", flush=True)
+    return result
 
 
 def _child(args) -> int:

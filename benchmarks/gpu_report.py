@@ -1,15 +1,20 @@
 """The parts of `benchmarks/gpu.py` that need no GPU (tested on CPU in tests/numerics/test_gpu_script.py): the
 command line, a profiler trace's kernels as communication and compute intervals, their overlap, the timeline
-picture and the markdown report."""
+picture, the one-line figures printed as each section ends, and the markdown and JSON reports."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 Interval = tuple[float, float]  # (start, end) in microseconds, as in a Chrome trace
 
 SECTIONS = ("train", "plan", "offload", "overlap", "hybrid", "compress")
+ORDER = ("train", "offload", "hybrid", "compress", "plan", "overlap")  # the order they run in
+OUT_DIR_ENV = "FSDP_GRAPH_GPU_OUT"  # a folder: the report, its JSON and the timeline picture go there
 _MIB = 2**20
 
 
@@ -17,7 +22,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line. `--steps`, `--plan-seq` and the section time limit default by `--quick`."""
     p = argparse.ArgumentParser(prog="benchmarks/gpu.py", description="fsdp_graph on one GPU: writes a markdown report")
     p.add_argument("--quick", action="store_true", help="a short run: 8 steps per run, 512-token sequences for 1b")
-    p.add_argument("--out", default="docs/benchmarks-gpu.md", help="the report (default: docs/benchmarks-gpu.md)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"the report; its figures go beside it as .json, the timeline as -timeline.png (default: "
+        f"benchmarks-gpu.md in the folder ${OUT_DIR_ENV} names, else docs/benchmarks-gpu.md)",
+    )
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default: 30; --quick: 8)")
     p.add_argument("--plan-seq", type=int, default=None, help="tokens per sequence of the 1b run (2048; --quick: 512)")
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="run only these sections")
@@ -32,6 +42,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--params", default="{}", help=argparse.SUPPRESS)  # the child's parameters, JSON
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)  # where the child writes its result, JSON
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = os.path.join(os.environ.get(OUT_DIR_ENV) or "docs", "benchmarks-gpu.md")
     if args.steps is None:
         args.steps = 8 if args.quick else 30
     if args.steps < 3:
@@ -121,7 +133,12 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "n/a"
 
 
+_PENDING = "pending"  # a section `render_markdown` is told is still to run
+
+
 def _error(name: str, result: dict | None) -> list[str] | None:
+    if result is _PENDING:
+        return ["Not measured yet: the run ended (or was cut short) before this section."]
     if result is None:
         return [f"Not run (`--only` left out {name})."]
     if "error" in result:
@@ -295,24 +312,109 @@ def _compress_section(result: dict | None) -> list[str]:
 
 def render_markdown(results: dict, meta: dict) -> str:
     """The report. `results` maps a section name to its result (missing: not run; `{"error": ...}`: failed);
-    `meta` has `date`, `device`, `torch`, `command`, `elapsed_s` and `quick`."""
+    `meta` has `date`, `device`, `torch`, `command`, `elapsed_s` and `quick`, and `pending`: the sections still
+    to run (the report is rewritten after each section, so a run cut short leaves what it measured)."""
+    pending = set(meta.get("pending", ()))
+    sections = {name: _PENDING if name in pending else results.get(name) for name in SECTIONS}
+    state = f", {len(pending)} section(s) still to run" if pending else ""
     lines = [
         "# fsdp_graph on a GPU",
         "",
         f"Written by `{meta['command']}` on {meta['date']} in {meta['elapsed_s']:.0f} s"
-        f"{' (--quick: short runs)' if meta['quick'] else ''}.",
+        f"{' (--quick: short runs)' if meta['quick'] else ''}{state}.",
         f"Device: {meta['device']}; torch {meta['torch']}.",
         "",
-        *_train_section(results.get("train")),
+        *_train_section(sections["train"]),
         "",
-        *_plan_section(results.get("plan")),
+        *_plan_section(sections["plan"]),
         "",
-        *_offload_section(results.get("offload")),
+        *_offload_section(sections["offload"]),
         "",
-        *_overlap_section(results.get("overlap")),
+        *_overlap_section(sections["overlap"]),
         "",
-        *_hybrid_section(results.get("hybrid")),
+        *_hybrid_section(sections["hybrid"]),
         "",
-        *_compress_section(results.get("compress")),
+        *_compress_section(sections["compress"]),
     ]
     return "\n".join(lines) + "\n"
+
+
+def write_reports(out: str | Path, results: dict, meta: dict) -> tuple[Path, Path]:
+    """Write the markdown report to `out` and the figures, `{"meta": ..., "results": ...}`, beside it as `.json`
+    (each replaced whole, so a reader never sees half a file). Returns both paths."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figures = out.with_suffix(".json")
+    for path, text in (
+        (out, render_markdown(results, meta)),
+        (figures, json.dumps({"meta": meta, "results": results}, indent=1)),
+    ):
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(text)
+        os.replace(partial, path)
+    return out, figures
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def child_line(kind: str, result: dict) -> str:
+    """One measuring child's figures, printed as soon as it ends."""
+    if "error" in result:
+        return f"{kind}: failed: {str(result['error']).strip().splitlines()[-1][:300]}"
+    if kind in ("train", "plain"):
+        return (
+            f"{kind}: median step {_ms(result['median_step_s'])}, peak {_mib(result['peak_bytes'])}, "
+            f"compile {result['compile_s']:.1f} s, loss {result['first_loss']:.3f} -> {result['last_loss']:.3f}"
+        )
+    if kind == "plan":
+        return (
+            f"plan ({result['strategy']}{', ' + result['compress'] if result.get('compress') else ''}, "
+            f"{result['params'] / 1e6:.0f} M params): step {_ms(result['step_s'])}, peak {_mib(result['peak_bytes'])} "
+            f"(explain() {_mib(result['predicted_peak_bytes'])}), compile {result['compile_s']:.1f} s"
+        )
+    if kind == "overlap":
+        return (
+            f"overlap: world {result['world']}, NCCL {result['comm_ms']:.1f} ms, compute {result['compute_ms']:.1f} ms"
+        )
+    return f"{kind}: {result}"
+
+
+def headline(section: str, result: dict) -> str:
+    """A section's figure in one line, printed as soon as the section ends."""
+    if "error" in result:
+        return f"[{section}] FAILED: {str(result['error']).strip().splitlines()[-1][:300]}"
+    if section == "train":
+        ours, plain = result["ours"], result["plain"]
+        return (
+            f"[train] step {_ms(ours['median_step_s'])} against plain torch.compile's {_ms(plain['median_step_s'])} "
+            f"({_ratio(ours['median_step_s'], plain['median_step_s'])}); peak {_mib(ours['peak_bytes'])} against "
+            f"{_mib(plain['peak_bytes'])} ({_ratio(ours['peak_bytes'], plain['peak_bytes'])})"
+        )
+    if section == "offload":
+        off, on = result["off"], result["on"]
+        saved = off["peak_bytes"] - on["peak_bytes"]
+        share = f" ({100 * saved / off['peak_bytes']:.1f}%)" if off["peak_bytes"] else ""
+        return (
+            f"[offload] peak {_mib(off['peak_bytes'])} -> {_mib(on['peak_bytes'])}: saves {_mib(saved)}{share}, "
+            f"step {_ratio(on['median_step_s'], off['median_step_s'])}"
+        )
+    if section in ("plan", "hybrid", "compress"):
+        runs = {"1b": result} if section == "plan" else result
+        parts = []
+        for name, r in runs.items():
+            error = f" ({100 * (r['predicted_peak_bytes'] / r['peak_bytes'] - 1):+.1f}%)" if r["peak_bytes"] else ""
+            parts.append(
+                f"{name}: step {_ms(r['step_s'])}, peak {_mib(r['peak_bytes'])} against explain()'s "
+                f"{_mib(r['predicted_peak_bytes'])}{error}"
+            )
+        return f"[{section}] " + "; ".join(parts)
+    if section == "overlap":
+        if not result["comm_ms"]:
+            return f"[overlap] world {result['world']}: no NCCL kernel ran (needs 2+ GPUs), nothing to overlap"
+        return (
+            f"[overlap] world {result['world']}: compute hides {100 * result['overlap_fraction']:.0f}% of "
+            f"{result['comm_ms']:.1f} ms of NCCL kernels"
+        )
+    return f"[{section}] {result}"

@@ -225,7 +225,20 @@ def main() -> None:
     )
     parser.add_argument("--out", default=str(ROOT / "docs" / "scale-plans.md"), help="'-' for stdout")
     parser.add_argument("--one", nargs=4, metavar=("MODEL", "WORLD", "DTYPE", "LAYOUT"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--fits",
+        action="store_true",
+        help="instead: does each plan fit an 80 GB H100, and if not, which layout plan() proposes (-> docs section)",
+    )
+    parser.add_argument("--fit-one", nargs=3, metavar=("MODEL", "WORLD", "DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.fit_one:
+        model, world, dtype = args.fit_one
+        print(json.dumps(fit_row(model, int(world), dtype)))
+        return
+    if args.fits:
+        _fits(args)
+        return
     if args.one:
         model, world, dtype, layout = args.one
         samples = None if args.whole else DEPTH_SAMPLES
@@ -243,6 +256,85 @@ def main() -> None:
         print(text)
     else:
         Path(args.out).write_text(_document(text))
+        print(f"wrote {args.out}")
+
+
+FIT_CHECKPOINT = ("selective", "full")  # what --fits searches beside plain FSDP (none is plain FSDP's own)
+
+
+def fit_row(model: str, world: int, dtype: str) -> dict:
+    """plan() of one scale-plans row on H100s: plain FSDP's memory (the row's layout, one 2048-token sequence per
+    rank) and, when it does not fit, the best layout that does (checkpointing and tensor parallelism searched)."""
+    import fsdp_graph
+    from fsdp_graph.train.llama import LLAMA3_VOCAB, preset
+
+    cfg = preset(model, vocab=LLAMA3_VOCAB, seq=SEQ)
+    start = time.process_time()
+    result = fsdp_graph.plan(
+        cfg, world=world, hardware="h100", global_batch=world * BATCH, seq=SEQ, bf16=dtype == "bf16",
+        checkpoint=FIT_CHECKPOINT + ("none",), top=1, pp=(1,), hsdp=False,
+    )  # fmt: skip
+    base, best = result.baseline, result.best
+    state = 16 * cfg.num_params() / world
+    return {
+        "model": model,
+        "world": world,
+        "dtype": dtype,
+        "baseline_reserved": base.reserved_bytes if base else None,
+        "baseline_allocated": base.allocated_bytes if base else None,
+        "baseline_fits": bool(base and base.fits),
+        "best": best.layout.describe() if best else None,
+        "best_reserved": best.reserved_bytes if best else None,
+        "best_tokens": best.tokens_per_s_per_gpu if best else None,
+        "state_bytes": state,
+        "usable": result.usable_bytes,
+        "cpu_seconds": time.process_time() - start,
+    }
+
+
+def _fits(args) -> None:
+    rows = []
+    for model in args.models:
+        for world in args.worlds:
+            for dtype in args.dtypes:
+                cmd = [sys.executable, __file__, "--fit-one", model, str(world), dtype]
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout
+                rows.append(json.loads(out.strip().splitlines()[-1]))
+                print(rows[-1], flush=True)
+    lines = [
+        "| model | ranks | dtype | FSDP alone: allocated / reserved GiB | fits 77 GiB usable | layout plan() proposes "
+        "| its reserved GiB | tokens/s/GPU | plan CPU s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base = (
+            f"{r['baseline_allocated'] / GIB:.1f} / {r['baseline_reserved'] / GIB:.1f}"
+            if r["baseline_reserved"]
+            else "-"
+        )
+        if r["best"] is None:
+            proposal = f"none fits: 16 B x params / ranks is {r['state_bytes'] / GIB:.1f} GiB of model state alone"
+            cells = (proposal, "-", "-")
+        else:
+            cells = (r["best"], f"{r['best_reserved'] / GIB:.1f}", f"{r['best_tokens']:,.0f}")
+        fits = "yes" if r["baseline_fits"] else "no"
+        lines.append(
+            f"| {r['model']} | {r['world']} | {r['dtype']} | {base} | {fits} | {' | '.join(cells)} | "
+            f"{r['cpu_seconds']:.0f} |"
+        )
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out != "-":
+        path = Path(args.out)
+        text = path.read_text()
+        begin, end = "<!-- fits: scale_plans.py --fits -->", "<!-- end of fits -->"
+        block = f"{begin}\n{table}{end}"
+        text = (
+            text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
+            if begin in text
+            else text + "\n" + block + "\n"
+        )
+        path.write_text(text)
         print(f"wrote {args.out}")
 
 

@@ -8,6 +8,7 @@ from passes.dedup import dedup_unshard
 from passes.fingerprint import collective_fingerprint
 from passes.flat_grad import cat_flat_grads
 from passes.lower import lower_fsdp_ops
+from passes.region_mutation import lift_region_mutations
 from passes.reshard import tag_reshard
 from passes.schedule import schedule_collectives
 from passes.verify import check_collectives
@@ -20,6 +21,7 @@ __all__ = [
     "collective_summary",
     "compress_collectives",
     "dedup_unshard",
+    "lift_region_mutations",
     "lower_fsdp_ops",
     "reduce_scatter_as_all_to_all",
     "schedule_collectives",

@@ -15,10 +15,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
 from fsdp_graph.ir import META_COMPRESSED, META_ROLE, META_UNIT, ROLE_UNSHARD, WAIT
+from passes.fusion import FusionPlan, fusion_groups
 from passes.fx_nodes import alias_source, bind_args, fake_value, hint, value_bytes, written_args
+from passes.hardware import HARDWARE, Hardware, collective_seconds, span
+from passes.kernels import is_fp32_matmul, kernel_seconds, kind_of, node_flops
+
+__all__ = ["HARDWARE", "Hardware", "node_flops"]  # re-exported: their home is passes.hardware / passes.kernels
 
 _aten = torch.ops.aten
 
@@ -80,34 +84,6 @@ def unit_labels(gm: fx.GraphModule) -> list[str | None]:
 
 
 @dataclass(frozen=True)
-class Hardware:
-    """Throughputs the simulator charges. Compute: a kernel takes max(flops / flops_per_s, bytes read and
-    written / memory_bytes_per_s). Communication: a ring collective over n ranks takes (n - 1) link latencies
-    plus the bytes each rank sends ((n - 1) / n of the unsharded size; twice that for all-reduce) over
-    `link_bytes_per_s` (per rank and direction: NCCL's "bus bandwidth")."""
-
-    name: str
-    flops_per_s: float
-    memory_bytes_per_s: float
-    link_bytes_per_s: float
-    link_latency_s: float
-
-
-# Rough, order-of-magnitude presets; every field is settable (dataclasses.replace, or a Hardware of your own).
-HARDWARE: dict[str, Hardware] = {
-    # This repository's test machine: 2 cores measured ~35 GFLOP/s fp32 matmul and a few GB/s for elementwise
-    # kernels; gloo over loopback TCP moves ~1 GB/s with ~100 us per message.
-    "cpu-gloo": Hardware("cpu-gloo", 30e9, 5e9, 1e9, 100e-6),
-    # H100 SXM: ~400 TFLOP/s effective (about 40% of the 989 TFLOP/s dense bf16 peak, what large transformer
-    # steps reach), ~3 TB/s of HBM3 (3.35 peak); NVLink 4 moves 450 GB/s per direction, NCCL reaches ~350 GB/s
-    # bus bandwidth on large messages and less on FSDP's tens of MB, so 200 GB/s; ~10 us per ring step.
-    "nvlink": Hardware("nvlink", 400e12, 3e12, 200e9, 10e-6),
-    # The same GPU across nodes: one 200 Gb/s HDR InfiniBand link per GPU, 25 GB/s, ~20 us per ring step.
-    "infiniband": Hardware("infiniband", 400e12, 3e12, 25e9, 20e-6),
-}
-
-
-@dataclass(frozen=True)
 class Event:
     """A bar of the timeline. lane: "compute" or "comm". kind: "compute", "wait" (the compute lane blocked on
     a collective: exposed communication) or the collective's kind. `unit`: the FSDP unit it belongs to."""
@@ -139,50 +115,59 @@ class Simulation:
         return self.end - self.start
 
 
-def _concrete(val):
-    """A meta tensor with `val`'s concrete (hinted) shape, so flop formulas see plain ints."""
-    if isinstance(val, torch.Tensor):
-        return torch.empty([hint(s) for s in val.shape], dtype=val.dtype, device="meta")
-    if isinstance(val, (list, tuple)):
-        return type(val)(_concrete(v) for v in val)
-    if isinstance(val, torch.SymInt):
-        return hint(val)
-    return val
-
-
-# CPU attention kernels are missing from torch's registry; their arguments start like the CUDA ones'.
-_EXTRA_FLOPS = {
-    _aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop,
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop,
-}
-
-
-def node_flops(node: fx.Node) -> int:
-    """Flops of one node from torch.utils.flop_counter's formulas (matmuls, convolutions, attention); 0 for
-    everything else (elementwise kernels are charged by the bytes they move instead)."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        return 0
-    formula = flop_registry.get(target.overloadpacket) or _EXTRA_FLOPS.get(target.overloadpacket)
-    if formula is None:
-        return 0
-    args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: _concrete(fake_value(n)))
-    return hint(formula(*args, **kwargs, out_val=_concrete(fake_value(node))))
-
-
-def kernel_cost(node: fx.Node, hardware: Hardware, bodies: dict | None = None) -> tuple[float, int]:
-    """(seconds, flops) of one compute node: max(flops / flops_per_s, bytes moved / memory_bytes_per_s). A call
-    of a compile region (`invoke_subgraph`, `fully_shard(reuse_blocks=True)`'s block body) costs its body's
-    kernels, each priced the same way (views free; computed once per body in `bodies`)."""
+def kernel_cost(
+    node: fx.Node,
+    hardware: Hardware,
+    bodies: dict | None = None,
+    *,
+    fused: bool = False,
+    attention_window: int | None = None,
+) -> tuple[float, int]:
+    """(seconds, flops) of one compute node as a kernel of its own (`passes.kernels.kernel_seconds`: max(flops /
+    rate, bytes / memory rate) + the per-kernel overhead, the rate by the kernel's class). A call of a compile
+    region (`invoke_subgraph`, `fully_shard(reuse_blocks=True)`'s block body) costs its body's kernels, each
+    priced the same way (views free), fused as Inductor would with `fused` (`passes.fusion`); computed once per
+    body in `bodies`."""
     if node.target is torch.ops.higher_order.invoke_subgraph:
         body = getattr(node.graph.owning_module, node.args[0].target)
         bodies = {} if bodies is None else bodies
         if id(body) not in bodies:
-            costs = [kernel_cost(n, hardware, bodies) for n in body.graph.nodes if _is_compute(n)]
-            bodies[id(body)] = (sum(c[0] for c in costs), sum(c[1] for c in costs))
+            bodies[id(body)] = _graph_compute(body, hardware, bodies, fused, attention_window)
         return bodies[id(body)]
-    n_flops = node_flops(node)
-    return max(n_flops / hardware.flops_per_s, _moved_bytes(node) / hardware.memory_bytes_per_s), n_flops
+    n_flops = node_flops(node, attention_window)
+    kind = kind_of(node)
+    return kernel_seconds(
+        n_flops, _moved_bytes(node), kind, hardware, kind == "matmul" and is_fp32_matmul(node)
+    ), n_flops
+
+
+def _graph_compute(
+    gm: fx.GraphModule, hardware: Hardware, bodies: dict, fused: bool, attention_window: int | None
+) -> tuple[float, int]:
+    """(seconds, flops) of every kernel of `gm`, collectives and waits aside."""
+    plan = fusion_groups(gm) if fused else None
+    seconds = flops = 0
+    for node in gm.graph.nodes:
+        if not _is_compute(node):
+            continue
+        cost = _node_cost(node, hardware, bodies, plan, attention_window)
+        seconds += cost[0]
+        flops += cost[1]
+    return seconds, flops
+
+
+def _node_cost(
+    node: fx.Node, hardware: Hardware, bodies: dict, plan: FusionPlan | None, attention_window: int | None
+) -> tuple[float, int]:
+    """A node's cost in a timeline: its own kernel's, or (fused) its kernel's at the kernel's first member and
+    nothing at the others."""
+    kernel = plan.kernel_of.get(node) if plan is not None else None
+    if kernel is None or not kernel.fused:
+        return kernel_cost(node, hardware, bodies, fused=plan is not None, attention_window=attention_window)
+    if kernel.nodes[0] is not node:
+        return 0.0, 0
+    n_flops = sum(node_flops(n, attention_window) for n in kernel.nodes)
+    return kernel_seconds(n_flops, kernel.moved_bytes, "other", hardware), n_flops
 
 
 def _is_compute(node: fx.Node) -> bool:
@@ -203,15 +188,22 @@ def _moved_bytes(node: fx.Node) -> int:
 
 
 def collective_cost(
-    node: fx.Node, hardware: Hardware, world: int, group_sizes: Mapping[str, int] | None = None
+    node: fx.Node,
+    hardware: Hardware,
+    world: int,
+    group_sizes: Mapping[str, int] | None = None,
+    group_ranks: Mapping[str, tuple[int, ...]] | None = None,
 ) -> tuple[int, int, float]:
-    """(group size, unsharded payload bytes, seconds) of a collective node under the ring alpha-beta model. The
-    group size is the op's `group_size` argument, else `group_sizes[group_name]`, else `world`."""
+    """(group size, unsharded payload bytes, seconds) of a collective node (`passes.hardware.collective_seconds`).
+    The group size is the op's `group_size` argument, else `group_sizes[group_name]`, else `world`. Which links it
+    crosses comes from the group's ranks (`group_ranks[group_name]`) and `hardware.ranks_per_node`; a group whose
+    ranks are not given is taken as n consecutive ranks."""
     kind = collective_kind(node)
     args = bind_args(node)
+    name = args.get("group_name")
     n = args.get("group_size")
     if n is None:
-        n = (group_sizes or {}).get(args.get("group_name"), world)
+        n = (group_sizes or {}).get(name, world)
     n = hint(n)
     if kind == "all_gather":
         payload = value_bytes(fake_value(node))
@@ -219,9 +211,9 @@ def collective_cost(
         payload = sum(value_bytes(fake_value(a)) for a in _input_nodes(node))
     if n <= 1:
         return n, payload, 0.0
-    rounds = 2 if kind == "all_reduce" else 1
-    seconds = rounds * (n - 1) * (hardware.link_latency_s + payload / n / hardware.link_bytes_per_s)
-    return n, payload, seconds
+    ranks = (group_ranks or {}).get(name) or tuple(range(n))
+    nodes, per_node = span(ranks, hardware.ranks_per_node)
+    return n, payload, collective_seconds(kind, payload, n, hardware, nodes, per_node)
 
 
 def unit_name(unit: str | None) -> str:
@@ -240,9 +232,13 @@ def simulate(
     *,
     group_sizes: Mapping[str, int] | None = None,
     start: float = 0.0,
+    fused: bool = False,
+    group_ranks: Mapping[str, tuple[int, ...]] | None = None,
+    attention_window: int | None = None,
 ) -> Simulation:
-    """Replay `gm` in graph order on two lanes. Compute lane: each kernel costs max(flops / flops_per_s, bytes /
-    memory_bytes_per_s); views, getitem and collective issues are free. Comm lane, serial: a collective starts
+    """Replay `gm` in graph order on two lanes. Compute lane: each kernel costs `kernel_cost` (with `fused`, the
+    kernels are Inductor's fusion groups, `passes.fusion`, each charged where its first node runs); views,
+    getitem and collective issues are free. Comm lane, serial: a collective starts
     when the compute lane reaches it and the lane is free, and lasts `collective_cost`. A wait holds the compute
     lane until its collective ends: that holding is exposed communication. So a gather issued early overlaps the
     compute between its issue and its wait, and one issued right before its wait is fully exposed. A compile
@@ -254,13 +250,14 @@ def simulate(
     node_times: list[tuple[float, float]] = []
     compute = comm = exposed = flops = 0.0
     bodies: dict = {}
+    plan = fusion_groups(gm) if fused else None
     for node, unit in zip(gm.graph.nodes, labels):
         begin = clock
         if node.op != "call_function":
             pass
         elif (kind := collective_kind(node)) is not None:
             owner = node.meta.get(META_UNIT)
-            _, _, seconds = collective_cost(node, hardware, world, group_sizes)
+            _, _, seconds = collective_cost(node, hardware, world, group_sizes, group_ranks)
             comm_start = max(clock, comm_free)
             comm_free = ends[node] = comm_start + seconds
             comm += seconds
@@ -275,7 +272,7 @@ def simulate(
                 exposed += done - clock
                 clock = done
         elif not _is_free(node):
-            seconds, n_flops = kernel_cost(node, hardware, bodies)
+            seconds, n_flops = _node_cost(node, hardware, bodies, plan, attention_window)
             flops += n_flops
             compute += seconds
             bars = lanes["compute"]

@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from passes.cost import _collective_of_wait, _input_nodes, collective_kind, unit_labels
+from passes.fusion import fusion_groups
 from passes.fx_nodes import alias_source, fake_value, tensor_bytes
 
 _INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
@@ -45,7 +46,9 @@ class _BodyMemory:
 class _Liveness:
     """Storages of the nodes of one or two graphs laid out on one position axis."""
 
-    def __init__(self, bodies: dict[int, _BodyMemory] | None = None):
+    def __init__(self, bodies: dict[int, _BodyMemory] | None = None, fused: bool = False):
+        self.fused = fused  # Inductor's fusion: nodes inside a fused kernel allocate nothing
+        self.internal: set[fx.Node] = set()
         self.storages: list[_Storage] = []
         self.refs: dict[fx.Node, list[_Storage]] = {}  # a tensor node -> the storages it keeps alive
         self.elems: dict[fx.Node, list[list[_Storage]]] = {}  # a tuple/list node -> per element
@@ -58,6 +61,9 @@ class _Liveness:
 
     def allocate(self, node: fx.Node, position: int, persistent: bool = False) -> None:
         val = fake_value(node)
+        if node in self.internal:
+            self.refs[node] = []
+            return
         if isinstance(val, (tuple, list)):
             self.elems[node] = [
                 [self.new(tensor_bytes(v), position, persistent)] if isinstance(v, torch.Tensor) else [] for v in val
@@ -91,7 +97,7 @@ class _Liveness:
         output that is an input of the body is the caller's operand."""
         body = getattr(node.graph.owning_module, node.args[0].target)
         if id(body) not in self.bodies:
-            self.bodies[id(body)] = _body_memory(body, self.bodies)
+            self.bodies[id(body)] = _body_memory(body, self.bodies, self.fused)
         memory = self.bodies[id(body)]
         operands = node.args[2:]
         fresh = [self.new(nbytes, position) for nbytes in memory.fresh_bytes]
@@ -149,9 +155,11 @@ def _last_waits(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     return waits
 
 
-def _body_memory(body: fx.GraphModule, bodies: dict[int, _BodyMemory]) -> _BodyMemory:
+def _body_memory(body: fx.GraphModule, bodies: dict[int, _BodyMemory], fused: bool = False) -> _BodyMemory:
     """The liveness of a region's body on its own, its inputs held by the caller for the whole call."""
-    live = _Liveness(bodies)
+    live = _Liveness(bodies, fused)
+    if fused:
+        live.internal = fusion_groups(body).internal
     nodes = list(body.graph.nodes)
     last_wait = _last_waits(nodes)
     input_index: dict[int, int] = {}  # id(storage) -> the body input it is
@@ -208,10 +216,40 @@ class MemoryEstimate:
     peak: MemoryPoint
     curve: list[MemoryPoint] = field(default_factory=list)
     outputs_bytes: int = 0
+    # The allocations behind the curve: persistent sizes, and (alloc position, last use, bytes, returned by the last
+    # graph) of the others, in creation order (`allocation_events`).
+    persistent_blocks: list[int] = field(default_factory=list, repr=False)
+    blocks: list[tuple[int, int, int, bool]] = field(default_factory=list, repr=False)
+    # Bytes the forward saves for the backward, by the FSDP unit of the node that made them (distinct storages).
+    saved_by_unit: dict[str | None, int] = field(default_factory=dict, repr=False)
+    # Bytes live at the peak (above the persistent ones), by the FSDP unit of the node that allocated them.
+    peak_by_unit: dict[str | None, int] = field(default_factory=dict, repr=False)
 
     @property
     def total_peak_bytes(self) -> int:
         return self.persistent_bytes + self.peak_bytes
+
+
+def allocation_events(estimate: MemoryEstimate, first_id: int = 0) -> tuple[list[tuple[str, int, int]], list[int]]:
+    """The step as ("malloc", id, bytes) / ("free", id, 0) events in position order (at one position, what a node
+    allocates before what dies after it), ids from `first_id`, for `passes.allocator.replay`. The last graph's
+    returned storages (the gradient shards) are allocated but not freed: their ids come back second."""
+    at: dict[int, list[int]] = {}
+    dies: dict[int, list[int]] = {}
+    kept = []
+    for i, (alloc, last_use, nbytes, returned) in enumerate(estimate.blocks):
+        if nbytes <= 0:
+            continue
+        at.setdefault(alloc, []).append(i)
+        if returned:
+            kept.append(first_id + i)
+        else:
+            dies.setdefault(last_use, []).append(i)
+    events: list[tuple[str, int, int]] = []
+    for position in sorted(set(at) | set(dies)):
+        events += [("malloc", first_id + i, estimate.blocks[i][2]) for i in at.get(position, ())]
+        events += [("free", first_id + i, 0) for i in dies.get(position, ())]
+    return events, kept
 
 
 def _output_values(gm: fx.GraphModule) -> list:
@@ -225,7 +263,7 @@ def _output_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def estimate_memory(
-    fw: fx.GraphModule, bw: fx.GraphModule | None = None, *, release_inputs: bool = True
+    fw: fx.GraphModule, bw: fx.GraphModule | None = None, *, release_inputs: bool = True, fused: bool = False
 ) -> MemoryEstimate:
     """Liveness of every tensor storage over `fw` then `bw` (the partitioned, lowered graphs of one compile).
 
@@ -238,11 +276,15 @@ def estimate_memory(
     forward outputs (what the user gets) are released when the forward returns, and the backward's other inputs
     (the incoming gradients) are allocated when it starts. `release_inputs=False` models an executor that holds its
     argument list for the whole call (the eager-kernel backend: `make_boxed_func`), so backward inputs then live
-    until the backward returns; Inductor's code frees each one at its last use."""
-    live = _Liveness()
+    until the backward returns; Inductor's code frees each one at its last use. `fused=True` models Inductor's
+    fusion too: a node inside a fused kernel whose value never leaves the kernel (`passes.fusion`) allocates
+    nothing."""
+    live = _Liveness(fused=fused)
     graphs = [("fw", fw)] + ([("bw", bw)] if bw is not None else [])
     positions: list[tuple[str, int, fx.Node, str | None]] = []
     for stage, gm in graphs:
+        if fused:
+            live.internal |= fusion_groups(gm).internal
         labels = unit_labels(gm)
         positions += [(stage, i, node, labels[i]) for i, node in enumerate(gm.graph.nodes)]
     fw_outputs = _output_nodes(fw)
@@ -278,4 +320,33 @@ def estimate_memory(
     peak = max(curve, key=lambda point: point.bytes)
     last_graph = graphs[-1][1]
     outputs = {id(s): s.nbytes for n in _output_nodes(last_graph) for s in live.refs.get(n, ()) if not s.persistent}
-    return MemoryEstimate(persistent, peak.bytes, peak, curve, sum(outputs.values()))
+    blocks = [(s.alloc, s.last_use, s.nbytes, id(s) in outputs) for s in live.storages if not s.persistent]
+    fw_labels = dict(zip(fw.graph.nodes, unit_labels(fw)))
+    saved_by_unit: dict[str | None, int] = {}
+    counted: set[int] = set()
+    for node in fw.graph.nodes:
+        if node not in saved:
+            continue
+        for storage in live.refs.get(node, ()):
+            if not storage.persistent and id(storage) not in counted:
+                counted.add(id(storage))
+                unit = fw_labels.get(node)
+                saved_by_unit[unit] = saved_by_unit.get(unit, 0) + storage.nbytes
+    persistent_blocks = [s.nbytes for s in live.storages if s.persistent]
+    at_peak = curve.index(peak)
+    peak_by_unit: dict[str | None, int] = {}
+    for storage in live.storages:
+        if not storage.persistent and storage.alloc <= at_peak <= storage.last_use:
+            unit = positions[storage.alloc][3]
+            peak_by_unit[unit] = peak_by_unit.get(unit, 0) + storage.nbytes
+    return MemoryEstimate(
+        persistent,
+        peak.bytes,
+        peak,
+        curve,
+        sum(outputs.values()),
+        persistent_blocks,
+        blocks,
+        saved_by_unit,
+        peak_by_unit,
+    )

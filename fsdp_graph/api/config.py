@@ -1,11 +1,17 @@
-"""User-facing configuration: sharding strategies and mixed precision (FSDP1's names and meanings)."""
+"""User-facing configuration: sharding strategies and mixed precision (FSDP1's names and meanings), per-parameter
+placements and per-unit options."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
 
 
 class ShardingStrategy(enum.Enum):
@@ -52,6 +58,8 @@ class MixedPrecision:
       cast_root_forward_inputs: the root does (default True, as FSDP1).
     - keep_low_precision_grads: `.grad` is stored in param_dtype (on fp32 parameters, as FSDP1: upcast them
       before a stock optimizer's step, or use one that accepts mixed dtypes).
+    - output_dtype: every unit (each module of a unit of several modules too) casts the floating-point tensors its
+      forward returns to it (FSDP2's `MixedPrecisionPolicy.output_dtype`; None: no cast).
     """
 
     param_dtype: torch.dtype | None = None
@@ -60,9 +68,10 @@ class MixedPrecision:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
+    output_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise TypeError(f"MixedPrecision.{name} must be a floating-point torch.dtype, got {value!r}")
@@ -72,6 +81,29 @@ class MixedPrecision:
     @property
     def effective_reduce_dtype(self) -> torch.dtype | None:
         return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    """Where `fully_shard(shard_placement_fn=...)` puts one parameter: sharded on `placement`'s dim (a
+    `torch.distributed.tensor.Shard`; None: `Shard(0)`) over `mesh` (None: its unit's mesh). The native twin of
+    FSDP2's `ShardPlacementResult`: experts on an expert-data-parallel mesh, the dense weights on the FSDP one.
+    A `Shard(d)` alone may be returned instead when only the dim changes."""
+
+    placement: Shard | None = None
+    mesh: DeviceMesh | None = None
+
+
+@dataclass(frozen=True)
+class UnitOptions:
+    """Settings of one unit that differ from its `fully_shard` call's (`fully_shard(unit_options={unit: ...})`,
+    FSDP2's per-call options): its parameters' default `mesh`, its `mixed_precision`, its `cpu_offload`. None keeps
+    the call's. A unit's flat parameters each carry their own mesh, dtypes and device, so units may differ in all
+    three within one model and one graph."""
+
+    mesh: DeviceMesh | None = None
+    mixed_precision: MixedPrecision | None = None
+    cpu_offload: CPUOffload | None = None
 
 
 _WEIGHT_SCHEMES = ("int8", "fp8")

@@ -61,11 +61,13 @@ class FSDPModule:
     def reshard(self) -> None:
         """Free the full parameters `unshard()` gathered (outside forward, parameters read as shards again) and the
         ones a backward kept under `set_reshard_after_backward(False)` (the next forward gathers again)."""
-        from fsdp_graph.runtime.unit import drop_held
+        from fsdp_graph.runtime.held import drop_held
 
         for state in _states(self, "reshard"):
             state.root.unsharded.pop(state.name, None)
             drop_held(state)
+            if state.root.exposure is not None:
+                state.root.exposure.restore([state])
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False: a unit's backward keeps its gathered parameters, so its next forward gathers nothing (gradient
@@ -105,6 +107,8 @@ class FSDPModule:
         for state in _states(self, "set_requires_all_reduce"):
             if not requires_all_reduce and state.partial is None and state.flat_shard.requires_grad:
                 _add_partial(state)
+            elif not requires_all_reduce and state.partial is not None:
+                ops.register_accumulator(state.partial)  # (again: a deep copy of the model has leaves of its own)
             state.requires_all_reduce = bool(requires_all_reduce)
 
 
@@ -117,12 +121,7 @@ def _add_partial(state) -> None:
     leaf = torch.zeros((), dtype=shard.dtype, device=device).expand(shard.numel())
     state.partial = leaf.requires_grad_()
     torch._dynamo.mark_static(leaf)
-
-    def drop_all_reduced() -> None:
-        if state.requires_all_reduce:
-            leaf.grad = None
-
-    state.after_grad.insert(0, drop_all_reduced)
+    ops.register_accumulator(leaf)
 
 
 def _states(module: nn.Module, method: str) -> list:

@@ -60,6 +60,8 @@ def summon_full_params(
     if any(s.root.forward_depth for s in states):
         raise RuntimeError("summon_full_params: not allowed inside forward; call it between training steps.")
     keep = not rank0_only or dist.get_rank() == 0
+    if states[0].root.exposure is not None:  # fsdp2's unsharded parameters after a forward: the views again first
+        states[0].root.exposure.restore_all()
     swapped = []
     with torch.no_grad():
         for state in states:

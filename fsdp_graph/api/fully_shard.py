@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -9,30 +10,23 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_graph.api.config import CPUOffload, MixedPrecision, ShardingStrategy
-from fsdp_graph.api.groups import Groups, post_forward_groups, resolve_groups, with_reduce_group
-from fsdp_graph.api.placement import move_buffers, moves_to, parameter_device
+from fsdp_graph import compat
+from fsdp_graph.api.config import CPUOffload, MixedPrecision, ParamPlacement, ShardingStrategy, UnitOptions
+from fsdp_graph.api.meshes import Meshes, mesh_suffix, param_placements, post_forward_for
+from fsdp_graph.api.placement import move_buffers, parameter_device
+from fsdp_graph.api.shard_unit import Member, shard_flat_param, unit_settings, unit_values
 from fsdp_graph.api.wrap import auto_wrap_policy, check_group
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
-from fsdp_graph.runtime import offload
-from fsdp_graph.runtime.block_region import complex_refusals, make_reusable, reuse_refusals
-from fsdp_graph.runtime.dtensor_views import dtensor_views_mesh, replicated_view_spec, view_spec
+from fsdp_graph.runtime.block_region import buffer_refusals, complex_refusals, make_reusable, reuse_lost, reuse_refusals
+from fsdp_graph.runtime.composable_checkpoint import adopt_composable_checkpoints
+from fsdp_graph.runtime.dtensor_views import dtensor_views_mesh
 from fsdp_graph.runtime.flat_param import LAYOUTS
-from fsdp_graph.runtime.init import materialize_buffers, materialize_module, sync_module_states_from_rank0
-from fsdp_graph.runtime.misuse import make_view
+from fsdp_graph.runtime.held import track_kept_gathers
+from fsdp_graph.runtime.init import materialize_buffers, sync_module_states_from_rank0
 from fsdp_graph.runtime.tensor_parallel import TPSpec, tp_spec_of
-from fsdp_graph.runtime.unit import (
-    FlatParamState,
-    RootState,
-    ViewSpec,
-    bind_flat_shard,
-    install_forward_hooks,
-    is_sharded,
-    swap_class,
-    track_kept_gathers,
-)
+from fsdp_graph.runtime.unit import RootState, install_forward_hooks, is_sharded, swap_class
 from fsdp_graph.state import module_state
 
 WrapPolicy = Callable[[nn.Module], list[nn.Module]]
@@ -58,6 +52,8 @@ def fully_shard(
     layout: str = "rows",
     reuse_blocks: bool | None = None,
     dtensor_params: bool = False,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | ParamPlacement | None] | None = None,
+    unit_options: Mapping[nn.Module | str, UnitOptions] | None = None,
 ) -> nn.Module:
     """Shard `model` in place over `mesh` and return it. Create the optimizer AFTER this call.
 
@@ -66,7 +62,18 @@ def fully_shard(
       root is always the last unit and takes what is left. In a list, a tuple of modules is ONE unit (FSDP2's
       `fully_shard([norm, head])`): one flat parameter for their parameters, gathered at the first read of one of
       them, freed after the forward of the last of them in model order (which holds it).
-    - `mesh`: None (the world) or a 1-D DeviceMesh; a 2-D (replicate, shard) mesh for HYBRID strategies.
+    - `mesh`: None (the world) or a 1-D DeviceMesh; a 2-D (replicate, shard) mesh for HYBRID strategies. It may
+      be named dimensions of a mesh over the world (`world_mesh["dp"]`), or a flattened or `_unflatten`ed view of
+      one (torchtitan's `ParallelDims` meshes).
+    - `shard_placement_fn(param)`: per parameter, None (`Shard(0)` over its unit's mesh), a `Shard(d)` (FSDP2's
+      layout on dim d: torch.chunk on d, uneven or empty chunks, the local tensor contiguous; rows layout), or a
+      `ParamPlacement(Shard(d), mesh)` for a mesh of its own (expert parallelism: experts over `efsdp`, the rest
+      over `fsdp`). A unit then holds one flat parameter per mesh, each gathered and reduced over its own mesh's
+      groups (one all-gather per unit and mesh); its name has the mesh's dim names appended (`"layers.0[efsdp]"`).
+      A 1-D mesh shards, a 2-D one is HSDP, with the call's resharding. Asked once per parameter, before sharding.
+    - `unit_options`: a mapping from unit module or FQN ("" = root) to `UnitOptions(mesh=, mixed_precision=,
+      cpu_offload=)`, each None to keep the call's: units may differ in mesh (their parameters' default),
+      mixed precision and CPU offload (FSDP2's per-call settings).
     - `reshard_after_forward`: None (the strategy's default), a bool or an int for every unit, or a mapping from
       unit module or FQN ("" = root) to either; units not in the mapping keep the default. An int k dividing the
       shard group's N ranks frees the gathered parameters after forward down to a 1/k piece, so the backward
@@ -107,7 +114,10 @@ def fully_shard(
       warning; with True it is refused (ValueError, before anything is sharded). A call whose arguments torch cannot
       reuse a body for (a KV cache object), or whose output the caller cannot rebuild from the body's tensors
       (anything but tensors, constants, arguments, and tuples, lists, dicts and dataclasses of them), runs that
-      unit's forward on its own, with one warning. False: off.
+      unit's forward on its own, with one warning. False: off. The warning names only units that lose a body they
+      would have shared (another unit has the same module classes).
+    - Modules under torch's composable `checkpoint()` run their forward through `torch.utils.checkpoint` instead
+      (same options; `fsdp_graph.runtime.composable_checkpoint`), which torch.compile can trace.
     - `dtensor_params` (rows layout, a `mesh`): every parameter the optimizer sees is a DTensor on `mesh` whose
       local tensor is its row block (FSDP2's parameters; `fsdp_graph.fsdp2` sets it), as with tensor parallelism.
     """
@@ -115,7 +125,7 @@ def fully_shard(
         raise ValueError(f"fully_shard: layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
     if dtensor_params and (layout != "rows" or mesh is None):
         raise ValueError("fully_shard: dtensor_params=True needs layout='rows' and a mesh (the DTensors' mesh).")
-    groups = with_reduce_group(resolve_groups(mesh, strategy), separate_reduce_group)
+    meshes = Meshes(mesh, strategy, separate_reduce_group)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(f"fully_shard: mixed_precision must be a fsdp_graph.MixedPrecision, got {mixed_precision!r}")
     _check_not_sharded(model)
@@ -125,76 +135,88 @@ def fully_shard(
     unit_fqns = [module_fqns[id(u)] for u in units]
     params, uses, tp = _collect_parameters(model, ignored, mesh)
     owner_of_prefix = {fqn: fqn for fqn in unit_fqns}
-    owner_of_prefix.update({module_fqns[id(m)]: module_fqns[id(u)] for u, group in group_members.items() for m in group})
+    owner_of_prefix.update(
+        {module_fqns[id(m)]: module_fqns[id(u)] for u, group in group_members.items() for m in group}
+    )
     assignment = _assign_to_units(params, uses, owner_of_prefix)
     refused = reuse_refusals(unit_fqns[:-1], assignment, uses, tp) if reuse_blocks is not False else {}
     if reuse_blocks is not False:
         for unit in group_members:
             refused[module_fqns[id(unit)]] = f"unit {module_fqns[id(unit)]!r} is several modules (a tuple in wrap)"
         refused.update(complex_refusals({fqn: u for fqn, u in zip(unit_fqns[:-1], units) if fqn not in refused}))
+        refused.update(buffer_refusals({fqn: u for fqn, u in zip(unit_fqns[:-1], units) if fqn not in refused}))
     if refused and reuse_blocks:
         raise ValueError(f"reuse_blocks: {next(iter(refused.values()))}")
-    if refused:
+    lost = reuse_lost(refused, units, unit_fqns, group_members)
+    if lost:
         warnings.warn(
-            f"reuse_blocks: {next(iter(refused.values()))}; {len(refused)} unit(s) traced on their own, not as a "
-            "shared body (reuse_blocks=False turns reuse off, and this warning)",
+            f"reuse_blocks: {next(iter(lost.values()))}; {len(lost)} unit(s) traced on their own, not as a "
+            "shared body with the units of the same structure (reuse_blocks=False turns reuse off, and this warning; "
+            "fsdp_graph.fsdp2.fully_shard takes it too)",
             stacklevel=2,
         )
-    reshard = _resolve_reshard(reshard_after_forward, strategy, units, unit_fqns, groups.shard_world)
-    if tp:
-        _check_tp_options(uses, tp, reshard, cpu_offload, sync_module_states)
-    post_forward = {
-        k: post_forward_groups(mesh, strategy, groups, k)
-        for k in sorted({k for k in reshard.values() if not isinstance(k, bool)})
-    }
     mp = mixed_precision or MixedPrecision()
     device = parameter_device(mesh, device)
-    compute_device = device if _offloads_params(cpu_offload) else None
+    options = unit_settings(unit_options, units, unit_fqns, meshes, mp, cpu_offload, device)
+    unit_entries = {fqn: o.entry for fqn, o in options.items()}
+    placed = param_placements(params, uses, assignment, unit_entries, meshes, shard_placement_fn)
+    shard_worlds = {fqn: o.entry.groups.shard_world for fqn, o in options.items()}
+    reshard = _resolve_reshard(reshard_after_forward, strategy, units, unit_fqns, shard_worlds)
+    if tp:
+        _check_tp_options(uses, tp, reshard, cpu_offload, sync_module_states, meshes, placed)
     if sync_module_states:
         sync_module_states_from_rank0(model, ignored)
     if mp.buffer_dtype is not None:
         _cast_buffers(model, mp.buffer_dtype, ignored_modules)
 
-    root_state = RootState(mesh=mesh, placements=_state_dict_placements(strategy))
+    root_state = RootState(mesh=mesh)
     track_kept_gathers(root_state)
-    views_tp_mesh = None if layout != "rows" else dtensor_views_mesh(list(tp.values()), mesh, root_state.placements)
+    views_tp_mesh = None if layout != "rows" else dtensor_views_mesh(list(tp.values()), mesh, meshes.default.placements)
     dtensor_views = views_tp_mesh is not None or (dtensor_params and not tp)
+    post_forward: dict[tuple[int, int], tuple[str, str]] = {}
     for unit, unit_fqn in zip(units, unit_fqns):
+        settings = dataclasses.replace(options[unit_fqn], reshard=reshard[unit_fqn])
         members = [pid for pid in params if assignment[pid] == unit_fqn]
-        values = _unit_values(members, params, uses, param_init_fn, device, tp)
+        values = unit_values(members, params, uses, param_init_fn, device, tp)
         values.update({pid: params[pid].to_local() for pid in members if pid in tp and values[pid] is params[pid]})
-        trainable = [pid for pid in members if params[pid].requires_grad]
-        frozen = [pid for pid in members if not params[pid].requires_grad]
-        for suffix, group in (("", trainable), ("[frozen]", frozen)):
+        on_mesh: dict[int, list[int]] = {id(settings.entry): []}  # the unit's own mesh first
+        for pid in members:
+            on_mesh.setdefault(id(placed[pid].entry), []).append(pid)
+        for group in on_mesh.values():
             if not group:
                 continue
-            state = _shard_flat_param(
-                unit,
-                unit_fqn + suffix,
-                [params[pid] for pid in group],
-                [values[pid] for pid in group],
-                [uses[pid] for pid in group],
-                [tp.get(pid) for pid in group],
-                groups,
-                reshard[unit_fqn],
-                post_forward.get(reshard[unit_fqn]) if not isinstance(reshard[unit_fqn], bool) else None,
-                mp,
-                root_state,
-                compute_device,
-                device,
-                layout,
-                views_tp_mesh if dtensor_views else False,
-            )
-            root_state.flat_params.append(state)
+            entry = placed[group[0]].entry
+            for frozen in (False, True):
+                chosen = [pid for pid in group if params[pid].requires_grad is not frozen]
+                if not chosen:
+                    continue
+                name = unit_fqn + mesh_suffix(entry, settings.entry) + ("[frozen]" if frozen else "")
+                state = shard_flat_param(
+                    unit,
+                    name,
+                    [Member(params[pid], values[pid], uses[pid], tp.get(pid), placed[pid].dim) for pid in chosen],
+                    entry,
+                    settings,
+                    post_forward_for(post_forward, entry, settings.reshard, name),
+                    root_state,
+                    device,
+                    layout,
+                    views_tp_mesh if dtensor_views else False,
+                )
+                root_state.flat_params.append(state)
         del values
     materialize_buffers(model, device, param_init_fn)
-    offloading = compute_device is not None  # then every buffer goes to the compute device, as before
+    offloading = any(o.compute_device is not None for o in options.values())  # then every buffer goes there
     move_buffers(model, device, () if offloading else ignored_modules, all_devices=offloading)
-    for member in [m for group in group_members.values() for m in group]:
-        cast_to = mp.param_dtype if mp.cast_forward_inputs else None
-        swap_class(member, frozenset(member.__dict__.get("_fsdp_views", {})), cast_inputs_to=cast_to)
-    for unit in units:
-        casts = mp.cast_forward_inputs or (unit is model and mp.cast_root_forward_inputs)
+    for unit, members in group_members.items():
+        unit_mp = options[module_fqns[id(unit)]].mixed_precision
+        for member in members:
+            cast_to = unit_mp.param_dtype if unit_mp.cast_forward_inputs else None
+            names = frozenset(member.__dict__.get("_fsdp_views", {}))
+            swap_class(member, names, cast_inputs_to=cast_to, cast_outputs_to=unit_mp.output_dtype)
+    for unit, unit_fqn in zip(units, unit_fqns):
+        unit_mp = options[unit_fqn].mixed_precision
+        casts = unit_mp.cast_forward_inputs or (unit is model and unit_mp.cast_root_forward_inputs)
         has_states = "_fsdp_states" in unit.__dict__
         if has_states or unit is model:  # the root is the forward boundary even if it owns nothing
             install_forward_hooks(unit, root_state)
@@ -202,18 +224,21 @@ def fully_shard(
             unit,
             frozenset(unit.__dict__.get("_fsdp_views", {})),
             is_unit=has_states,
-            cast_inputs_to=mp.param_dtype if casts else None,
+            cast_inputs_to=unit_mp.param_dtype if casts else None,
+            cast_outputs_to=unit_mp.output_dtype,
         )
     if reuse_blocks is not False:
         for unit, unit_fqn in zip(units, unit_fqns):
             if unit is not model and "_fsdp_states" in unit.__dict__ and unit_fqn not in refused:
-                make_reusable(unit)
+                make_reusable(unit, strict=reuse_blocks is True)
+                compat.note_shared_bodies()
     model.__dict__["_fsdp_root"] = root_state
     module_state.install(model)
+    adopt_composable_checkpoints(model)
     return model
 
 
-def _check_tp_options(uses, tp, reshard, cpu_offload, sync_module_states) -> None:
+def _check_tp_options(uses, tp, reshard, cpu_offload, sync_module_states, meshes: Meshes, placed) -> None:
     """Options not built or not tested with tensor-parallel parameters are refused, naming one such parameter."""
     pid = next(iter(tp))
     module_fqn, _, name = uses[pid][0]
@@ -224,31 +249,16 @@ def _check_tp_options(uses, tp, reshard, cpu_offload, sync_module_states) -> Non
         ("cpu_offload", cpu_offload is not None and cpu_offload.offload_params, "not tested yet; train without it"),
         ("reshard_after_forward=int", any(not isinstance(k, bool) for k in reshard.values()),
          "not tested yet; use True or False"),
+        ("other meshes or shard dims (shard_placement_fn, unit_options)",
+         len(meshes.entries) > 1 or any(p.dim for p in placed.values()),
+         "the (dp, tp) DTensor views assume one data-parallel mesh and Shard(0); shard every parameter over the "
+         "call's mesh by rows"),
     ]  # fmt: skip
     for option, given, why in refused:
         if given:
             raise NotImplementedError(
                 f"fully_shard: {option} with tensor-parallel parameters (e.g. {where}) is not supported: {why}."
             )
-
-
-def _offloads_params(cpu_offload: CPUOffload | None) -> bool:
-    if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
-        raise TypeError(f"fully_shard: cpu_offload must be a fsdp_graph.CPUOffload, got {cpu_offload!r}")
-    return cpu_offload is not None and cpu_offload.offload_params
-
-
-def _state_dict_placements(strategy: ShardingStrategy) -> tuple:
-    """The placements that describe a parameter as FSDP2 would: Shard(0) over the shard dim, Replicate over
-    replicas (NO_SHARD: Replicate only). Without a mesh, the world's is made when a state dict is (its device
-    type is the one the flat shards' collectives use then: `.cuda()` may move the model after this call)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    if strategy is ShardingStrategy.NO_SHARD:
-        return (Replicate(),)
-    if strategy.is_hybrid:
-        return (Replicate(), Shard(0))
-    return (Shard(0),)
 
 
 def _check_not_sharded(model: nn.Module) -> None:
@@ -291,7 +301,9 @@ def _select_units(
         group = list(choice) if isinstance(choice, list | tuple) else [choice]
         for m in group:
             if not isinstance(m, nn.Module) or id(m) not in module_fqns:
-                raise ValueError(f"fully_shard: wrap selected a {type(m).__name__} that is not a submodule of the model.")
+                raise ValueError(
+                    f"fully_shard: wrap selected a {type(m).__name__} that is not a submodule of the model."
+                )
         group = sorted(
             {id(m): m for m in group if m is not model and id(m) not in inside_ignored}.values(),
             key=lambda m: order[id(m)],
@@ -304,7 +316,6 @@ def _select_units(
             members[group[-1]] = group[:-1]
     units = sorted({id(m): m for m in units}.values(), key=lambda m: order[id(m)])
     return units + [model], members
-
 
 
 def _collect_parameters(model: nn.Module, ignored: set[int], mesh: DeviceMesh | None):
@@ -362,18 +373,17 @@ def _assign_to_units(params, uses, owner_of_prefix: dict[str, str]) -> dict[int,
 
 
 def _resolve_reshard(
-    spec: ReshardSpec, strategy: ShardingStrategy, units, unit_fqns, shard_world: int
+    spec: ReshardSpec, strategy: ShardingStrategy, units, unit_fqns, shard_worlds: dict[str, int]
 ) -> dict[str, bool | int]:
-    """Each unit's reshard_after_forward: a bool, or an int k with 1 < k < shard_world dividing it (k ==
-    shard_world is True, k == 1 False)."""
+    """Each unit's reshard_after_forward: a bool, or an int k with 1 < k < its shard world dividing it (k == that
+    world is True, k == 1 False); `shard_worlds`: each unit's own mesh's shard group size, by FQN."""
     default = strategy.default_reshard_after_forward
     if strategy is ShardingStrategy.NO_SHARD:
         if spec is not None and spec is not True:
             raise ValueError("fully_shard: NO_SHARD has nothing to reshard; leave reshard_after_forward=None.")
         return dict.fromkeys(unit_fqns, True)
     if spec is None or isinstance(spec, bool | int):
-        value = default if spec is None else _reshard_value(spec, shard_world)
-        return dict.fromkeys(unit_fqns, value)
+        return {fqn: default if spec is None else _reshard_value(spec, shard_worlds[fqn]) for fqn in unit_fqns}
     if not isinstance(spec, Mapping):
         raise TypeError(
             f"fully_shard: reshard_after_forward must be None, a bool, an int or a mapping, got {type(spec)}"
@@ -383,7 +393,7 @@ def _resolve_reshard(
         fqn = key if isinstance(key, str) else next((f for u, f in zip(units, unit_fqns) if u is key), None)
         if fqn not in unit_fqns:
             raise ValueError(f"fully_shard: reshard_after_forward names {key!r}, which is not a unit ({unit_fqns}).")
-        by_key[fqn] = _reshard_value(value, shard_world, key)
+        by_key[fqn] = _reshard_value(value, shard_worlds[fqn], key)
     return {fqn: by_key.get(fqn, default) for fqn in unit_fqns}
 
 
@@ -411,105 +421,3 @@ def _cast_buffers(model: nn.Module, dtype: torch.dtype, ignored_modules) -> None
         for name, buf in module._buffers.items():
             if buf is not None and buf.is_floating_point():
                 module._buffers[name] = buf.to(dtype)
-
-
-def _check_flat_params(name: str, params: list[nn.Parameter], uses) -> None:
-    first = params[0]
-    for p, param_uses in zip(params, uses):
-        if p.dtype != first.dtype or p.device != first.device:
-            fqn = f"{param_uses[0][0]}.{param_uses[0][2]}".lstrip(".")
-            raise TypeError(
-                f"fully_shard: unit '{name or '<root>'}' mixes {first.dtype} on {first.device} with "
-                f"{p.dtype} on {p.device} (parameter '{fqn}'). A flat parameter needs one dtype and device: "
-                "cast the model (model.to(dtype)) or make that module its own unit with the wrap policy."
-            )
-
-
-def _unit_values(members, params, uses, param_init_fn, device, tp) -> dict[int, torch.Tensor]:
-    """Each member's value: itself, or for meta-device parameters, freshly initialised on `device` one owning
-    module at a time (this unit's parameters are the most any rank holds unsharded at once; a tensor-parallel
-    parameter's value is its tp piece)."""
-    values = {pid: params[pid] for pid in members}
-    for pid in members:
-        if values[pid].device.type != "meta":
-            continue
-        module_fqn, module, _ = uses[pid][0]
-        materialized = materialize_module(module, module_fqn or "<root>", device, param_init_fn, tp)
-        for old_id, value in materialized.items():
-            if old_id in values:
-                values[old_id] = value
-    return values
-
-
-def _shard_flat_param(
-    unit,
-    name,
-    params,
-    values,
-    param_uses,
-    tp: list[TPSpec | None],
-    groups: Groups,
-    reshard: bool | int,
-    post_forward: tuple[str, str] | None,
-    mp: MixedPrecision,
-    root_state,
-    compute_device: torch.device | None,
-    device: torch.device,
-    layout_kind: str,
-    views_tp_mesh: DeviceMesh | None | bool,
-) -> FlatParamState:
-    _check_flat_params(name, values, param_uses)
-    layout = LAYOUTS[layout_kind].build(
-        [(tuple(f"{m}.{n}".lstrip(".") for m, _, n in u), v.shape) for v, u in zip(values, param_uses)],
-        groups.shard_world,
-        groups.shard_rank,
-    )
-    shard = layout.shard_of(values)
-    if compute_device is not None:  # pinned: the host-to-device copy of each gather can be asynchronous
-        shard = offload.pinned(shard.to("cpu"))
-    elif moves_to(shard.device, device):
-        shard = shard.to(device)
-    shard.requires_grad_(params[0].requires_grad)
-    index = len(unit.__dict__.get("_fsdp_states", []))
-    state = FlatParamState(
-        module=unit,
-        index=index,
-        name=name,
-        layout=layout,
-        group_name=groups.shard_name,
-        world=groups.shard_world,
-        reshard_after_forward=reshard is not False,
-        root=root_state,
-        param_dtype=mp.param_dtype if mp.param_dtype != shard.dtype else None,
-        reduce_dtype=mp.effective_reduce_dtype,
-        replicate_group=groups.replicate_name,
-        reduce_group=groups.reduce_name,
-        replicate_world=groups.replicate_world,
-        grad_dtype=mp.param_dtype if mp.keep_low_precision_grads else None,
-        compute_device=compute_device,
-        tp=tuple(tp) if any(spec is not None for spec in tp) else (),
-    )
-    if post_forward is not None:
-        state.post_forward_world, (state.piece_group, state.post_forward_group) = reshard, post_forward
-    for slot_index, (orig, slot_uses, spec) in enumerate(zip(params, param_uses, tp)):
-        dtensor_spec = None
-        if views_tp_mesh is not False:  # rows layout with tp parameters or dtensor_params: every view a DTensor
-            slot_shape = layout.slots[slot_index].shape
-            if spec is None:
-                dtensor_spec = replicated_view_spec(
-                    slot_shape, root_state.mesh, root_state.placements, views_tp_mesh, shard.dtype
-                )
-            else:
-                dtensor_spec = view_spec(spec, root_state.mesh, root_state.placements, slot_shape[0], shard.dtype)
-        view = make_view(orig, layout.slots[slot_index].fqns[0], shard, dtensor_spec)
-        state.views.append(view)
-        for _, module, pname in slot_uses:
-            module._parameters[pname] = view
-            module.__dict__.setdefault("_fsdp_views", {})[pname] = ViewSpec(unit, index, slot_index)
-    unit.__dict__.setdefault("_fsdp_states", []).append(state)
-    bind_flat_shard(state, shard)
-    owners = {id(m): m for uses in param_uses for _, m, _ in uses}
-    owners[id(unit)] = unit
-    for module in owners.values():
-        swap_class(module, frozenset(module.__dict__.get("_fsdp_views", {})), is_unit="_fsdp_states" in module.__dict__)
-    return state

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp_graph import compat
 from fsdp_graph.api.config import ShardingStrategy
 from fsdp_graph.runtime.gloo import GLOO_BACKENDS, gloo_timeout, single_thread_gloo_group
 
@@ -154,9 +155,10 @@ def _members_group(rank_lists: list[list[int]], mine: list[int], purpose: str, l
 
 
 def _check_spans_or_slices_world(mesh: DeviceMesh) -> None:
-    """A mesh spans the world, or is named dimensions of one that does (`world_mesh["dp"]`, or
-    `world_mesh["replicate", "shard"]` for HYBRID): then the other dimensions (tensor, pipeline parallel) hold
-    other replicas of the same sharding, and the groups of every slice are known to every rank."""
+    """A mesh spans the world, or is a view of one that does: named dimensions of it (`world_mesh["dp"]`), or a
+    flattened or `_unflatten`ed view (torchtitan's `ParallelDims` makes every mesh so). Then the other ranks of the
+    world hold other replicas of the same sharding, and the groups of every slice are known to every rank (from the
+    mesh's layout over the world's ranks: `_mesh_dim_ranks`)."""
     world = dist.get_world_size()
     root = mesh._get_root_mesh()
     if root.size() != world:
@@ -166,12 +168,19 @@ def _check_spans_or_slices_world(mesh: DeviceMesh) -> None:
             "dimensions of a mesh over the whole world, e.g. init_device_mesh(device_type, (dp, tp), "
             'mesh_dim_names=("dp", "tp"))["dp"].'
         )
-    if root is not mesh and not _root_dims(mesh):
+    if root is not mesh and not _has_layout(mesh) and not _root_dims(mesh):
         raise ValueError(
             f"fully_shard: the mesh {mesh.mesh_dim_names} is a part of a {root.ndim}-D mesh {root.mesh_dim_names} "
-            "that is not one of its named dimensions (a flattened or re-shaped dimension?); pass "
+            "that is not one of its named dimensions (a flattened or re-shaped dimension?), and this torch's "
+            "DeviceMesh has no layout to find the other ranks' groups of it; pass "
             'world_mesh["name"] (or two names for HYBRID_SHARD).'
         )
+
+
+def _has_layout(mesh: DeviceMesh) -> bool:
+    """Whether `mesh` describes itself over the world's ranks (torch's CuTe `_layout` and `_rank_map`: every
+    flattened, unflattened or sliced view of a world mesh), so the groups of all its slices can be listed."""
+    return getattr(mesh, "_layout", None) is not None and getattr(mesh, "_rank_map", None) is not None
 
 
 def _root_dims(mesh: DeviceMesh) -> list[int] | None:
@@ -185,7 +194,11 @@ def _root_dims(mesh: DeviceMesh) -> list[int] | None:
 
 def _mesh_dim_ranks(mesh: DeviceMesh, dim: int) -> list[list[int]]:
     """Every group along mesh dimension `dim` over the whole world, as rank lists (`mesh.get_group(dim)` is this
-    rank's one): for a part of a larger mesh, that dimension's groups in every slice of the world mesh."""
+    rank's one): for a view of a larger mesh, that dimension's groups in every slice of the world mesh, read from
+    the mesh's layout (the one DeviceMesh itself makes the groups from), or by name from the root mesh."""
+    if _has_layout(mesh):
+        groups = compat.mesh_dim_layout(mesh._layout, dim).remap_to_tensor(mesh._rank_map)
+        return groups.reshape(-1, mesh.size(dim)).tolist()
     root = mesh._get_root_mesh()
     if root is mesh:
         return mesh.mesh.movedim(dim, -1).reshape(-1, mesh.mesh.size(dim)).tolist()

@@ -58,11 +58,14 @@ def moves_to(current: torch.device, target: torch.device) -> bool:
 
 def move_buffers(model: nn.Module, device: torch.device, skip: Iterable[nn.Module] = (), *, all_devices: bool) -> None:
     """Every buffer of `model` outside `skip`'s subtrees on `device`: all of them (`all_devices`, CPU offload's
-    compute device), or only those `moves_to` moves."""
+    compute device), or only those `moves_to` moves. Meta buffers stay (a model sharded on meta: `to_empty()` and
+    its init allocate them)."""
     skipped = {id(sub) for m in skip for sub in m.modules()}
     for module in model.modules():
         if id(module) in skipped:
             continue
         for name, buf in module._buffers.items():
-            if buf is not None and buf.device != device and (all_devices or moves_to(buf.device, device)):
+            if buf is None or buf.device == device or buf.device.type == "meta":
+                continue
+            if all_devices or moves_to(buf.device, device):
                 module._buffers[name] = buf.to(device)

@@ -1,8 +1,8 @@
 """Gradient accumulation without communication: `no_sync` / `set_requires_gradient_sync` (FSDP1/FSDP2 names).
 
 While gradient sync is off, each backward adds every unit's UNREDUCED full-size gradient into an accumulator
-(in the flat shard's dtype) and communicates nothing; the first backward with sync on adds the accumulator to its
-own gradient and reduces the sum once. Costs one full unsharded gradient per unit in memory, as in FSDP.
+(in the flat shard's dtype) and communicates nothing; the first backward with sync on takes the accumulated
+gradient (`ops.take_accumulated`), adds it to its own and reduces the sum once. Costs one full unsharded gradient per unit in memory, as in FSDP.
 
 Under torch.compile the sync flag and whether an accumulated gradient is pending are guarded values: a loop that
 alternates `no_sync` microbatches with a synced one uses two graphs (three if it also runs plain steps), each
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from fsdp_graph.ir.ops import REDUCE_SIGNATURE, UNSHARD_SIGNATURE, reduce_args
+from fsdp_graph.ir.ops import REDUCE_SIGNATURE, UNSHARD_SIGNATURE, reduce_args, register_accumulator
 from fsdp_graph.runtime import offload
 from fsdp_graph.runtime.unit import FlatParamState
 
@@ -32,6 +32,8 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
         for state in root.flat_params:
             if state.flat_shard.requires_grad and state.unsynced is None:
                 _add_accumulator(state)
+            elif state.unsynced is not None:
+                register_accumulator(state.unsynced)  # (again: a deep copy of the model has leaves of its own)
     root.requires_gradient_sync = bool(requires_gradient_sync)
 
 
@@ -52,8 +54,8 @@ def reduce_accumulated(model: nn.Module) -> int:
     backward would; returns how many flat parameters it reduced (one reduction each).
 
     For schedules that run a microbatch's forward before earlier microbatches' backwards (pipeline parallelism):
-    a synced backward reduces what was accumulated when its FORWARD ran (the graph takes it as an input), which is
-    too early there. Each gradient goes through `fsdp.reduce_grad` eagerly with the arguments the backward would
+    a synced backward adds the accumulated gradient only if one was pending when its FORWARD ran (the graph is
+    chosen then), which is too early there. Each gradient goes through `fsdp.reduce_grad` eagerly with the arguments the backward would
     use (`ops.reduce_args`), then through autograd into the flat shard, so its hook hands `.grad` out (added to an
     existing one) and runs the `after_grad` callbacks exactly as after a backward."""
     root = _root(model, "reduce_accumulated")
@@ -99,9 +101,4 @@ def _add_accumulator(state: FlatParamState) -> None:
     leaf = torch.zeros((), dtype=shard.dtype, device=device).expand(state.layout.padded_numel)
     state.unsynced = leaf.requires_grad_()
     torch._dynamo.mark_static(leaf)  # fixed size, like the flat shards
-
-    def drop_reduced() -> None:
-        if state.root.requires_gradient_sync:
-            leaf.grad = None
-
-    state.after_grad.insert(0, drop_reduced)
+    register_accumulator(leaf)

@@ -193,6 +193,7 @@ class FSDPBackend:
         dumper.graph("00_dynamo", gm)
         _check_sharded(gm, example_inputs)
         start = time.perf_counter()
+        passes.lift_region_mutations(gm)  # before AOT autograd, which refuses to train a body writing its input
         passes.dedup_unshard(gm)
         self.pass_seconds["dedup"] += time.perf_counter() - start
         dumper.graph("01_dedup", gm)

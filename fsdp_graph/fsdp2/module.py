@@ -67,6 +67,7 @@ class FSDP2Module(TorchFSDPModule):
             return
         root.forward_depth = 0
         root.gathered.clear()
+        root.recompute = None
         if root.saved_hooks is not None:
             eager_reshard.end(root.saved_hooks)
         root.session = root.saved_hooks = None

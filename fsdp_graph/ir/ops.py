@@ -8,10 +8,13 @@ the un-lowered graph, the eager path and the lowered graph all compute the same 
 from __future__ import annotations
 
 import math
+import weakref
 from collections import namedtuple
 from typing import Any
 
 import torch
+
+from fsdp_graph.ir.comm_debug import count_inside, issue
 
 _c10d = torch.ops._c10d_functional
 
@@ -132,13 +135,15 @@ def unshard(
     Gradient sync (`no_sync`) only changes the backward, through `sync` and `unsynced`:
     - `sync=False`: `unsynced` is a full-size leaf; the unreduced gradient becomes ITS gradient (autograd
       accumulates it over microbatches) and the shard gets none, so nothing is communicated.
-    - `sync=True` with `unsynced` (the accumulated gradient): it is added before the one reduction.
+    - `sync=True` with `unsynced` (that leaf, holding an accumulated gradient): the backward takes the gradient
+      (`take_accumulated`) and adds it before the one reduction; a later backward finds none left to add.
 
     Replica all-reduce (`set_requires_all_reduce`, HYBRID) likewise, through `all_reduce` and `partial`:
     - `all_reduce=False`: `partial` is a shard-size leaf on the device gradients are reduced on (`compute_device`
       under CPU offload); the reduce-scattered, not yet all-reduced sum becomes ITS gradient (accumulated by
       autograd, no copy) and the shard gets none.
-    - `all_reduce=True` with `partial` (the accumulated partial sum): it is added before the all-reduce.
+    - `all_reduce=True` with `partial` (that leaf, holding a partial sum): the backward takes it and adds it before
+      the all-reduce.
 
     `gathered` (`set_reshard_after_backward(False)` in a compiled step): this flat parameter as gathered by an
     earlier step and kept; the forward communicates nothing and returns it (the lowering pass forwards the input
@@ -162,7 +167,8 @@ def unshard(
 def gather_pieces(piece: torch.Tensor, group: str, k: int, world: int) -> torch.Tensor:
     """The full flat parameter, in rank order, from this rank's 1/k piece (`unshard`'s second step; the eager
     backward's re-gather under `reshard_after_forward=k`)."""
-    return rank_order(wait_gather(_c10d.all_gather_into_tensor(piece.contiguous(), k, group), k), k, world)
+    gathered = issue("all_gather", _c10d.all_gather_into_tensor, piece.contiguous(), k, group)
+    return rank_order(wait_gather(gathered, k), k, world)
 
 
 def rank_order(node_major: torch.Tensor, k: int, world: int) -> torch.Tensor:
@@ -187,7 +193,7 @@ def start_gather(
     cast = _cast(moved, dtype)
     if world == 1:
         return cast.clone() if cast is shard else cast
-    return _c10d.all_gather_into_tensor(cast.contiguous(), world, group)
+    return issue("all_gather", _c10d.all_gather_into_tensor, cast.contiguous(), world, group)
 
 
 def wait_gather(started: torch.Tensor, world: int) -> torch.Tensor:
@@ -238,10 +244,12 @@ def reduce_grad(
         group, grad.device
     ):  # as passes.all_to_all lowers it: gloo has no native reduce-scatter
         chunk = grad.numel() // world
-        grad = _c10d.wait_tensor(_c10d.all_to_all_single(grad, [chunk] * world, [chunk] * world, group))
+        grad = _c10d.wait_tensor(
+            issue("reduce_scatter", _c10d.all_to_all_single, grad, [chunk] * world, [chunk] * world, group)
+        )
         grad = grad.view(world, chunk).sum(0)
     elif world > 1:
-        grad = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, "sum", world, group))
+        grad = _c10d.wait_tensor(issue("reduce_scatter", _c10d.reduce_scatter_tensor, grad, "sum", world, group))
     if undivided > 1 and (partial is not None or not all_reduce):  # a partial sum is divided by `pre`
         grad, undivided = grad / undivided, 1
     if partial is not None:
@@ -250,7 +258,7 @@ def reduce_grad(
         averaged = _cast(grad, out_dtype)
         return averaged if out_device is None else averaged.to(out_device, non_blocking=True)
     if replicate_world > 1:
-        grad = _c10d.wait_tensor(_c10d.all_reduce(grad, "sum", replicate_group))
+        grad = _c10d.wait_tensor(issue("all_reduce", _c10d.all_reduce, grad, "sum", replicate_group))
     averaged = _cast(grad / (post * undivided), out_dtype)
     return averaged if out_device is None else averaged.to(out_device, non_blocking=True)
 
@@ -298,32 +306,78 @@ def reduce_args(a: Any) -> dict[str, Any]:
     }
 
 
+# Accumulator leaves by storage address (`register_accumulator`): a compiled backward gets a detached alias of the
+# leaf the forward was given, which shares its storage but not its `.grad`.
+_ACCUMULATORS: dict[int, weakref.ref] = {}
+
+
+def register_accumulator(leaf: torch.Tensor) -> None:
+    """Make `leaf` (an accumulator leaf of the runtime: no_sync's, set_requires_all_reduce's) findable by
+    `take_accumulated` from any tensor sharing its storage."""
+    address = leaf.untyped_storage().data_ptr()
+
+    def forget(ref: weakref.ref) -> None:
+        if _ACCUMULATORS.get(address) is ref:
+            del _ACCUMULATORS[address]
+
+    _ACCUMULATORS[address] = weakref.ref(leaf, forget)
+
+
+@torch.library.custom_op("fsdp::take_accumulated", mutates_args=())
+def take_accumulated(accumulator: torch.Tensor) -> torch.Tensor:
+    """The gradient pending in the `.grad` of the accumulator leaf `accumulator` is (or aliases), taken: that `.grad`
+    is None afterwards. Called by the op's backward when it reduces (eager, or inside a compiled backward: an op,
+    so it runs then), it gives an accumulated gradient to exactly one reduction, as FSDP2's post-backward does,
+    whichever backward of the step comes first; the others get zeros."""
+    ref = _ACCUMULATORS.get(accumulator.untyped_storage().data_ptr())
+    leaf = ref() if ref is not None else None
+    if leaf is None:
+        raise RuntimeError(
+            "fsdp::take_accumulated: the gradient accumulator reached the backward as a copy (a saved-tensor hook "
+            "that copies, e.g. save_on_cpu, around a compiled forward?); accumulated gradients cannot be found. "
+            "Run that forward without the hook, or eagerly."
+        )
+    pending = leaf.grad
+    if pending is None:
+        return torch.zeros(leaf.shape, dtype=leaf.dtype, device=leaf.device)
+    leaf.grad = None
+    return pending
+
+
+@take_accumulated.register_fake
+def _take_accumulated_fake(accumulator: torch.Tensor) -> torch.Tensor:
+    return torch.empty(accumulator.shape, dtype=accumulator.dtype, device=accumulator.device)
+
+
 def _unshard_setup_context(ctx, inputs, output) -> None:
     a = UNSHARD_SIGNATURE.bind(inputs, {})
     ctx.reduce_args = reduce_args(a)
     ctx.sync = a.sync
-    ctx.has_unsynced, ctx.has_partial = a.unsynced is not None, a.partial is not None
-    ctx.save_for_backward(*(t for t in (a.unsynced, a.partial) if t is not None))
+    # The accumulator leaves themselves, not saved tensors: a saved tensor comes back as another tensor object
+    # whenever saved-tensor hooks run (every eager forward has ours), without the `.grad` the backward takes.
+    ctx.unsynced, ctx.partial = a.unsynced, a.partial
 
 
 def _unshard_backward(ctx, grad: torch.Tensor):
-    saved = list(ctx.saved_tensors)
-    unsynced = saved.pop(0) if ctx.has_unsynced else None
-    partial = saved.pop(0) if ctx.has_partial else None
+    unsynced, partial = ctx.unsynced, ctx.partial
     if not ctx.sync:  # no_sync: the unreduced gradient goes to the accumulator leaf, nothing to the shard
         return UNSHARD_SIGNATURE.gradients(unsynced=grad.to(unsynced.dtype))
     if unsynced is not None:  # the last microbatch after no_sync: one reduction of everything accumulated
-        grad = grad.to(unsynced.dtype) + unsynced
+        grad = grad.to(unsynced.dtype) + take_accumulated(unsynced)
     if not ctx.reduce_args["all_reduce"]:  # the partial sum goes to the partial leaf, nothing to the shard
         # The leaf lives where gradients are reduced (CPU offload included): no copy to the shard's device.
         args = {"full_grad": grad, **ctx.reduce_args, "out_device": None}
         reduced = reduce_grad(*REDUCE_SIGNATURE.call_args(args))
         return UNSHARD_SIGNATURE.gradients(partial=reduced.to(partial.dtype))
+    if partial is not None:
+        partial = take_accumulated(partial)
     reduced = reduce_grad(*REDUCE_SIGNATURE.call_args({"full_grad": grad, **ctx.reduce_args, "partial": partial}))
     return UNSHARD_SIGNATURE.gradients(shard=reduced)
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
+count_inside(unshard)
+count_inside(reduce_grad)
 
 
 class _ReuseGathered(torch.autograd.Function):

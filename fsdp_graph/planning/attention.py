@@ -1,4 +1,5 @@
-"""Planning on the meta device: scaled-dot-product attention as the fused kernel a real device runs.
+"""Planning on the meta device: scaled-dot-product attention as the fused kernel a real device runs, and the
+partitioner's rng wrappers (full activation checkpointing) runnable on meta tensors.
 
 On meta tensors `F.scaled_dot_product_attention` can only take its math fallback: in bf16 it upcasts to fp32 and
 materialises a (batch, heads, seq, seq) score matrix and its softmax, which the backward keeps. No GPU (and no CPU
@@ -61,3 +62,41 @@ def _additive_bias(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Te
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
     return mask.to(query.dtype).expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+
+
+@contextmanager
+def random_ops_on_meta() -> Iterator[None]:
+    """Let the partitioner's rng wrappers run on meta tensors while the context is open.
+
+    Under activation checkpointing, AOT autograd's partitioner recomputes a random op (the memory-efficient
+    attention kernel is tagged random for its dropout) through `run_and_save_rng_state(op, ...)` in the forward
+    and `run_with_rng_state(state, op, ...)` in the backward. Their kernels pick the generator by the inputs'
+    device and know cuda, cpu, hpu and xpu, so running the graphs on meta tensors raised "Backend not supported
+    for meta": full activation checkpointing could not be planned. On meta inputs the wrappers here run the op
+    and hand back an empty meta state (there is no generator to save on meta); other devices keep torch's kernels.
+    """
+    from torch._C import DispatchKey
+    from torch._prims.rng_prims import get_device, run_and_save_rng_state, run_with_rng_state
+
+    key = DispatchKey.BackendSelect
+    saved = {op: op.py_kernels[key] for op in (run_and_save_rng_state, run_with_rng_state)}
+
+    def save_state(op, *args, **kwargs):
+        if get_device(args, kwargs) == "meta":
+            return torch.empty(0, dtype=torch.uint8, device="meta"), op(*args, **kwargs)
+        return saved[run_and_save_rng_state](op, *args, **kwargs)
+
+    def with_state(rng_state, op, *args, **kwargs):
+        if get_device(args, kwargs) == "meta":
+            return op(*args, **kwargs)
+        return saved[run_with_rng_state](rng_state, op, *args, **kwargs)
+
+    for op, kernel in ((run_and_save_rng_state, save_state), (run_with_rng_state, with_state)):
+        op.py_kernels[key] = kernel
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in saved.items():
+            op.py_kernels[key] = kernel
+            op._dispatch_cache.clear()

@@ -9,6 +9,7 @@ compute has to wait for (`passes.cost`). The process group may be the fake one, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -22,7 +23,10 @@ from torch.utils._pytree import tree_flatten
 
 from fsdp_graph.compiler.backend import GraphReport, make_backend
 from fsdp_graph.ir import META_BUCKET, META_ROLE, ROLE_REDUCE
-from fsdp_graph.planning.attention import fused_attention_on_meta
+from fsdp_graph.planning.attention import fused_attention_on_meta, random_ops_on_meta
+from fsdp_graph.planning.groups import group_ranks, group_roles, other_group_sizes
+from fsdp_graph.planning.optimizer import OptimizerModel, optimizer_model
+from fsdp_graph.planning.step import StepExtras
 from fsdp_graph.runtime.unit import FlatParamState, flat_params
 from passes.cost import (
     HARDWARE,
@@ -66,7 +70,7 @@ class ExplainReport:
 
     world: int
     hardware: Hardware
-    executor: str  # "inductor" or "eager kernels": which executor the memory estimate models
+    executor: str  # "inductor", "unfused kernels" (no torch.compile) or "eager kernels" (the aot backend)
     units: list[UnitRow]
     memory: MemoryEstimate
     forward: Simulation
@@ -76,10 +80,28 @@ class ExplainReport:
     group_sizes: dict[str, int] = field(default_factory=dict)  # process group name -> size
     # process group name -> the world mesh dimension whose group it is ("dp", "tp"), where fully_shard got a mesh
     group_roles: dict[str, str] = field(default_factory=dict)
+    group_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # process group name -> its ranks
+    extras: StepExtras = field(default_factory=StepExtras)  # the optimizer step and the allocator
+    attention_window: int | None = None
 
     @property
     def step_time(self) -> float:
-        return (self.backward or self.forward).end
+        """The forward and backward (their collectives included), then the optimizer step and clipping."""
+        return (self.backward or self.forward).end + self.optimizer_time
+
+    @property
+    def optimizer_time(self) -> float:
+        return self.extras.optimizer_seconds(self.hardware)
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        return self.extras.state_bytes()
+
+    @functools.cached_property
+    def reserved_bytes(self) -> int:
+        """The CUDA caching allocator's peak reserved bytes for this plan (`passes.allocator`; over two steps,
+        the optimizer's state and temporaries included): what `torch.cuda.max_memory_reserved` reports."""
+        return self.extras.reserved_bytes(self.memory)
 
     @property
     def comm_time(self) -> float:
@@ -125,8 +147,10 @@ class ExplainReport:
 
     @property
     def peak_memory_bytes(self) -> int:
-        """Persistent bytes (flat shards, buffers, the batch) plus the peak of what the step allocates."""
-        return self.memory.total_peak_bytes
+        """Persistent bytes (flat shards, buffers, the batch) plus the peak of what the step allocates, with the
+        optimizer's state (and its step's temporaries) when `explain(optimizer=...)` planned one: the peak
+        `torch.cuda.max_memory_allocated` reports."""
+        return self.extras.peak_bytes(self.memory)
 
     @property
     def _simulations(self) -> list[Simulation]:
@@ -136,7 +160,15 @@ class ExplainReport:
         """The same plan timed on other hardware (a preset name or a `Hardware`; keyword arguments override its
         fields, e.g. `link_bytes_per_s=100e9`), without compiling again."""
         hw = dataclasses.replace(_hardware(hardware), **overrides)
-        forward, backward = _simulate(self.graphs, hw, self.world, self.group_sizes)
+        forward, backward = _simulate(
+            self.graphs,
+            hw,
+            self.world,
+            self.group_sizes,
+            self.executor == "inductor",
+            self.group_ranks,
+            self.attention_window,
+        )
         return dataclasses.replace(self, hardware=hw, forward=forward, backward=backward)
 
     def to_text(self) -> str:
@@ -202,6 +234,13 @@ class ExplainReport:
             + f"); communication {_fmt_time(self.comm_time)}, exposed {_fmt_time(self.exposed_comm)} "
             f"({100 * self.exposed_fraction:.1f}% of the step)",
         ]
+        if self.extras.optimizer is not None:
+            opt = self.extras.optimizer
+            lines.append(
+                f"optimizer: {opt.name} ({opt.implementation}{', clipping' if opt.clip else ''}), state "
+                f"{self.optimizer_state_bytes / _MIB:.3f} MiB, step {_fmt_time(self.optimizer_time)} (in the step time)"
+            )
+        lines.append(f"reserved by the caching allocator: {self.reserved_bytes / _MIB:.3f} MiB")
         return "\n".join(lines)
 
     def save(self, path: str) -> None:
@@ -301,6 +340,11 @@ def explain(
     hardware: str | Hardware = "cpu-gloo",
     example_kwargs: dict | None = None,
     fused_attention: bool = True,
+    optimizer: str | torch.optim.Optimizer | OptimizerModel | None = None,
+    clip_grad: bool = False,
+    attention_window: int | None = None,
+    expandable_segments: bool = False,
+    fusion: bool | None = None,
     **backend_options,
 ) -> ExplainReport:
     """Plan one training step of a model sharded with `fully_shard`, on this rank.
@@ -321,6 +365,14 @@ def explain(
     `fused_attention` (meta-device models): plan `F.scaled_dot_product_attention` as the memory-efficient fused
     kernel a real device runs (`fsdp_graph.planning.attention`), not the math fallback meta tracing would take (an
     fp32 score matrix per layer). False plans what meta traces.
+
+    `optimizer` (a torch.optim AdamW/Adam/SGD, or a name such as "adamw", "adamw-fused", "sgd-momentum"; see
+    `fsdp_graph.planning.optimizer`) adds the optimizer step to the plan: its state to the memory, its time (and
+    with `clip_grad`, gradient-norm clipping's) to the step. `attention_window` (tokens) plans causal attention
+    as a sliding window of that many keys. `expandable_segments` picks the caching allocator's mode for
+    `report.reserved_bytes` (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True). `fusion` (default: as `inductor`)
+    costs kernels as Inductor fuses them (`passes.fusion`); `inductor=True, fusion=False` plans PyTorch without
+    torch.compile (one kernel per op, each input freed at its last use).
     """
     module = getattr(model, "_orig_mod", model)  # a torch.compile'd module: plan the module itself
     states = flat_params(module)
@@ -330,11 +382,14 @@ def explain(
             f"(got an unsharded {type(module).__name__})."
         )
     hardware = _hardware(hardware)
+    model_of_optimizer = None if optimizer is None else optimizer_model(optimizer, clip_grad)
     inductor = bool(backend_options.pop("inductor", True))
+    fused = inductor if fusion is None else fusion
     backend = make_backend(inductor=False, keep_graphs=True, **backend_options)
     # Static shapes: Dynamo would otherwise make a plan depend on the shapes earlier plans traced (automatic dynamic).
     compiled = torch.compile(_step, backend=backend, fullgraph=True, dynamic=False)
-    with _state_preserved(module, states), fused_attention_on_meta() if fused_attention else nullcontext():
+    meta_kernels = fused_attention_on_meta() if fused_attention else nullcontext()
+    with _state_preserved(module, states), meta_kernels, random_ops_on_meta():
         try:
             loss = compiled(module, loss_fn, tuple(example_inputs), dict(example_kwargs or {}))
             if isinstance(loss, torch.Tensor) and loss.requires_grad:
@@ -360,11 +415,15 @@ def explain(
     group_sizes.update({s.replicate_group: s.replicate_world for s in states if s.replicate_group})
     group_sizes.update({s.post_forward_group: s.post_forward_world for s in states if s.post_forward_group})
     group_sizes.update({s.piece_group: s.world // s.post_forward_world for s in states if s.piece_group})
-    group_sizes.update(_other_group_sizes(graphs, group_sizes))
-    fw_sim, bw_sim = _simulate(graphs, hardware, world, group_sizes)
-    memory = estimate_memory(graphs[0].graph, graphs[1].graph if backward else None, release_inputs=inductor)
+    group_sizes.update(other_group_sizes(graphs, group_sizes))
+    ranks = group_ranks(group_sizes)
+    fw_sim, bw_sim = _simulate(graphs, hardware, world, group_sizes, fused, ranks, attention_window)
+    memory = estimate_memory(
+        graphs[0].graph, graphs[1].graph if backward else None, release_inputs=inductor, fused=fused
+    )
     rows, other = _unit_rows(states, graphs)
-    executor = "inductor" if inductor else "eager kernels"
+    executor = ("inductor" if fused else "unfused kernels") if inductor else "eager kernels"
+    extras = StepExtras(model_of_optimizer, _param_elements(states), states[0].world, expandable_segments)
     return ExplainReport(
         world,
         hardware,
@@ -376,38 +435,24 @@ def explain(
         other,
         graphs,
         group_sizes,
-        _group_roles(states, list(group_sizes)),
+        group_roles(states, list(group_sizes)),
+        ranks,
+        extras,
+        attention_window,
     )
 
 
-def _other_group_sizes(graphs: Sequence[GraphReport], known: Mapping[str, int]) -> dict[str, int]:
-    """The sizes of the groups the graphs' other collectives run on (tensor parallel's all-reduces on the tp
-    dimension, from DTensor), from the process groups themselves: without them they would be sized as the world."""
-    sizes = {}
-    for report in graphs:
-        for node, _, _ in iter_collectives(report.graph):
-            name = bind_args(node).get("group_name")
-            if isinstance(name, str) and name not in known and name not in sizes:
-                sizes[name] = dist.distributed_c10d._resolve_process_group(name).size()
-    return sizes
-
-
-def _group_roles(states: Sequence[FlatParamState], groups: Sequence[str]) -> dict[str, str]:
-    """Group name -> the world mesh dimension it is this rank's group of ("dp", "tp", ...), matched by ranks (ours
-    on gloo are copies of the mesh's groups, with other names); groups matching no single dimension are left out."""
-    mesh = next((s.root.mesh for s in states if s.root.mesh is not None), None)
-    if mesh is None or not mesh.mesh_dim_names:
-        return {}
-    root = mesh._get_root_mesh()
-    by_ranks: dict[tuple[int, ...], str] = {}
-    for name in root.mesh_dim_names or ():
-        by_ranks.setdefault(tuple(dist.get_process_group_ranks(root[name].get_group())), name)
-    roles = {}
-    for group in groups:
-        ranks = tuple(dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group)))
-        if ranks in by_ranks:
-            roles[group] = by_ranks[ranks]
-    return roles
+def _param_elements(states: Sequence[FlatParamState]) -> tuple[int, ...]:
+    """Elements of this rank's shard of every trainable parameter (what the optimizer steps): each slot's share of
+    its unit's shard."""
+    elements = []
+    for state in states:
+        if not state.flat_shard.requires_grad:  # a unit's frozen parameters: nothing to step
+            continue
+        total = state.layout.numel
+        for slot in state.layout.slots:
+            elements.append(-(-slot.numel * state.layout.shard_numel // max(total, 1)))
+    return tuple(elements)
 
 
 def _ignores_gradient(bw: fx.GraphModule) -> bool:
@@ -426,9 +471,21 @@ def _hardware(hardware: str | Hardware) -> Hardware:
 
 
 def _simulate(
-    graphs: Sequence[GraphReport], hardware: Hardware, world: int, group_sizes: dict[str, int]
+    graphs: Sequence[GraphReport],
+    hardware: Hardware,
+    world: int,
+    group_sizes: dict[str, int],
+    fused: bool = False,
+    group_ranks: Mapping[str, tuple[int, ...]] | None = None,
+    attention_window: int | None = None,
 ) -> tuple[Simulation, Simulation | None]:
-    forward = simulate(graphs[0].graph, hardware, world, group_sizes=group_sizes)
+    options = {
+        "group_sizes": group_sizes,
+        "fused": fused,
+        "group_ranks": group_ranks,
+        "attention_window": attention_window,
+    }
+    forward = simulate(graphs[0].graph, hardware, world, **options)
     if len(graphs) < 2:
         return forward, None
-    return forward, simulate(graphs[1].graph, hardware, world, group_sizes=group_sizes, start=forward.end)
+    return forward, simulate(graphs[1].graph, hardware, world, start=forward.end, **options)

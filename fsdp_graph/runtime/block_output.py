@@ -7,8 +7,8 @@ returns only the fresh tensors (`split_output`) and records a template of the re
 that it can be read at trace time; the caller rebuilds the block's output from it (`rebuild_output`).
 
 A template is, recursively:
-- `FRESH`: the next tensor the body returns;
-- `("arg", i)` / `("kwarg", name)`: that argument of the call itself;
+- `FRESH` (or `("fresh",)` at the top, where None would read as "no template"): the next tensor the body returns;
+- `("arg", i)` / `("kwarg", name)`: that argument of the call itself (a tensor, or any object: a cache);
 - `("constant", value)`: a bool, int, float, str or None;
 - `("sequence", cls, items)`: a tuple, list or namedtuple of `cls`;
 - `("mapping", cls, keys, items)`: a dict (or a subclass built from its items) of `cls`;
@@ -29,18 +29,22 @@ FRESH = None
 _CONSTANTS = (bool, int, float, str, type(None))
 
 
-def split_output(out: object, args: tuple, kwargs: dict) -> tuple[object, tuple[torch.Tensor, ...]]:
+def split_output(
+    out: object, args: tuple, kwargs: dict, explicit: bool = False
+) -> tuple[object, tuple[torch.Tensor, ...]]:
     """(template, the fresh tensors in template order) of `out`, a block's output; template None when `out` is a
-    tensor or a plain tuple of fresh tensors, which torch accepts as they are."""
+    tensor or a plain tuple of fresh tensors, which torch accepts as they are, unless `explicit` (the body returns
+    more tensors after the output's)."""
     # compared with `is`, not looked up by `id()`: Dynamo guards a traced tensor's id (a recompile every step)
-    inputs = [(place, value) for place, value in _argument_places(args, kwargs) if isinstance(value, torch.Tensor)]
+    inputs = [(place, value) for place, value in _argument_places(args, kwargs) if not isinstance(value, _CONSTANTS)]
     tensors: list[torch.Tensor] = []
     template = _template(out, inputs, tensors)
-    if template is FRESH or (
+    plain = template is FRESH or (
         type(out) is tuple and template[0] == "sequence" and all(item is FRESH for item in template[2])
-    ):
+    )
+    if plain and not explicit:
         return None, out if isinstance(out, tuple) else (out,)
-    return template, tuple(tensors)
+    return ("fresh",) if template is FRESH else template, tuple(tensors)
 
 
 def refusal(template: object) -> str | None:
@@ -67,14 +71,14 @@ def _argument_places(args: tuple, kwargs: dict) -> list[tuple[tuple, object]]:
 
 
 def _template(item: object, inputs: list, tensors: list) -> object:
-    if isinstance(item, torch.Tensor):
-        for place, value in inputs:
-            if value is item:
-                return place
-        tensors.append(item)
-        return FRESH
     if isinstance(item, _CONSTANTS):
         return ("constant", item)
+    for place, value in inputs:
+        if value is item:
+            return place
+    if isinstance(item, torch.Tensor):
+        tensors.append(item)
+        return FRESH
     if dataclasses.is_dataclass(item) and not isinstance(item, type):
         fields = dataclasses.fields(item)
         skipped = [field.name for field in fields if not field.init]
@@ -101,7 +105,7 @@ def _class(item: object) -> type | str:
 
 
 def _rebuild(template: object, tensors, args: tuple, kwargs: dict) -> object:
-    if template is FRESH:
+    if template is FRESH or template == ("fresh",):
         return next(tensors)
     kind = template[0]
     if kind == "arg":

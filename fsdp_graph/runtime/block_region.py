@@ -10,8 +10,9 @@ before (a block's gather can still be issued before the previous block's region 
 
 The body stores the flats on the unit while the original forward runs, a side effect, which makes Dynamo's own
 guard-based reuse refuse the region; the reuse is therefore keyed by `reuse_hash_fn` (`_reuse_key`): the unit's
-structure, computed here when it is made reusable, and its training flag. Dynamo installs no guards for the
-stamped-out copies, so changing a reused unit's plain attributes after compiling does not recompile it.
+structure, computed here when it is made reusable, its training flag and the call's pattern (grad mode, argument
+kinds, dtypes, static sizes, constants; requires_grad where the body's outputs follow it). Dynamo installs no guards
+for the stamped-out copies, so changing a reused unit's plain attributes after compiling does not recompile it.
 
 Inside the body, each parameter read is annotated `fsdp_graph.ir.REGION_PARAM_ANNOTATION`; `passes.tag_reshard`
 tags those views of the body's inputs `MUST_RECOMPUTE`, so the body's partition saves the gathered flat (an input)
@@ -19,11 +20,15 @@ rather than copies of the parameters, and the outer graph's reshard tags decide 
 re-gathers (docs/design-notes.md, "Compile once per block").
 
 What torch refuses to reuse a body for never reaches it (docs/design-notes.md, "Block reuse on the models people
-bring"): a call with an argument other than tensors, numbers, strings, None and modules (transformers' KV cache
-objects) runs the unit's own forward, with one warning; an output's non-tensors, returned arguments (T5's blocks) and
-structure (dicts, dataclasses, `ModelOutput`s) are taken out of the body and put back by the caller from a template
-recorded at trace time (`block_output`); an output that cannot be rebuilt so runs the unit's own forward, with one
-warning.
+bring" and "Block reuse with writes, KV caches and Python side effects"): a transformers KV cache empty for the
+layer becomes a fresh empty cache inside the body, its updates replayed outside (`block_cache`); a call with any
+other argument but tensors, numbers, strings, None and modules (a cache holding keys already: decoding) runs the
+unit's own forward, with one warning; an output's non-tensors, returned arguments (T5's blocks) and structure
+(dicts, dataclasses, `ModelOutput`s) are taken out of the body and put back by the caller from a template recorded
+at trace time (`block_output`); an output that cannot be rebuilt so, or a forward writing a Python attribute, runs
+the unit's own forward, with one warning. In-place writes of buffers and inputs stay in the body until the backend
+moves them out (`passes.lift_region_mutations`). With `reuse_blocks=True` each of those fallbacks raises
+`ReuseBlocksError` instead.
 """
 
 from __future__ import annotations
@@ -35,19 +40,24 @@ import torch
 import torch.nn as nn
 from torch._dynamo.comptime import comptime
 
+from fsdp_graph import compat
 from fsdp_graph.ir import REGION_PARAM_ANNOTATION
+from fsdp_graph.runtime import block_cache
 from fsdp_graph.runtime.block_output import rebuild_output, refusal, split_output
 from fsdp_graph.runtime.flat_param import ParamSlot
 
 REGION_FLATS = "_fsdp_region_flats"  # the gathered flats a unit's body reads while it runs (compiled only)
-BLOCK_KEY = "_fsdp_block_key"  # the structure key `_reuse_key` returns
+BLOCK_KEY = "_fsdp_block_key"  # the unit's structure, part of the key `_reuse_key` returns
+CACHE_LAYER = "_fsdp_cache_layer"  # the layer index a transformers layer addresses its KV cache with
+STRICT = "_fsdp_reuse_strict"  # reuse_blocks=True: a unit that cannot share a body raises instead of warning
 
 _PLAIN = (bool, int, float, str, type(None))
 _REUSING_CLASSES: dict[type, type] = {}
-_UNKEYED = frozenset({"training", BLOCK_KEY})
+_UNKEYED = frozenset({"training", BLOCK_KEY, CACHE_LAYER, STRICT})
 # transformers' layers keep their index only to address a KV cache (`cache.update(..., self.layer_idx)`, read
-# nowhere else in forward in the families tested); a call passing a cache object never runs a shared body (it is an
-# argument torch refuses), so the index cannot be baked into one.
+# nowhere else in forward in the families tested). In a shared body the cache is a fresh empty one, whose answers do
+# not depend on the index, and its updates are replayed outside with the caller's own index (`block_cache`): an
+# update at another index refuses the body, so the traced layer's index is never baked into another layer's call.
 _CACHE_INDEX = frozenset({"layer_idx"})
 
 
@@ -72,6 +82,43 @@ def reuse_refusals(unit_fqns: list[str], assignment: dict[int, str], uses: dict,
     `uses` to the (module FQN, module, name) reading them, `tp` holds the tensor-parallel ones."""
     refusals = {unit: _refusal(unit, unit_fqns, assignment, uses, tp) for unit in unit_fqns if unit}
     return {unit: why for unit, why in refusals.items() if why is not None}
+
+
+def reuse_lost(
+    refused: dict[str, str], units: list[nn.Module], unit_fqns: list[str], group_members: dict
+) -> dict[str, str]:
+    """Of the `refused` units (FQN -> why; `units` in model order, the root last; `group_members`: the other modules
+    of each unit of several), those that would have shared a body: another unit (not the root) has the same module
+    classes. A unit of a structure of its own (an output head with its final norm as one unit of several modules)
+    is traced once either way, so its refusal costs nothing and is not worth a warning."""
+
+    def structure(unit: nn.Module) -> tuple[type, ...]:
+        return tuple(type(m) for m in (*group_members.get(unit, ()), unit))
+
+    counts: dict[tuple[type, ...], int] = {}
+    for unit in units[:-1]:
+        counts[structure(unit)] = counts.get(structure(unit), 0) + 1
+    by_fqn = dict(zip(unit_fqns, units))
+    return {fqn: why for fqn, why in refused.items() if counts[structure(by_fqn[fqn])] > 1}
+
+
+def buffer_refusals(units: dict[str, nn.Module]) -> dict[str, str]:
+    """Under a torch without `nested_compile_region(reuse_hash_fn=)` (2.11): for each unit (FQN -> module) holding a
+    buffer, why it cannot share a body. torch 2.11's invoke_subgraph fails the backward of a shared body that writes
+    a buffer ("Trying to backward through the graph a second time"; measured: running statistics, counters, a cache
+    written through a view), and whether a forward writes its buffers is known only once it is traced; a unit
+    without buffers (a transformer block whose rotary table is the model's) shares its body as on torch 2.13."""
+    if compat.has_reuse_hash_fn():
+        return {}
+    refusals = {}
+    for fqn, unit in units.items():
+        name = next((name for name, _ in unit.named_buffers()), None)
+        if name is not None:
+            refusals[fqn] = (
+                f"unit {fqn!r} holds a buffer ({name!r}), and torch {torch.__version__}'s invoke_subgraph cannot train "
+                "a shared body that writes one (torch 2.13 can)"
+            )
+    return refusals
 
 
 def complex_refusals(units: dict[str, nn.Module]) -> dict[str, str]:
@@ -106,10 +153,13 @@ def _refusal(unit: str, unit_fqns: list[str], assignment: dict[int, str], uses: 
     return None
 
 
-def make_reusable(unit: nn.Module) -> None:
+def make_reusable(unit: nn.Module, strict: bool = False) -> None:
     """Give `unit` (a unit with flat parameters, its class already swapped, no `reuse_refusals` entry) a forward that
-    gathers outside a compile region shared by every unit of the same structure."""
+    gathers outside a compile region shared by every unit of the same structure. `strict` (reuse_blocks=True): a
+    call that cannot run the shared body raises at trace time instead of falling back with a warning."""
     unit.__dict__[BLOCK_KEY] = block_key(unit)
+    unit.__dict__[CACHE_LAYER] = block_cache.layer_index(unit)
+    unit.__dict__[STRICT] = strict
     cls = type(unit)
     if cls not in _REUSING_CLASSES:
         members = {"forward": _gathering_forward, "_fsdp_block_forward": cls.forward}
@@ -119,8 +169,9 @@ def make_reusable(unit: nn.Module) -> None:
 
 def block_key(unit: nn.Module) -> int:
     """What a body traced for one unit bakes in, as an int: every submodule's class and plain attributes, its
-    buffers' metadata, where each parameter lives in which flat parameter, and the flats' gather facts (not the
-    unit's name). Units with equal keys share one body."""
+    buffers' metadata, where each parameter lives in which flat parameter, the flats' gather facts (not the
+    unit's name) and which of their parameters are frozen. Units with equal keys share one body; a change of
+    `requires_grad` after fully_shard computes the key again (`unit.sync_requires_grad`)."""
     from fsdp_graph.ir.ops import UNSHARD_SIGNATURE
 
     parts: list = []
@@ -138,31 +189,163 @@ def block_key(unit: nn.Module) -> int:
         static = dict(zip(UNSHARD_SIGNATURE.names[1:], state.static_unshard_args))
         static.pop("unit", None)
         layout = state.layout
-        slots = tuple((tuple(s.shape), s.offset) for s in layout.slots)
-        parts.append((sorted(static.items(), key=str), layout.kind, layout.world, layout.shard_numel, slots))
+        slots = tuple((tuple(s.shape), s.offset, *((s.dim,) if s.dim else ())) for s in layout.slots)
+        frozen = (state.flat_shard.requires_grad, state.detached_slots)  # a body bakes in which reads are detached
+        parts.append((sorted(static.items(), key=str), layout.kind, layout.world, layout.shard_numel, slots, frozen))
     return hash(repr(parts))
 
 
 def _reuse_key(self: nn.Module, count: int, *flats_and_args, **kwargs) -> int:
-    return self.__dict__[BLOCK_KEY] * 2 + int(self.training)
+    # With a `reuse_hash_fn` this key is all torch checks before stamping a traced body out for a call, so it holds
+    # what the body's trace depends on besides the unit's structure: each argument's kind, a tensor's dtype and
+    # static sizes, constants' values (a cache marker among them), the grad mode and the training flag; and, for a
+    # body whose outputs' differentiability follows its arguments' (`_note_grad_dependence`), which need a gradient.
+    key = _call_key(self, *flats_and_args, **kwargs)
+    if not _grad_dependent(key):
+        return key
+    return _hashed(key, _grads(flats_and_args), _grads(kwargs))
+
+
+def _call_key(self: nn.Module, *flats_and_args, **kwargs) -> int:
+    return _hashed(
+        self.__dict__[BLOCK_KEY], torch.is_grad_enabled(), self.training, _pattern(flats_and_args), _pattern(kwargs)
+    )
+
+
+@torch._dynamo.assume_constant_result
+def _hashed(*parts: object) -> int:
+    """`hash(parts)` of constants, computed at trace time: torch 2.11's Dynamo cannot trace the builtin `hash`."""
+    return hash(parts)
+
+
+def _pattern(value: object) -> object:
+    """What a traced body depends on in an argument (see `_reuse_key`) but its requires_grad, as constants."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(size if isinstance(size, int) else None for size in value.shape))
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_pattern(item) for item in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((name, _pattern(item)) for name, item in value.items()))
+    if isinstance(value, (bool, int, float, str, type(None))):
+        return value
+    return type(value).__name__  # a module, a symbolic number
+
+
+def _grads(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (tuple, list)):
+        return tuple(_grads(item) for item in value)
+    if isinstance(value, dict):
+        return tuple((name, _grads(item)) for name, item in value.items())
+    return None
+
+
+@torch._dynamo.assume_constant_result
+def _grad_dependent(call_key: int) -> bool:
+    return call_key in _GRAD_DEPENDENT
 
 
 def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
     flats, args = flats_and_args[:count], flats_and_args[count:]
+    key = _reuse_key(self, count, *flats_and_args, **kwargs)  # noqa: F841 (comptime reads it by name)
+    call_key = _call_key(self, *flats_and_args, **kwargs)  # noqa: F841 (comptime reads it by name)
+    comptime(lambda ctx: _note_versions(ctx.get_local("flats_and_args")))
+    args, kwargs, caches = block_cache.stand_ins(args, kwargs)  # a marker becomes a fresh empty transformers cache
+    comptime(_note_python_writes)
     setattr(self, REGION_FLATS, flats)
     out = type(self)._fsdp_block_forward(self, *args, **kwargs)
     setattr(self, REGION_FLATS, None)
-    key = _reuse_key(self, count)  # noqa: F841 (comptime reads it, and `template`, by name at trace time)
+    comptime(lambda ctx: _refuse_python_writes(ctx, *_constants(ctx, "call_key")))
     # torch reuses a body only if it returns tensors, none of them an input: return those, and record the rest of
-    # the output (T5's None and the position bias a block passes on, a dict, a dataclass) for the caller to rebuild.
-    template, tensors = split_output(out, args, kwargs)
+    # the output (T5's None and the position bias a block passes on, a dict, a dataclass) for the caller to rebuild;
+    # then the keys and values the layer gave its cache, for the caller to replay on the real one.
+    replay, cache_tensors = block_cache.recorded_updates(caches, self.__dict__.get(CACHE_LAYER))
+    template, tensors = split_output(out, args, kwargs, explicit=bool(caches))
+    record = (template, replay)  # noqa: F841 (comptime reads it by name)
     # recorded for every body traced, None too: a key's output may take another shape in a later compile
-    comptime(lambda ctx: _OUTPUT_TEMPLATES.__setitem__(*_constants(ctx, "key", "template")))
-    return out if template is None else () if refusal(template) is not None else tensors
+    comptime(lambda ctx: _RECORDS.__setitem__(*_constants(ctx, "key", "record")))
+    comptime(
+        lambda ctx: _note_grad_dependence(
+            *_constants(ctx, "call_key"), ctx.get_local("flats_and_args"), ctx.get_local("tensors")
+        )
+    )
+    if refusal(template) is not None or block_cache.refusal(replay) is not None:
+        return ()
+    return out if template is None else tensors + cache_tensors
 
 
-_block_body = torch.compiler.nested_compile_region(_body, reuse_hash_fn=_reuse_key)
-_OUTPUT_TEMPLATES: dict[int, object] = {}  # reuse key -> `split_output`'s template
+def _note_python_writes(ctx) -> None:
+    """At trace time, before the block's forward: the sources Dynamo has seen written so far in this trace."""
+    _WRITTEN_BEFORE[:] = [ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator().output.side_effects]
+    _WRITTEN_BEFORE.append(compat.mutated_sources(_WRITTEN_BEFORE[0]))
+
+
+def _refuse_python_writes(ctx, call_key: int) -> None:
+    """At trace time, after the block's forward: if it wrote a Python attribute, list or dict it did not create (a
+    counter `self.calls += 1`), the caller must run it on its own: Dynamo applies a body's Python side effects once,
+    for the block it traced, and stamps the body out for the others without them. Recorded for `call_key`, and the
+    trace restarts (`RestartAnalysis`), so that this body's side effects are not applied on top of the fallback's."""
+    side_effects, before = _WRITTEN_BEFORE
+    written = [s for s in compat.mutated_sources(side_effects) - before if getattr(s, "member", None) != REGION_FLATS]
+    if written:
+        _PYTHON_WRITES[call_key] = sorted(_described(source) for source in written)[0]
+        # the restarted trace takes another path at this call (Dynamo would report a diverged speculation log)
+        ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator().speculation_log.clear()
+        raise torch._dynamo.exc.RestartAnalysis(restart_reason=f"reuse_blocks: {_PYTHON_WRITES[call_key]} written")
+
+
+def _described(source) -> str:
+    if isinstance(getattr(source, "member", None), str):
+        return f"the Python attribute {source.member!r}"
+    name = source.name if isinstance(source.name, str) else source.name()  # a method before torch 2.13
+    return f"a Python object it did not create ({name})"
+
+
+@torch._dynamo.assume_constant_result
+def _python_write(call_key: int) -> str | None:
+    return _PYTHON_WRITES.get(call_key)
+
+
+def _note_versions(arguments) -> None:
+    """At trace time, before the block's forward: its tensor arguments' version counters."""
+    _VERSIONS[:] = [None if t is None else t._version for t in _fakes(arguments)]
+
+
+def _note_grad_dependence(call_key: int, arguments, outputs) -> None:
+    """At trace time, after the block's forward: whether the body's outputs' differentiability may follow its
+    arguments' requires_grad, so that a body traced for one call must not be stamped out for a call whose arguments
+    differ in it. torch marks a body output that needed no gradient in the traced call non-differentiable for
+    every call of the body (the backward then fails: "outs_to_grad length ... != tangents length"). Such outputs
+    are: an argument the forward writes in place (`passes.lift_region_mutations` returns its new value) and an
+    output needing no gradient while some argument needs one."""
+    fakes = _fakes(arguments)
+    written = any(t is not None and t._version != v for t, v in zip(fakes, _VERSIONS))
+    needs = any(t is not None and t.requires_grad for t in fakes)
+    plain = torch.is_grad_enabled() and needs and any(t is not None and not t.requires_grad for t in _fakes(outputs))
+    if written or plain:
+        _GRAD_DEPENDENT.add(call_key)
+
+
+def _fakes(variable) -> list:
+    """The example values (fake tensors, else None) of a traced tuple's items, at trace time (`comptime`)."""
+    from torch._dynamo.variables import TensorVariable
+
+    tracker = variable._i_will_not_complain_if_bc_breaks_VariableTracker()
+    items = getattr(tracker, "items", [tracker])
+    return [
+        item.as_proxy().node.meta.get("example_value") if isinstance(item, TensorVariable) else None for item in items
+    ]
+
+
+# torch keeps at most `max_reuse_entries` keys per body function (8 by default, then an error): one key per block
+# structure and call pattern in a graph, so a model with nine kinds of blocks would fail to compile.
+_block_body = compat.nested_compile_region(_body, reuse_hash_fn=_reuse_key, max_reuse_entries=1 << 16)
+_RECORDS: dict[int, tuple] = {}  # reuse key -> (`split_output`'s template, `recorded_updates`' replay)
+_GRAD_DEPENDENT: set[int] = set()  # `_call_key`s whose bodies are keyed by their arguments' requires_grad too
+_VERSIONS: list = []  # `_note_versions`, read by `_note_grad_dependence` in the same body's trace
+_WRITTEN_BEFORE: list = []  # `_note_python_writes`, read by `_refuse_python_writes` in the same body's trace
+_PYTHON_WRITES: dict[int, str] = {}  # `_call_key` -> a Python object its block's forward writes
 _WARNED: set[tuple[str, str]] = set()
 _SCALARS = (bool, int, float, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
 _ARGUMENT_TYPES = (torch.Tensor, nn.Module, *_SCALARS)
@@ -170,39 +353,122 @@ _ARGUMENT_TYPES = (torch.Tensor, nn.Module, *_SCALARS)
 
 def _gathering_forward(self: nn.Module, *args, **kwargs):
     """Eager: the unit's own forward. Compiled: its gathers, then the shared body, its output rebuilt from the body's
-    tensors; or, for a call or an output torch could not reuse a body for, the unit's own forward (its parameters
-    gathered as without `reuse_blocks`), with one warning."""
+    tensors and the layer's cache updates replayed; or, for a call or an output torch could not reuse a body for,
+    the unit's own forward (its parameters gathered as without `reuse_blocks`), with one warning (an error with
+    `reuse_blocks=True`)."""
     if not torch.compiler.is_compiling():
         return type(self)._fsdp_block_forward(self, *args, **kwargs)
-    refused = _refused_argument(args, kwargs)
-    if refused is not None:
-        block = getattr(type(self), "_fsdp_original_class", type(self)).__qualname__
-        message = _refusal_message(block, refused)  # noqa: F841 (comptime reads it at trace time)
-        comptime(lambda ctx: _warn_once(*_constants(ctx, "block", "message")))
-        return type(self)._fsdp_block_forward(self, *args, **kwargs)
+    layer = self.__dict__.get(CACHE_LAYER)
+    call_args, call_kwargs, why = _with_markers(args, kwargs, layer)
+    refused = _refused_argument(call_args, call_kwargs) if why is None else None
+    if why is not None or refused is not None:
+        return _fall_back(self, _argument_reason(why, refused), args, kwargs)
     from fsdp_graph.runtime.unit import unsharded_flat
 
     flats = tuple(unsharded_flat(self, index) for index in range(len(self.__dict__["_fsdp_states"])))
     # The flats unpacked, not one tuple argument: with only tensors, ints and modules as arguments Dynamo
     # fingerprints a call without pytree-flattening it (`build_fingerprint_fast`), about 0.07 s a call.
-    out = _block_body(self, len(flats), *flats, *args, **kwargs)
-    template = _output_template(_reuse_key(self, len(flats)))
-    if template is None:
-        return out
+    written = _python_write(_call_key(self, *flats, *call_args, **call_kwargs))
+    if written is not None:
+        reason = f"its forward writes {written}, which a shared body would write for the first block only"
+        return _fall_back(self, reason, args, kwargs)
+    # the key torch looks the body up by, taken before the call: tracing a new body can change the next call's key
+    key = _reuse_key(self, len(flats), *flats, *call_args, **call_kwargs)
+    out = _block_body(self, len(flats), *flats, *call_args, **call_kwargs)
+    comptime(lambda ctx: _give_history(ctx.get_local("out")))
+    template, replay = _record(key)
     why = refusal(template)
     if why is not None:
-        block = getattr(type(self), "_fsdp_original_class", type(self)).__qualname__
-        message = _output_refusal_message(block, why)  # noqa: F841 (comptime reads it at trace time)
-        comptime(lambda ctx: _warn_once(*_constants(ctx, "block", "message")))
-        return type(self)._fsdp_block_forward(self, *args, **kwargs)
-    return rebuild_output(template, out, args, kwargs)
+        return _fall_back(self, _output_reason(why), args, kwargs)
+    why = block_cache.refusal(replay)
+    if why is not None:
+        return _fall_back(self, _argument_reason(f"a cache its layer uses so: {why}", None), args, kwargs)
+    if replay:
+        count = len(out) - 2 * sum(1 for entry in replay if entry[0] == "update")
+        block_cache.apply_updates(replay, out[count:], args, kwargs, layer)
+        out = out[:count]
+    return out if template is None else rebuild_output(template, out, args, kwargs)
+
+
+def _block_name(unit: nn.Module) -> str:
+    return getattr(type(unit), "_fsdp_original_class", type(unit)).__qualname__
+
+
+def _fall_back(self: nn.Module, reason: str, args: tuple, kwargs: dict):
+    """The unit's own forward, its parameters gathered as without reuse, with one warning giving `reason`; under
+    `reuse_blocks=True` a `ReuseBlocksError` (a ValueError) at trace time instead."""
+    block = _block_name(self)
+    if self.__dict__.get(STRICT):
+        message = (  # noqa: F841 (comptime reads it by name)
+            f"reuse_blocks=True: {block} cannot share a body: {reason} (reuse_blocks=None traces such a call "
+            "layer by layer, with a warning)"
+        )
+        comptime(lambda ctx: _raise(*_constants(ctx, "message")))
+    message = f"reuse_blocks: {block} is traced layer by layer, not as one shared body: {reason}"  # noqa: F841
+    comptime(lambda ctx: _warn_once(*_constants(ctx, "block", "message")))
+    return type(self)._fsdp_block_forward(self, *args, **kwargs)
+
+
+class ReuseBlocksError(torch._dynamo.exc.UserError, ValueError):
+    """`reuse_blocks=True` and a call that cannot run the shared body. A Dynamo user error, so torch.compile
+    raises it as it is (other exceptions raised while tracing reach the caller as `InternalTorchDynamoError`)."""
+
+    def __init__(self, message: str):
+        super().__init__(torch._dynamo.exc.UserErrorType.INVALID_INPUT, message)
+
+
+def _with_markers(args: tuple, kwargs: dict, layer: int | None) -> tuple[tuple, dict, str | None]:
+    """`args` and `kwargs` with each transformers cache that is empty for `layer` replaced by its marker; and why
+    one cannot be (the argument named), or None."""
+    reasons: list[str] = []
+
+    def replaced(value, name):
+        kind = block_cache.cache_kind(value)
+        if kind is None:
+            return value
+        refused = block_cache.eligible(value, kind, layer)
+        if refused is not None:
+            reasons.append(f"its argument {name!r} is a {type(value).__qualname__} that {refused}")
+            return value
+        return block_cache.marker(kind)
+
+    new_args = tuple(replaced(value, f"positional argument {i}") for i, value in enumerate(args))
+    new_kwargs = {name: replaced(value, name) for name, value in kwargs.items()}
+    return new_args, new_kwargs, reasons[0] if reasons else None
+
+
+def _give_history(out) -> None:
+    """At trace time: a reused body's outputs, as Dynamo stamps them out for a call after the first, are fake
+    tensors without autograd history (`torch.empty_strided(..., requires_grad=...)` in torch 2.13's
+    `stamp_out_subgraph`), so an in-place write to one (the next block writing its input) fails Dynamo's fake run
+    with "a leaf Variable that requires grad is being used in an in-place operation". Each such output gets an
+    example value with history instead (a fake clone: same metadata), as the first call's outputs have."""
+    from torch._dynamo.variables import TensorVariable
+
+    variable = out._i_will_not_complain_if_bc_breaks_VariableTracker()
+    for item in getattr(variable, "items", [variable]):
+        if not isinstance(item, TensorVariable):
+            continue
+        node = item.as_proxy().node
+        example = node.meta.get("example_value")
+        if not (isinstance(example, torch.Tensor) and example.requires_grad and example.grad_fn is None):
+            continue
+        with example.fake_mode, torch.enable_grad():
+            with_history = example.clone()
+        if with_history.stride() == example.stride():
+            node.meta["example_value"] = with_history
+            item.has_grad_fn = True
+
+
+def _raise(message: str) -> None:
+    raise ReuseBlocksError(message)
 
 
 @torch._dynamo.assume_constant_result
-def _output_template(key: int) -> object:
-    """What `_body` recorded for `key` while tracing it, read at trace time (Dynamo keeps no guard on it: a new
-    trace records it again, for its first body of that key)."""
-    return _OUTPUT_TEMPLATES.get(key)
+def _record(key: int) -> tuple:
+    """What `_body` recorded for `key` while tracing it (its output template, its cache calls to replay), read at
+    trace time (Dynamo keeps no guard on it: a new trace records it again, for its first body of that key)."""
+    return _RECORDS.get(key, (None, ()))
 
 
 def _refused_argument(args: tuple, kwargs: dict) -> tuple[str, str] | None:
@@ -222,21 +488,25 @@ def _refused_argument(args: tuple, kwargs: dict) -> tuple[str, str] | None:
     return None
 
 
-def _refusal_message(block: str, refused: tuple[str, str]) -> str:
+def _argument_reason(why: str | None, refused: tuple[str, str] | None) -> str:
+    if why is not None:
+        return (
+            f"{why}; a transformers DynamicCache or EncoderDecoderCache empty for the layer (training, a prefill) "
+            "shares the body"
+        )
     name, type_name = refused
     hint = " (for training: use_cache=False, or model.config.use_cache = False)" if "cache" in name.lower() else ""
     return (
-        f"reuse_blocks: {block} is traced layer by layer, not as one shared body: its argument {name!r} is a "
-        f"{type_name}, and torch's nested_compile_region reuses a body only for tensors, numbers, strings, None and "
-        f"modules (invoke_subgraph's is_reuse_eligible: 'unsupported input VT types'){hint}"
+        f"its argument {name!r} is a {type_name}, and torch's nested_compile_region reuses a body only for tensors, "
+        f"numbers, strings, None and modules (invoke_subgraph's is_reuse_eligible: 'unsupported input VT types'){hint}"
     )
 
 
-def _output_refusal_message(block: str, why: str) -> str:
+def _output_reason(why: str) -> str:
     return (
-        f"reuse_blocks: {block} is traced layer by layer, not as one shared body: its forward returns {why}, and "
-        "torch's nested_compile_region reuses a body only if it returns tensors (invoke_subgraph's "
-        "is_reuse_eligible); return tensors, tuples, lists, dicts or dataclasses of them, or pass reuse_blocks=False"
+        f"its forward returns {why}, and torch's nested_compile_region reuses a body only if it returns tensors "
+        "(invoke_subgraph's is_reuse_eligible); return tensors, tuples, lists, dicts or dataclasses of them, or pass "
+        "reuse_blocks=False"
     )
 
 

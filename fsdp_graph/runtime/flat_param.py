@@ -6,9 +6,9 @@ in what a rank's shard holds and so in how a parameter is read back from the gat
 - `FlatParamLayout` ("flat", FSDP1): parameters flattened and concatenated, padded; rank r holds a contiguous
   1/world range, so each parameter's local piece is a 1-D slice (possibly empty) and each unsharded parameter is a
   view of the gathered flat.
-- `RowShardLayout` ("rows", FSDP2's per-parameter `Shard(0)`): rank r's shard is the concatenation of its row
-  block of every parameter (torch.chunk semantics), so each local piece keeps the parameter's trailing dims, and
-  each unsharded parameter is copied out of the rank-major gathered flat.
+- `RowShardLayout` ("rows", FSDP2's per-parameter `Shard(d)`, `Shard(0)` by default): rank r's shard is the
+  concatenation of its block of every parameter (torch.chunk on the parameter's shard dim), so each local piece
+  keeps the parameter's other dims, and each unsharded parameter is copied out of the rank-major gathered flat.
 
 The rest of the code only uses the interface both share: `slots`, `numel`, `shard_numel`, `padded_numel`,
 `local_range`, `local_shape`, `local_view`, `local_piece`, `shard_of`, `param_of`, `unflatten`.
@@ -27,23 +27,30 @@ class ParamSlot:
     """One distinct parameter inside a unit's flat parameter.
 
     `fqns` lists every name it is reachable under (tied parameters are stored once). `offset`: where it starts in
-    the layout's address space (flat: the full flat parameter; rows: every rank's shard).
+    the layout's address space (flat: the full flat parameter; rows: every rank's shard). `dim`: the dimension the
+    rows layout shards it on (FSDP2's `Shard(dim)`; the flat layout has only 0).
     """
 
     fqns: tuple[str, ...]
     shape: torch.Size
     offset: int
+    dim: int = 0
 
     @property
     def numel(self) -> int:
         return self.shape.numel()
 
 
-def _slots(named_shapes: list[tuple[tuple[str, ...], torch.Size]], size) -> tuple[ParamSlot, ...]:
+NamedShape = tuple[tuple[str, ...], torch.Size] | tuple[tuple[str, ...], torch.Size, int]
+"""(fqns, shape) or (fqns, shape, shard dim): one parameter as a layout's `build` takes it."""
+
+
+def _slots(named_shapes: list[NamedShape], size) -> tuple[ParamSlot, ...]:
     slots, offset = [], 0
-    for fqns, shape in named_shapes:
-        slots.append(ParamSlot(tuple(fqns), torch.Size(shape), offset))
-        offset += size(torch.Size(shape))
+    for fqns, shape, *dim in named_shapes:
+        slot = ParamSlot(tuple(fqns), torch.Size(shape), offset, dim[0] if dim else 0)
+        slots.append(slot)
+        offset += size(slot)
     return tuple(slots)
 
 
@@ -58,8 +65,15 @@ class FlatParamLayout:
     kind: ClassVar[str] = "flat"
 
     @staticmethod
-    def build(named_shapes: list[tuple[tuple[str, ...], torch.Size]], world: int, rank: int) -> FlatParamLayout:
-        return FlatParamLayout(_slots(named_shapes, torch.Size.numel), world, rank)
+    def build(named_shapes: list[NamedShape], world: int, rank: int) -> FlatParamLayout:
+        for fqns, _, *dim in named_shapes:
+            if dim and dim[0] != 0:
+                raise ValueError(
+                    f"fully_shard(layout='flat'): parameter '{fqns[0]}' is to be sharded on dim {dim[0]} (Shard("
+                    f"{dim[0]})); the flat layout cuts a unit's concatenated parameters into 1-D ranges and has no "
+                    "shard dim. Use layout='rows' (the default)."
+                )
+        return FlatParamLayout(_slots(named_shapes, lambda slot: slot.numel), world, rank)
 
     @property
     def numel(self) -> int:
@@ -132,11 +146,13 @@ def _shard_of(layout, tensors: list[torch.Tensor]) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class RowShardLayout:
-    """FSDP2's `Shard(0)` per parameter inside one flat shard. A parameter with d0 rows has a block of
-    `ceil(d0 / world)` rows on every rank (torch.chunk: rank r holds rows `[r * c, min((r + 1) * c, d0))`, the
-    last ranks fewer or none; the rest of the block is zero padding). Rank r's shard is its blocks in slot order,
-    so the gathered flat is `[rank 0's blocks][rank 1's blocks]...` and a parameter is a strided gather of one
-    column range of the `(world, shard_numel)` matrix: a copy, unless the unit holds only that parameter."""
+    """FSDP2's `Shard(d)` per parameter inside one flat shard (d = `slot.dim`, 0 unless a placement says otherwise).
+    A parameter of size n on dim d has a block of `ceil(n / world)` slices on every rank (torch.chunk: rank r holds
+    `[r * c, min((r + 1) * c, n))` on dim d, the last ranks fewer or none), stored contiguously at the start of its
+    block, the rest zero padding. Rank r's shard is its blocks in slot order, so the gathered flat is
+    `[rank 0's blocks][rank 1's blocks]...` and a parameter is a strided gather of one column range of the
+    `(world, shard_numel)` matrix: a copy, unless the unit holds only that parameter and shards it on dim 0.
+    "Rows" below are the slices of a parameter along its shard dim."""
 
     slots: tuple[ParamSlot, ...]
     world: int
@@ -144,15 +160,22 @@ class RowShardLayout:
     kind: ClassVar[str] = "rows"
 
     @staticmethod
-    def build(named_shapes: list[tuple[tuple[str, ...], torch.Size]], world: int, rank: int) -> RowShardLayout:
-        for fqns, shape in named_shapes:
+    def build(named_shapes: list[NamedShape], world: int, rank: int) -> RowShardLayout:
+        for fqns, shape, *dim in named_shapes:
             if len(shape) == 0:
                 raise ValueError(
                     f"fully_shard(layout='rows'): parameter '{fqns[0]}' is 0-dimensional and has no dim 0 to shard "
                     "(FSDP2 refuses it too). Store it with shape (1,), pass it in ignored_params, or use "
                     "layout='flat'."
                 )
-        return RowShardLayout(_slots(named_shapes, lambda s: -(-s[0] // world) * s[1:].numel()), world, rank)
+            if dim and not 0 <= dim[0] < len(shape):
+                raise ValueError(
+                    f"fully_shard: parameter '{fqns[0]}' of shape {tuple(shape)} cannot be sharded on dim {dim[0]}; "
+                    f"a placement must name one of its dims (Shard(0) to Shard({len(shape) - 1}), or negative)."
+                )
+        return RowShardLayout(
+            _slots(named_shapes, lambda slot: -(-slot.shape[slot.dim] // world) * _others(slot)), world, rank
+        )
 
     @property
     def numel(self) -> int:
@@ -167,29 +190,29 @@ class RowShardLayout:
         return self.world * self.shard_numel
 
     def block_rows(self, slot: ParamSlot) -> int:
-        return -(-slot.shape[0] // self.world)
+        return -(-slot.shape[slot.dim] // self.world)
 
     def block_numel(self, slot: ParamSlot) -> int:
-        return self.block_rows(slot) * slot.shape[1:].numel()
+        return self.block_rows(slot) * _others(slot)
 
-    def local_rows(self, slot: ParamSlot) -> int:
+    def local_rows(self, slot: ParamSlot, rank: int | None = None) -> int:
         rows = self.block_rows(slot)
-        return max(0, min(rows, slot.shape[0] - self.rank * rows))
+        return max(0, min(rows, slot.shape[slot.dim] - (self.rank if rank is None else rank) * rows))
 
     def local_range(self, slot: ParamSlot) -> tuple[int, int]:
         """`[start, end)` of this rank's rows of `slot` inside its shard (the block's padding excluded)."""
-        return slot.offset, slot.offset + self.local_rows(slot) * slot.shape[1:].numel()
+        return slot.offset, slot.offset + self.local_rows(slot) * _others(slot)
 
-    def local_shape(self, slot: ParamSlot) -> torch.Size:
-        return torch.Size([self.local_rows(slot), *slot.shape[1:]])
+    def local_shape(self, slot: ParamSlot, rank: int | None = None) -> torch.Size:
+        return _with_dim(slot, self.local_rows(slot, rank))
 
     def local_view(self, shard: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
         lo, hi = self.local_range(slot)
         return shard[lo:hi].view(self.local_shape(slot))
 
     def local_piece(self, value: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
-        start = self.rank * self.block_rows(slot)
-        return value.detach()[start : start + self.local_rows(slot)]
+        start = min(self.rank * self.block_rows(slot), slot.shape[slot.dim])
+        return value.detach().narrow(slot.dim, start, self.local_rows(slot))
 
     def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """The gathered flat parameter made of `tensors`: every rank's shard, rank after rank."""
@@ -201,14 +224,40 @@ class RowShardLayout:
 
     def param_of(self, flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
         """The copy-out (differentiable; its backward is the copy-in that lays a gradient out for the
-        reduce-scatter): every rank's block of `slot`, stacked, the padding rows dropped."""
-        rows, trailing = self.block_rows(slot), slot.shape[1:]
-        blocks = flat.view(self.world, self.shard_numel)[:, slot.offset : slot.offset + self.block_numel(slot)]
-        full = blocks.reshape(self.world * rows, *trailing)
-        return full if self.world * rows == slot.shape[0] else full[: slot.shape[0]]
+        reduce-scatter): every rank's block of `slot`, joined along its shard dim, the padding dropped."""
+        rows, world = self.block_rows(slot), self.world
+        blocks = flat.view(world, self.shard_numel)[:, slot.offset : slot.offset + self.block_numel(slot)]
+        if slot.dim == 0:
+            full = blocks.reshape(world * rows, *slot.shape[1:])
+            return full if world * rows == slot.shape[0] else full[: slot.shape[0]]
+        # Shard(d), d > 0: each rank's block is its chunk, contiguous, so the blocks are stacked on a new leading dim
+        # and moved to d. Uneven chunks: the full blocks so, then the one partial chunk (a prefix of its block).
+        full_ranks = world if rows == 0 else min(world, slot.shape[slot.dim] // rows)
+        padded = _with_dim(slot, rows)
+        stacked = (blocks if full_ranks == world else blocks[:full_ranks]).view(full_ranks, *padded).movedim(0, slot.dim)
+        joined = stacked.reshape(_with_dim(slot, full_ranks * rows))
+        tail = slot.shape[slot.dim] - full_ranks * rows
+        if not tail:
+            return joined
+        tail_shape = _with_dim(slot, tail)
+        return torch.cat([joined, blocks[full_ranks, : tail_shape.numel()].view(tail_shape)], slot.dim)
 
     def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [self.param_of(flat, s) for s in self.slots]
+
+
+def _others(slot: ParamSlot) -> int:
+    """The number of elements in one slice of `slot` along its shard dim."""
+    shape = list(slot.shape)
+    del shape[slot.dim]
+    return torch.Size(shape).numel()
+
+
+def _with_dim(slot: ParamSlot, size: int) -> torch.Size:
+    """`slot`'s shape with `size` on its shard dim."""
+    shape = list(slot.shape)
+    shape[slot.dim] = size
+    return torch.Size(shape)
 
 
 Layout = FlatParamLayout | RowShardLayout

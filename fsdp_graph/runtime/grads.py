@@ -28,7 +28,10 @@ def install_grad_hook(
     reduced gradient; otherwise the new gradient is added in place (accumulation). The flat shard's own
     `.grad` is dropped so a later backward never accumulates into a gradient the user already zeroed.
     Then every callback in `after` runs (e.g. an optimizer step in backward); it is read at call time, so
-    callbacks added later count. `grad_dtype` (MixedPrecision.keep_low_precision_grads): gradients are
+    callbacks added later count. Each parameter's own post-accumulate-grad hooks (what a user registered on it with
+    `register_post_accumulate_grad_hook`: autograd never accumulates into the views, so it never calls them) run
+    right after that parameter's `.grad` is in place, once per backward that reduces the gradient (none while sync
+    or the replica all-reduce is off: the shard gets no gradient then), as FSDP2 runs them. `grad_dtype` (MixedPrecision.keep_low_precision_grads): gradients are
     stored in that dtype; autograd cannot hand an fp32 leaf a bf16 gradient, so, as FSDP1 does, the
     low-precision tensor is installed through `.grad.data`. `fence` (CPU offload from an accelerator: the
     gradient was copied from that device asynchronously): everything after taking the gradient waits for the copy
@@ -64,7 +67,16 @@ def install_grad_hook(
                     param.grad.data = piece
             else:
                 param.grad = like(piece, param)
+            _run_post_accumulate_grad_hooks(param)
         for callback in after:
             callback()
 
     flat_shard.register_post_accumulate_grad_hook(hook)
+
+
+def _run_post_accumulate_grad_hooks(param: nn.Parameter) -> None:
+    """`register_post_accumulate_grad_hook`'s hooks of `param`, in registration order, with `param` (its `.grad`
+    now holds the reduced gradient shard, added to what was there)."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    for hook in list(hooks.values()) if hooks else ():
+        hook(param)

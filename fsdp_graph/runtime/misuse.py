@@ -1,12 +1,12 @@
-"""Clear errors for two silent mistakes after `fully_shard` (issue 12):
+"""The views `fully_shard` replaces parameters with, and a clear error for a silent mistake (issue 12): an optimizer
+built BEFORE `fully_shard` holds the original parameters, which no longer belong to the model: they never get a
+gradient and the optimizer trains nothing. `fully_shard` marks each replaced original, and a global optimizer step
+pre-hook refuses to step an optimizer holding one.
 
-- an optimizer built BEFORE `fully_shard` holds the original parameters, which no longer belong to the model:
-  they never get a gradient and the optimizer trains nothing. `fully_shard` marks each replaced original, and a
-  global optimizer step pre-hook refuses to step an optimizer holding one.
-- `requires_grad` changed on a sharded parameter: a unit's trainable parameters share one flat shard (the frozen
-  ones another), so one view cannot stop or start getting a gradient on its own. The views are `ShardedParameter`s
-  (`ShardedDTensor`s in a model with tensor-parallel parameters, with the rows layout), which refuse the change
-  when it is made.
+Changing `requires_grad` on a sharded parameter is supported (FSDP2's fine-tuning idiom): the views are
+`ShardedParameter`s (`ShardedDTensor`s in a model with tensor-parallel parameters, with the rows layout), which
+tell their flat parameter at once (`unit.sync_requires_grad`), so the next forward, eager or compiled, reads the
+frozen ones detached and the flat shard requires a gradient only while one of its views does.
 """
 
 from __future__ import annotations
@@ -22,8 +22,12 @@ _CHECKED = "_fsdp_checked_param_count"
 _requires_grad = torch._C.TensorBase.requires_grad
 
 
-class _FixedRequiresGrad:
-    """Refuses a change of `requires_grad` (`_fsdp_fqn`: the parameter's name for the message)."""
+REQUIRES_GRAD_CHANGED = "_fsdp_on_requires_grad"  # in a view's __dict__: called with the view after a change
+
+
+class _TracksRequiresGrad:
+    """Reports a change of `requires_grad` to the callable its flat parameter left in the view's `__dict__`
+    (`REQUIRES_GRAD_CHANGED`), after making it (`_fsdp_fqn`: the parameter's name, for messages)."""
 
     __slots__ = ()
     _fsdp_fqn: str = "?"
@@ -34,33 +38,35 @@ class _FixedRequiresGrad:
 
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
-        self._check_requires_grad(value)
+        changed = bool(value) != _requires_grad.__get__(self)
         _requires_grad.__set__(self, value)
+        if changed:
+            self._requires_grad_changed()
 
     def requires_grad_(self, requires_grad: bool = True):
-        self._check_requires_grad(requires_grad)
-        return super().requires_grad_(requires_grad)
+        changed = bool(requires_grad) != _requires_grad.__get__(self)
+        result = super().requires_grad_(requires_grad)
+        if changed:
+            self._requires_grad_changed()
+        return result
 
-    def _check_requires_grad(self, value: bool) -> None:
-        if bool(value) != _requires_grad.__get__(self):
-            raise RuntimeError(
-                f"fsdp_graph: requires_grad of parameter '{self._fsdp_fqn}' cannot change after fully_shard (it "
-                "shares one flat shard with its unit's other "
-                f"{'trainable' if not value else 'frozen'} parameters, so the change would be ignored). Set "
-                "requires_grad before calling fully_shard: frozen parameters then get a flat shard of their own."
-            )
+    def _requires_grad_changed(self) -> None:
+        report = self.__dict__.get(REQUIRES_GRAD_CHANGED)
+        if report is not None:
+            report(self)
 
 
-class ShardedParameter(_FixedRequiresGrad, nn.Parameter):
+class ShardedParameter(_TracksRequiresGrad, nn.Parameter):
     """A sharded parameter's view (this rank's piece of its unit's flat shard). Behaves as an `nn.Parameter`;
-    changing its `requires_grad` raises, naming the parameter and the fix."""
+    a change of its `requires_grad` reaches its flat parameter."""
 
 
-class ShardedDTensor(_FixedRequiresGrad, DTensor):
+class ShardedDTensor(_TracksRequiresGrad, DTensor):
     """A parameter's view with the rows layout in a model with tensor-parallel parameters: a DTensor of the global
     parameter on the (dp, tp) mesh (replicated over tp for a parameter that is not tensor-parallel) whose
     `_local_tensor` is its row block inside the flat shard (`runtime/dtensor_views.py`). An `nn.Parameter`
-    (`_is_param`); operations on it return plain DTensors. Changing its `requires_grad` raises."""
+    (`_is_param`); operations on it return plain DTensors. A change of its `requires_grad` reaches its flat
+    parameter."""
 
     __slots__ = ()
     _is_param = True

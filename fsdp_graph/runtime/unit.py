@@ -11,14 +11,13 @@ rows, a DTensor on the (dp, tp) mesh around that block: `dtensor_views`) outside
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils._pytree import tree_map
 
 from fsdp_graph.api.controls import FSDPModule
 from fsdp_graph.ir.ops import UNSHARD_SIGNATURE, gather_pieces, piece_of, reuse_gathered
@@ -26,8 +25,13 @@ from fsdp_graph.runtime import eager_reshard, offload
 from fsdp_graph.runtime.block_region import region_flat, region_param
 from fsdp_graph.runtime.dtensor_views import hide_views, restore_views, set_local
 from fsdp_graph.runtime.eager_prefetch import ForwardPrefetch
+from fsdp_graph.runtime.exposed import UnshardedParams
 from fsdp_graph.runtime.flat_param import Layout
-from fsdp_graph.runtime.grads import install_grad_hook
+from fsdp_graph.runtime.held import HeldGather, drop_held, hold, keeps, valid_held
+from fsdp_graph.runtime.misuse import REQUIRES_GRAD_CHANGED
+from fsdp_graph.runtime.mp_cast import casting_forward
+from fsdp_graph.runtime.owner_apply import owner_apply, unit_applying
+from fsdp_graph.runtime.param_changes import ensure_grad_hook, sync_requires_grad
 from fsdp_graph.runtime.tensor_parallel import TPSpec
 
 
@@ -36,12 +40,11 @@ class RootState:
     """Shared by every unit of one `fully_shard` call: the eager path's per-forward gather cache."""
 
     forward_depth: int = 0
-    gathered: dict[str, torch.Tensor] = field(default_factory=dict)
-    recompute_task: int = -1  # the autograd graph task whose activation-checkpoint recompute `gathered` serves
+    gathered: dict[str, torch.Tensor] = field(default_factory=dict)  # the running eager forward's gathers
+    recompute: RecomputeGathers | None = None  # the gathers of the activation-checkpoint recompute running now
     flat_params: list[FlatParamState] = field(default_factory=list)
-    mesh: object = None  # the DeviceMesh given to fully_shard (None: the world's, see checkpoint.state_dict_mesh)
+    mesh: object = None  # the DeviceMesh given to fully_shard (None: the world's); each flat parameter has its own
     world_meshes: dict = field(default_factory=dict)  # device type -> the world's DeviceMesh on it
-    placements: tuple = ()  # DTensor placements of a parameter on `mesh` (Shard(0), with Replicate for replicas)
     requires_gradient_sync: bool = True  # False inside `no_sync`: backwards accumulate unreduced gradients
     grad_fence: offload.GradFence = field(default_factory=offload.GradFence)  # CPU offload's end-of-backward wait
     session: eager_reshard.ForwardSession | None = None  # the eager forward running now (None: none, or compiled)
@@ -49,16 +52,18 @@ class RootState:
     unsharded: dict[str, torch.Tensor] = field(default_factory=dict)  # FSDPModule.unshard's flats, outside forward
     held: dict[str, HeldGather] = field(default_factory=dict)  # set_reshard_after_backward(False)'s kept gathers
     prefetch: ForwardPrefetch = field(default_factory=ForwardPrefetch)  # the eager forward's gathers, one ahead
+    exposure: UnshardedParams | None = None  # fsdp2: unsharded parameters registered after an eager forward
 
 
 @dataclass(eq=False)
-class HeldGather:
-    """A unit's gathered flat parameter kept for its next forward (`set_reshard_after_backward(False)`), with what
-    its shard was when it was gathered: a different shard object or version means it is stale."""
+class RecomputeGathers:
+    """The gathers an activation-checkpoint recompute made in backward, shared by its reads: valid only while the
+    autograd node whose saved tensors it recomputes runs (in graph task `task`). The next recompute, the end of the
+    backward and the next forward drop them, so no gather outlives its recompute into another step."""
 
-    flat: torch.Tensor  # detached: the next forward links it to the shard anew
-    shard: weakref.ref | None = None  # eager: checked by the next forward (compiled: `track_kept_gathers`)
-    version: int = 0
+    task: int
+    node: object  # torch._C._current_autograd_node(): held, so its identity cannot be reused while this lives
+    gathered: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -78,6 +83,7 @@ class FlatParamState:
     replicate_group: str = ""
     replicate_world: int = 1
     views: list[nn.Parameter] = field(default_factory=list)  # one per layout slot
+    owners: list[list[tuple[nn.Module, str]]] = field(default_factory=list)  # per slot: each (module, name) using it
     after_grad: list = field(default_factory=list)  # callbacks run after each backward hands out gradients
     grad_dtype: torch.dtype | None = None  # keep_low_precision_grads: the dtype `.grad` is stored in
     unsynced: torch.Tensor | None = None  # no_sync's full-size leaf; its `.grad` holds the unreduced gradient
@@ -91,6 +97,11 @@ class FlatParamState:
     post_forward_group: str = ""  # the k ranks (a node) the backward gathers the pieces over
     piece_group: str = ""  # the world / k ranks the forward gathers this rank's piece over
     tp: tuple[TPSpec | None, ...] = ()  # per slot: the tensor-parallel DTensor it was (its local piece is sharded)
+    detached_slots: tuple[int, ...] = ()  # frozen views of a shard that requires grad: read detached in forward
+    hooked: weakref.ref | None = None  # the flat shard the gradient hook is installed on
+    staged: dict[int, torch.Tensor] = field(default_factory=dict)  # a meta shard's slots loaded so far (assign)
+    mesh: object = None  # the DeviceMesh it is sharded over (None: the world's, see sharded.state_dict_mesh)
+    placements: tuple = ()  # a Shard(0) parameter's DTensor placements on `mesh` (sharded.slot_placements: Shard(d))
 
     def __post_init__(self) -> None:
         self.__dict__["static_unshard_args"] = _static_unshard_args(self)
@@ -122,7 +133,8 @@ def unsharded_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
 
     Compiled: always the op (the dedup pass keeps one per flat parameter and dtype). Eager: one gather per
     flat parameter per forward, cached until the outermost unit forward returns; inside a backward (activation
-    checkpointing recomputing a forward) one gather per flat parameter per backward.
+    checkpointing recomputing a forward outside any unit's forward) one gather per flat parameter per recompute
+    (`_recompute_cache`).
     """
     state: FlatParamState = unit._fsdp_states[index]
     if torch.compiler.is_compiling():
@@ -130,15 +142,14 @@ def unsharded_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
     root = state.root
     in_backward = root.forward_depth == 0
     if in_backward:
-        task = torch._C._current_graph_task_id()
-        if task == -1:
+        cache = _recompute_cache(root)
+        if cache is None:
             return root.unsharded.get(state.name)
-        if root.recompute_task != task:
-            root.gathered.clear()
-            root.recompute_task = task
-    cached = root.gathered.get(state.name)
+    else:
+        cache = root.gathered
+    cached = cache.get(state.name)
     if cached is None:
-        cached = root.gathered[state.name] = _forward_gather(unit._fsdp_flat_shards[index], state, in_backward)
+        cached = cache[state.name] = _forward_gather(unit._fsdp_flat_shards[index], state, in_backward)
         if root.session is not None and resharded_in_eager(state):
             root.session.track(state, cached)
             if state.post_forward_world > 1:
@@ -148,17 +159,46 @@ def unsharded_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
     return cached
 
 
+def _recompute_cache(root: RootState) -> dict[str, torch.Tensor] | None:
+    """The gather cache of the recompute running now (None: not in a backward, so nothing is recomputed).
+
+    A recompute runs inside the autograd node that unpacks the recomputed tensors (non-reentrant checkpoints: the
+    first node of the region to run in backward; reentrant ones: the region's CheckpointFunction node), whatever
+    wraps the unit (`checkpoint_wrapper`, composable `checkpoint()`, `torch.utils.checkpoint` inside a forward):
+    so a cache is keyed by the graph task and that node. A read from another node starts a new cache, and a
+    callback at the end of the backward drops the last one: a gather never serves another recompute, and never
+    the next step's forward (which would read pre-step weights)."""
+    task = torch._C._current_graph_task_id()
+    if task == -1:
+        return None
+    node = torch._C._current_autograd_node()
+    scope = root.recompute
+    if scope is None or scope.task != task or scope.node is not node:
+        scope = root.recompute = RecomputeGathers(task, node)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_recompute(root, scope))
+    return scope.gathered
+
+
+def _end_recompute(root: RootState, scope: RecomputeGathers) -> None:
+    if root.recompute is scope:
+        root.recompute = None
+
+
 def _compiled_gather(shard: torch.Tensor, state: FlatParamState) -> torch.Tensor:
     """The op as a compiled forward traces it. Under `set_reshard_after_backward(False)` the step's gather is kept
     past the step (a Dynamo side effect: the graph outputs it) and the next step's graph takes it as its `gathered`
     input instead of gathering. Dynamo guards on whether a gather is kept and on the flag, so there are at most
     four graphs (first, middle and last microbatch, and none kept), each compiled once. The backward cannot hand
     out a gather of its own, so a compiled step keeps the forward's (resharding after forward or not)."""
+    if state.detached_slots:
+        # Read here, in the outer trace, so that Dynamo guards on every unit's frozen reads: a block-reuse body
+        # traced for another unit bakes in that unit's, and its stamped-out calls install no guards of their own.
+        pass
     held = state.root.held.get(state.name)
     if held is not None:  # kept by an earlier step, or by an earlier read in this one (the dedup pass folds those)
         return _call_unshard(shard, state, gathered=held.flat)
     flat = _call_unshard(shard, state)
-    if _keeps(state):
+    if keeps(state):
         state.root.held[state.name] = HeldGather(flat.detach())
     return flat
 
@@ -167,7 +207,7 @@ def _compiled_exit(root: RootState, own_states: list[FlatParamState]) -> None:
     """A unit's compiled forward ends: a unit no longer keeping its gathers frees the one it used (the last
     microbatch under the FSDP2 idiom `set_reshard_after_backward(is_last_microbatch)`)."""
     for state in own_states:
-        if not _keeps(state) and state.name in root.held:
+        if not keeps(state) and state.name in root.held:
             del root.held[state.name]
 
 
@@ -175,73 +215,18 @@ def _forward_gather(shard: torch.Tensor, state: FlatParamState, in_backward: boo
     """The op's result for a forward (or, `in_backward`, an activation-checkpoint recompute), taken from the kept
     gather when there is a valid one. A forward that frees its gather afterwards (or whose unit no longer keeps
     one) consumes the kept one, as FSDP2's post-forward reshard does; otherwise it stays kept."""
-    held = _valid_held(state)
+    held = valid_held(state)
     if held is None:
         root = state.root  # a prefetched gather (no autograd) takes the op's backward as a kept one does
         early = None if in_backward else root.prefetch.gather(state, root.flat_params, root.gathered)
         args = () if early is None else UNSHARD_SIGNATURE.call_args(_unshard_values(shard, state))
         flat = _call_unshard(shard, state) if early is None else reuse_gathered(early, *args)
-        if _keeps(state) and (in_backward or not resharded_in_eager(state)):
-            _hold(state, flat)
+        if keeps(state) and (in_backward or not resharded_in_eager(state)):
+            hold(state, flat)
         return flat
     if not in_backward and (resharded_in_eager(state) or state.reshard_after_backward):
         del state.root.held[state.name]
     return reuse_gathered(held.flat, *UNSHARD_SIGNATURE.call_args(_unshard_values(shard, state)))
-
-
-def _keeps(state: FlatParamState) -> bool:
-    return not state.reshard_after_backward and state.world > 1
-
-
-def _shard_version(state: FlatParamState) -> int:
-    # The optimizer writes the parameter views, whose version counters are their own, not the flat shard's.
-    return state.flat_shard._version + sum(view._version for view in state.views)
-
-
-def _hold(state: FlatParamState, flat: torch.Tensor) -> None:
-    state.root.held[state.name] = HeldGather(flat.detach(), weakref.ref(state.flat_shard), _shard_version(state))
-
-
-def _valid_held(state: FlatParamState) -> HeldGather | None:
-    """The kept gather of `state`, if its shard has not changed since (an optimizer step, a load_state_dict, a
-    `.to()`): a stale one is dropped, so the caller gathers the current values."""
-    held = state.root.held.get(state.name)
-    if held is None:
-        return None
-    if held.shard is not None and (held.shard() is not state.flat_shard or held.version != _shard_version(state)):
-        del state.root.held[state.name]
-        return None
-    return held
-
-
-def drop_held(state: FlatParamState) -> None:
-    """Free the gather `set_reshard_after_backward(False)` kept for `state` (`FSDPModule.reshard`, a load)."""
-    state.root.held.pop(state.name, None)
-
-
-_ROOTS_KEEPING: weakref.WeakSet[RootState] = weakref.WeakSet()
-_STEP_HOOK: list = []  # the global optimizer post-step hook's handle, registered once
-
-
-def track_kept_gathers(root: RootState) -> None:
-    """Drop `root`'s kept gathers whenever an optimizer steps their parameters. A compiled forward cannot check
-    the shard's version before choosing its graph (Dynamo guards on whether a gather is kept, not on versions), so
-    stale gathers are dropped when the shard changes: after any optimizer step (a global post-step hook, also
-    optimizer-in-backward's), a `load_state_dict`, a `.to()`, or `reshard()`."""
-    if not _STEP_HOOK:
-        _STEP_HOOK.append(register_optimizer_step_post_hook(_drop_stepped))
-    _ROOTS_KEEPING.add(root)
-
-
-def _drop_stepped(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    roots = [root for root in _ROOTS_KEEPING if root.held]
-    if not roots:
-        return
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for root in roots:
-        for state in root.flat_params:
-            if state.name in root.held and any(id(view) in stepped for view in state.views):
-                drop_held(state)
 
 
 def resharded_in_eager(state: FlatParamState) -> bool:
@@ -254,15 +239,15 @@ def _regather(state: FlatParamState, piece: torch.Tensor | None = None) -> torch
     """The backward's gather of a unit the forward resharded (no autograd): from the forward's 1/k `piece` over the
     node group (`reshard_after_forward=k`), else from the shard; kept afterwards when the unit does not reshard
     after backward."""
-    held = _valid_held(state)
+    held = valid_held(state)
     if held is not None:
         return held.flat
     if piece is not None:
         flat = gather_pieces(piece, state.post_forward_group, state.post_forward_world, state.world)
     else:
         flat = _call_unshard(state.flat_shard.detach(), state)
-    if _keeps(state):
-        _hold(state, flat)
+    if keeps(state):
+        hold(state, flat)
     return flat
 
 
@@ -304,17 +289,22 @@ def _call_unshard(shard: torch.Tensor, state: FlatParamState, gathered: torch.Te
 
 
 def _unshard_values(shard: torch.Tensor, state: FlatParamState) -> dict:
+    """The op's arguments for a call on `shard`. The accumulator leaves of no_sync and set_requires_all_reduce go
+    in while accumulating (their `.grad` receives the gradient) and, once syncing again, while they hold a pending
+    gradient: the backward then takes it (`ops.take_accumulated`), so the first reduction of the unit adds it, once,
+    however many forwards gathered the unit before (a group `fully_shard([norm, head])` whose head then runs chunk
+    by chunk)."""
     values = {"shard": shard, **{arg: getattr(state, field) for arg, field in _STATIC_FIELDS.items()}}
     if state.unsynced is not None and shard.requires_grad:
         if not state.root.requires_gradient_sync:
             values.update(sync=False, unsynced=state.unsynced)
         elif state.unsynced.grad is not None:
-            values["unsynced"] = state.unsynced.grad
+            values["unsynced"] = state.unsynced
     if state.partial is not None and shard.requires_grad:
         if not state.requires_all_reduce:
             values.update(all_reduce=False, partial=state.partial)
         elif state.partial.grad is not None:
-            values["partial"] = state.partial.grad
+            values["partial"] = state.partial
     return values
 
 
@@ -323,12 +313,16 @@ def _make_property(name: str) -> property:
         spec: ViewSpec = self._fsdp_views[name]
         flat = region_flat(spec.unit, spec.index)
         if flat is not None:  # inside a reused block's body (`reuse_blocks`): its gathered flat is an argument
-            layout = spec.unit._fsdp_states[spec.index].layout
-            return region_param(layout.param_of, flat, layout.slots[spec.slot])
+            state = spec.unit._fsdp_states[spec.index]
+            if spec.slot in state.detached_slots:
+                flat = flat.detach()
+            return region_param(state.layout.param_of, flat, state.layout.slots[spec.slot])
         flat = unsharded_flat(spec.unit, spec.index)
         if flat is None:
             return self._parameters[name]
         state: FlatParamState = spec.unit._fsdp_states[spec.index]
+        if spec.slot in state.detached_slots:  # frozen after fully_shard: no gradient, as an unsharded frozen one
+            flat = flat.detach()
         tp = state.tp[spec.slot] if state.tp else None
         if tp is None:  # (no local name for the result: Dynamo would name the graph's node after it)
             return _tracked(state, spec.slot, flat, state.layout.param_of(flat, state.layout.slots[spec.slot]))
@@ -339,10 +333,15 @@ def _make_property(name: str) -> property:
 
 def _tracked(state: FlatParamState, slot: int, flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """`param`, read from `flat` in an eager forward; a copy of it (rows layout) is tracked like the gather itself:
-    freed with it, made again in backward."""
+    freed with it, made again in backward. Of a unit keeping its gather, remembered where `fsdp_graph.fsdp2`
+    registers it after the forward (`exposed`)."""
     session = state.root.session
-    if session is not None and resharded_in_eager(state) and not _same_storage(param, flat):
-        session.track(state, param, slot)
+    if session is not None:
+        if not resharded_in_eager(state):
+            if state.root.exposure is not None:
+                state.root.exposure.record_read(state, slot, param)
+        elif not _same_storage(param, flat):
+            session.track(state, param, slot)
     return param
 
 
@@ -360,6 +359,7 @@ def bind_flat_shard(state: FlatParamState, flat_shard: torch.Tensor) -> None:
             set_local(view, layout.local_view(base, slot))
         else:
             _point(view, layout.local_view(base, slot))
+        view.__dict__[REQUIRES_GRAD_CHANGED] = functools.partial(sync_requires_grad, state)
     # A flat shard's size never changes. Without this, compiling a second model of the same class in one process
     # (other sizes) makes Dynamo's automatic-dynamic mark the shards dynamic: symbolic collective sizes, which the
     # passes then cannot bucket, convert or schedule by size.
@@ -369,12 +369,7 @@ def bind_flat_shard(state: FlatParamState, flat_shard: torch.Tensor) -> None:
         shards.append(flat_shard)
     else:
         shards[state.index] = flat_shard
-    if flat_shard.requires_grad:
-        # CPU offload from an accelerator: the gradient arrives by an asynchronous device-to-host copy.
-        fence = None
-        if offload.is_accelerator(state.compute_device) and flat_shard.device.type == "cpu":
-            fence = (state.root.grad_fence, state.compute_device)
-        install_grad_hook(flat_shard, state.views, layout, state.after_grad, state.grad_dtype, fence)
+    ensure_grad_hook(state)
 
 
 def _point(view: nn.Parameter, local: torch.Tensor) -> None:
@@ -391,54 +386,52 @@ def _point(view: nn.Parameter, local: torch.Tensor) -> None:
 def _unit_apply(self: nn.Module, fn, recurse: bool = True):
     """`.to()`, `.double()`, `.cuda()`...: the views are converted one by one by nn.Module (which unlinks them
     from the flat shard); convert each flat shard once instead and re-point them."""
+    if self._fsdp_states[0].root.exposure is not None:  # views in place first, as FSDP2 reshards before `.to()`
+        self._fsdp_states[0].root.exposure.restore(self._fsdp_states)
     hidden = hide_views(self)
     try:
-        result = self._fsdp_original_class._apply(self, fn, recurse)
+        with unit_applying():
+            result = self._fsdp_original_class._apply(self, fn, recurse)
     finally:
         restore_views(hidden)
     for state in self._fsdp_states:
         drop_held(state)
+        state.staged.clear()  # loaded into a meta shard that this conversion replaces (`to_empty()`)
         old = state.flat_shard
         new = fn(old.detach()).detach()
         if state.compute_device is not None:  # CPU offload: dtype conversions apply, moves do not
-            new = offload.keep_pinned(old, new.to(old.device))
+            if old.device.type == "meta":  # sharded on meta (`to_empty()`): allocated at its offload home
+                new = offload.pinned(new.to("cpu"))
+            else:
+                new = offload.keep_pinned(old, new.to(old.device))
         bind_flat_shard(state, new.requires_grad_(old.requires_grad))
     return result
 
 
-def _casting_forward(dtype: torch.dtype):
-    """Mixed precision's input cast, inside `forward` so that Dynamo traces it into the model's graph (module
-    hooks of the compiled root run as frames of their own, which would make a second graph)."""
-
-    def cast(value):
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
-            return value.to(dtype)
-        return value
-
-    def forward(self, *args, **kwargs):
-        return self._fsdp_original_class.forward(self, *tree_map(cast, args), **tree_map(cast, kwargs))
-
-    return forward
-
-
-_SWAPPED_CLASSES: dict[tuple[type, frozenset[str], bool, torch.dtype | None], type] = {}
+_SWAPPED_CLASSES: dict[tuple[type, frozenset[str], bool, torch.dtype | None, torch.dtype | None], type] = {}
 
 
 def swap_class(
-    module: nn.Module, names: frozenset[str], is_unit: bool = False, cast_inputs_to: torch.dtype | None = None
+    module: nn.Module,
+    names: frozenset[str],
+    is_unit: bool = False,
+    cast_inputs_to: torch.dtype | None = None,
+    cast_outputs_to: torch.dtype | None = None,
 ) -> None:
     """Give `module` a subclass with one property per sharded parameter name; for a unit module, an `_apply`
-    that moves its flat shards; with `cast_inputs_to`, a forward casting floating-point inputs to it
-    (cached per class, names, role and dtype)."""
+    that moves its flat shards; with `cast_inputs_to` / `cast_outputs_to`, a forward casting floating-point inputs
+    / outputs to it (`mp_cast`) (cached per class, names, role and dtypes)."""
     cls = getattr(type(module), "_fsdp_original_class", type(module))
-    key = (cls, names, is_unit, cast_inputs_to)
+    key = (cls, names, is_unit, cast_inputs_to, cast_outputs_to)
     if key not in _SWAPPED_CLASSES:
         members = {n: _make_property(n) for n in sorted(names)}
         members["_fsdp_original_class"] = cls
         if is_unit:
             members["_apply"] = _unit_apply
-        if cast_inputs_to is not None:
-            members["forward"] = _casting_forward(cast_inputs_to)
+        elif names:
+            members["_apply"] = owner_apply
+        if cast_inputs_to is not None or cast_outputs_to is not None:
+            members["forward"] = casting_forward(cast_inputs_to, cast_outputs_to)
         bases = (cls, FSDPModule) if is_unit else (cls,)  # the model's own methods win over FSDPModule's
         _SWAPPED_CLASSES[key] = type(f"FSDP{cls.__name__}", bases, members)
     module.__class__ = _SWAPPED_CLASSES[key]
@@ -450,6 +443,7 @@ def enter_forward(root: RootState) -> None:
     if torch.compiler.is_compiling():
         return
     if root.forward_depth == 0 and torch._C._current_graph_task_id() == -1:
+        root.recompute = None  # a backward that raised left its recompute's gathers: they are the last step's
         root.session, root.saved_hooks = eager_reshard.begin(_regather)
     root.forward_depth += 1
 
@@ -469,13 +463,14 @@ def exit_forward(root: RootState, own_states: list[FlatParamState]) -> None:
             if root.session is not None and not root.session.pending[state.name]:
                 root.session.pieces.pop(state.name, None)  # nothing saved: the backward will not gather it
             flat = root.gathered.pop(state.name, None)
-            if flat is not None and _keeps(state) and root.session is not None and not root.session.pending[state.name]:
+            if flat is not None and keeps(state) and root.session is not None and not root.session.pending[state.name]:
                 # Autograd saved no view of it (e.g. the first unit: its input needs no gradient), so its backward
                 # will not gather again; keep this forward's gather instead, for the next forward.
-                _hold(state, flat)
+                hold(state, flat)
     if root.forward_depth == 0:
+        if root.exposure is not None and root.session is not None:
+            root.exposure.register(root.gathered, root.flat_params)
         root.gathered.clear()
-        root.recompute_task = -1
         root.prefetch.end_forward()
         if root.saved_hooks is not None:
             eager_reshard.end(root.saved_hooks)

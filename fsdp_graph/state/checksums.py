@@ -4,7 +4,11 @@ DCP checks nothing itself: a truncated shard file fails inside torch.load with a
 file whose bytes were flipped loads silently (measured: the resumed run went on from corrupted weights). So
 `save_checkpoint` writes a manifest (size and SHA-256 of every file, `.metadata` included) and `load_checkpoint`
 checks it first. Both spread the hashing over the ranks and agree on the result through collectives, so every rank
-reaches the same verdict on the same files."""
+reaches the same verdict on the same files.
+
+The manifest is a list of files (`{"files": {name: {"size", "sha256"}}}`): files written beside DCP's (a loss
+history, compiled artifacts) are covered by adding them to it. A checkpoint without one is refused unless the caller
+says it is foreign (written by torch's DCP); then only the sizes its `.metadata` implies are checked."""
 
 from __future__ import annotations
 
@@ -16,9 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
+from fsdp_graph.compat import saved_storage_data
 from fsdp_graph.runtime.devices import collective_device
 
 MANIFEST = "checksums.json"
+_FORMAT = 1
 _METADATA = ".metadata"
 _CHUNK = 8 << 20
 _DIGEST_WORDS = 32  # SHA-256 bytes, one int64 each: summed over ranks, where only the file's hasher is non-zero
@@ -26,9 +32,11 @@ _DIGEST_WORDS = 32  # SHA-256 bytes, one int64 each: summed over ranks, where on
 _OK, _MISSING, _WRONG_SIZE, _WRONG_CHECKSUM, _UNREADABLE = range(5)
 
 
-def files_written(metadata) -> list[str]:
-    """The files of a checkpoint DCP's FileSystemWriter has just written (its returned `Metadata`), sorted."""
-    return sorted({info.relative_path for info in metadata.storage_data.values()} | {_METADATA})
+def files_written(metadata, directory: str) -> list[str]:
+    """The files of the checkpoint DCP's FileSystemWriter has just written to `directory` (`metadata`: what
+    `dcp.save` returned), sorted."""
+    storage_data = saved_storage_data(metadata, directory)
+    return sorted({info.relative_path for info in storage_data.values()} | {_METADATA})
 
 
 def _digest(path: str) -> tuple[int, bytes]:
@@ -72,28 +80,35 @@ def write_manifest(directory: str, entries: dict[str, dict]) -> None:
     if unread:
         raise OSError(f"save_checkpoint: could not read back {', '.join(unread)} in '{directory}'.")
     with open(os.path.join(directory, MANIFEST), "w") as f:
-        json.dump({"algorithm": "sha256", "files": entries}, f, indent=1)
+        json.dump({"format": _FORMAT, "writer": "fsdp_graph", "algorithm": "sha256", "files": entries}, f, indent=1)
 
 
-def _expected(directory: str) -> dict[str, tuple[int, str | None]] | str:
-    """{file: (size, sha256)} from the manifest; for a checkpoint without one (torch's FSDP2 writes none) the least
-    size each data file must have, from DCP's `.metadata`, and no checksum. A string: why neither could be read."""
+def _expected(directory: str, foreign: bool) -> tuple[dict[str, tuple[int, str | None]] | str, bool]:
+    """({file: (size, sha256)} from the manifest, False). Without one: with `foreign`, the least size each data file
+    must have, from DCP's `.metadata`, and no checksum (True: the content is unverified); else why it is refused.
+    A string: why the checkpoint cannot be checked."""
     manifest = os.path.join(directory, MANIFEST)
     if os.path.exists(manifest):
         try:
             with open(manifest) as f:
                 files = json.load(f)["files"]
-            return {name: (int(e["size"]), str(e["sha256"])) for name, e in files.items()}
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            return f"{MANIFEST}: unreadable ({type(e).__name__}: {e})"
+            return {name: (int(e["size"]), str(e["sha256"])) for name, e in files.items()}, False
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return f"{MANIFEST}: unreadable ({type(e).__name__}: {e})", False
+    if not foreign:
+        return (
+            f"{MANIFEST}: missing (every checkpoint fsdp_graph writes has one; for a checkpoint written by torch's "
+            "DCP pass foreign=True)",
+            False,
+        )
     try:
         metadata = FileSystemReader(directory).read_metadata()
     except Exception as e:  # a damaged pickle raises anything
-        return f"{_METADATA}: unreadable ({type(e).__name__}: {e})"
+        return f"{_METADATA}: unreadable ({type(e).__name__}: {e})", True
     ends: dict[str, int] = {}
     for info in metadata.storage_data.values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    return {name: (end, None) for name, end in ends.items()}
+    return {name: (end, None) for name, end in ends.items()}, True
 
 
 def _check(path: str, size: int, sha256: str | None) -> tuple[int, int]:
@@ -112,16 +127,17 @@ def _check(path: str, size: int, sha256: str | None) -> tuple[int, int]:
     return (_OK if digest.hex() == sha256 else _WRONG_CHECKSUM), found
 
 
-def verify(directory: str) -> list[str]:
-    """What is wrong with the files of the checkpoint in `directory`, one line per damaged file ([] if nothing).
-    Collective, and every rank returns the same list: rank 0 reads what to expect, rank r checks files r,
-    r + world, ..., and the verdicts are combined."""
+def verify(directory: str, *, foreign: bool = False) -> tuple[list[str], bool]:
+    """(what is wrong with the files of the checkpoint in `directory`, one line per damaged file ([] if nothing);
+    whether only sizes could be checked (a foreign checkpoint without a manifest)). Collective, and every rank
+    returns the same: rank 0 reads what to expect, rank r checks files r, r + world, ..., and the verdicts are
+    combined."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    shared: list = [_expected(directory) if rank == 0 else None]
+    shared: list = [_expected(directory, foreign) if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0, device=collective_device(None, torch.device("cpu")))
-    expected = shared[0]
+    expected, unverified = shared[0]
     if isinstance(expected, str):
-        return [expected]
+        return [expected], unverified
     names = sorted(expected)
     codes = torch.zeros(len(names), dtype=torch.int64)
     found = torch.zeros(len(names), dtype=torch.int64)
@@ -140,4 +156,4 @@ def verify(directory: str) -> list[str]:
             problems.append(f"{name}: its SHA-256 differs from {MANIFEST}'s (bytes changed after the save)")
         elif code == _UNREADABLE:
             problems.append(f"{name}: unreadable")
-    return problems
+    return problems, unverified

@@ -1,9 +1,10 @@
-"""Sharded state dicts in FSDP2's layout: original FQNs, DTensor values sharded on dim 0.
+"""Sharded state dicts in FSDP2's layout: original FQNs, DTensor values sharded on their shard dim (0 unless a
+placement said otherwise) over their flat parameter's mesh (per-parameter meshes: each on its own).
 
 The flat layout is not FSDP2's per-parameter dim-0 sharding, so converting moves data: each flat parameter
 is gathered (one at a time: a unit is the most any rank holds unsharded) and every parameter is re-chunked on
 dim 0 the way `DTensor` with `Shard(0)` expects (`torch.chunk` semantics). With the rows layout each parameter
-view already IS its `Shard(0)` local tensor: the DTensors wrap the views and nothing moves. `module_state` shows
+view already IS its `Shard(d)` local tensor: the DTensors wrap the views and nothing moves. `module_state` shows
 these DTensors to each module's own state-dict code. Either way `model.state_dict()` goes straight into `torch.distributed.checkpoint` (DCP), which reshards across world sizes
 and reads and writes checkpoints of torch's own FSDP2.
 """
@@ -15,9 +16,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fsdp_graph import compat
 from fsdp_graph.runtime.devices import collective_device
 from fsdp_graph.runtime.tensor_parallel import TPSpec, state_dict_placements, tp_local_of
-from fsdp_graph.runtime.unit import FlatParamState, RootState
+from fsdp_graph.runtime.unit import FlatParamState
 
 
 def gather_flat(state: FlatParamState, local: torch.Tensor) -> torch.Tensor:
@@ -29,16 +31,17 @@ def gather_flat(state: FlatParamState, local: torch.Tensor) -> torch.Tensor:
     # CPU offload prefers the compute device: a mixed cpu:gloo,cuda:nccl group then gathers over NCCL.
     local = local.to(collective_device(group, state.compute_device or local.device))
     full = local.new_empty(state.layout.padded_numel)
-    dist.all_gather_single(full, local.contiguous(), group=group)
+    compat.all_gather_single(full, local.contiguous(), group=group)
     return full.to(home)
 
 
-def state_dict_mesh(root: RootState) -> DeviceMesh:
-    """The mesh state-dict DTensors live on: the one given to fully_shard, else the world's, on the device type
-    the world's collectives use for the flat shards where they are NOW (a model moved by `.cuda()` after
-    fully_shard must not get a CPU mesh over NCCL)."""
-    if root.mesh is not None:
-        return root.mesh
+def state_dict_mesh(state: FlatParamState) -> DeviceMesh:
+    """The mesh a flat parameter's state-dict DTensors live on: its own (fully_shard's, a unit's or a placement's),
+    else the world's, on the device type the world's collectives use for the flat shards where they are NOW (a model
+    moved by `.cuda()` after fully_shard must not get a CPU mesh over NCCL)."""
+    if state.mesh is not None:
+        return state.mesh
+    root = state.root
     shard_device = root.flat_params[0].flat_shard.device if root.flat_params else torch.device("cpu")
     device_type = collective_device(None, shard_device).type
     if device_type not in root.world_meshes:
@@ -46,10 +49,18 @@ def state_dict_mesh(root: RootState) -> DeviceMesh:
     return root.world_meshes[device_type]
 
 
-def to_dtensor(full: torch.Tensor, root: RootState) -> DTensor:
-    """`full` (identical on every rank) as a DTensor on the model's mesh, this rank holding its dim-0 chunk."""
-    mesh = state_dict_mesh(root)
-    placements = root.placements if full.dim() > 0 else tuple(Replicate() for _ in root.placements)
+def slot_placements(state: FlatParamState, slot_index: int) -> tuple:
+    """The DTensor placements of slot `slot_index`'s parameter on its flat parameter's mesh: `Shard(dim)` over the
+    shard dim (the dim its layout shards it on), Replicate over replicas."""
+    dim = state.layout.slots[slot_index].dim
+    return tuple(Shard(dim) if isinstance(p, Shard) else p for p in state.placements)
+
+
+def to_dtensor(full: torch.Tensor, state: FlatParamState) -> DTensor:
+    """`full` (identical on every rank) as a DTensor on `state`'s mesh, this rank holding its dim-0 chunk (the flat
+    layout: every parameter `Shard(0)`)."""
+    mesh = state_dict_mesh(state)
+    placements = state.placements if full.dim() > 0 else tuple(Replicate() for _ in state.placements)
     local = full
     for dim, placement in enumerate(placements):
         if isinstance(placement, Shard):
@@ -65,7 +76,7 @@ def _tp_spec(state: FlatParamState, slot_index: int) -> TPSpec | None:
 
 def _tp_placements(state: FlatParamState, spec: TPSpec, slot_index: int) -> tuple:
     rows = state.layout.slots[slot_index].shape[0]
-    return state_dict_placements(spec, state_dict_mesh(state.root), state.root.placements, rows)
+    return state_dict_placements(spec, state_dict_mesh(state), state.placements, rows)
 
 
 def tp_dtensor(local_rows: torch.Tensor, state: FlatParamState, slot_index: int) -> DTensor:
@@ -83,26 +94,32 @@ def _dp_rows(value: torch.Tensor, state: FlatParamState) -> torch.Tensor:
 
 
 def local_dtensor(local: torch.Tensor, state: FlatParamState, slot_index: int) -> DTensor:
-    """A rows-layout parameter's piece (`local`, shaped like its view) as the full parameter's DTensor, no copy."""
+    """A rows-layout parameter's piece (`local`, shaped like its view) as the full parameter's DTensor (`Shard(d)`
+    on its shard dim), no copy."""
     if _tp_spec(state, slot_index) is not None:
         return tp_dtensor(local, state, slot_index)
-    slot, root = state.layout.slots[slot_index], state.root
+    slot = state.layout.slots[slot_index]
     stride = torch.empty(slot.shape, device="meta").stride()
     return DTensor.from_local(
-        local, state_dict_mesh(root), root.placements, run_check=False, shape=slot.shape, stride=stride
+        local,
+        state_dict_mesh(state),
+        slot_placements(state, slot_index),
+        run_check=False,
+        shape=slot.shape,
+        stride=stride,
     )
 
 
 def _is_own_local(value: DTensor, state: FlatParamState, slot_index: int) -> bool:
     """Whether `value` is sharded exactly as the rows layout shards it here (then its local tensor is ours)."""
-    root, spec = state.root, _tp_spec(state, slot_index)
+    spec = _tp_spec(state, slot_index)
     if spec is not None:
         mesh, placements = _tp_placements(state, spec, slot_index)
         return state.layout.kind == "rows" and tuple(value.placements) == placements and value.device_mesh == mesh
     return (
         state.layout.kind == "rows"
-        and tuple(value.placements) == tuple(root.placements)
-        and value.device_mesh == state_dict_mesh(root)
+        and tuple(value.placements) == slot_placements(state, slot_index)
+        and value.device_mesh == state_dict_mesh(state)
     )
 
 
@@ -130,4 +147,4 @@ def gathered_dtensor(value: torch.Tensor, state: FlatParamState, slot_index: int
     sharded state-dict DTensor: `to_dtensor`, or for tensor-parallel parameters `tp_dtensor` of its dp rows."""
     if _tp_spec(state, slot_index) is not None:
         return tp_dtensor(_dp_rows(value, state).clone(), state, slot_index)
-    return to_dtensor(value, state.root)
+    return to_dtensor(value, state)

@@ -7,10 +7,16 @@ Outside torchrun it starts `--world` gloo ranks on this machine's CPUs. Rank 0 s
 summary table at the end; the loss curve goes to a PNG. A rank that fails (raises, is killed, or hangs past
 `--timeout`) ends every rank, and the error names it.
 
-Test hook: FSDP_GRAPH_FAIL_AT_STEP="RANK:STEP" makes that rank raise before step STEP (0-based);
-"RANK:STEP:kill" makes it SIGKILL itself instead, "RANK:STEP:hang" makes it stop (its peers then time out), and
-"RANK:STEP:save" makes it SIGKILL itself in the middle of saving the checkpoint of step STEP (its shard files written,
-the checkpoint's .metadata not yet).
+Exit codes (`fsdp-graph train`): 0 done; 1 failed (a rank raised, died or hung; a non-finite run stopped; a save
+failed); 2 bad options or an unusable --checkpoint-dir (before any rank starts); 75 (EX_TEMPFAIL) stopped by
+SIGTERM or SIGUSR1 after saving a checkpoint (`--resume` continues it); 130 Ctrl-C (the last safe checkpoint named).
+
+Test hooks, FSDP_GRAPH_FAIL_AT_STEP="RANK:STEP[:MODE]" (STEP 0-based): before step STEP that rank raises (no
+MODE), SIGKILLs itself (kill), hangs in a Python loop (hang) or SIGSTOPs itself (stop); between its backward and its
+optimizer step it sends SIGTERM to the launcher (term), SIGUSR1 to itself alone (usr1) or SIGINT to the launcher as
+Ctrl-C would (int), or puts a NaN into one of its gradients (nan). While saving the checkpoint of step STEP (1-based,
+the checkpoint's number) it SIGKILLs itself after writing its shard files (save), or sends SIGTERM to the launcher
+(termsave).
 """
 
 from __future__ import annotations
@@ -30,182 +36,42 @@ import torch.distributed as dist
 import fsdp_graph
 from fsdp_graph.planning.measure import executed_collectives
 from fsdp_graph.runtime.devices import collective_device
-from fsdp_graph.train import checkpoints
+from fsdp_graph.state.directory import CheckpointDirError
+from fsdp_graph.train import checkpoints, layout, progress
 from fsdp_graph.train.corpus import batch_at, load_tokens
+from fsdp_graph.train.flags import _under_torchrun, build_parser  # noqa: F401  (build_parser: the CLI's options)
+from fsdp_graph.train.flags import parse_args as _parse_args
 from fsdp_graph.train.launch import RankFailedError, spawn
-from fsdp_graph.train.llama import PRESETS, Llama, check_tp, llama_loss, preset, tp_plan
-from fsdp_graph.train.pipeline import SCHEDULES, build_pipeline
+from fsdp_graph.train.llama import PRESETS, Llama, llama_loss, preset, tp_plan
+from fsdp_graph.train.pipeline import build_pipeline
 from fsdp_graph.train.pipeline import check_args as check_pipeline_args
-from fsdp_graph.train.report import (
-    RunStats,
-    describe,
-    gather_per_rank,
-    load_history,
-    local_peak_memory,
-    summarise,
-)
+from fsdp_graph.train.report import RunStats, describe, gather_per_rank, local_peak_memory, summarise
 
-_DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3}  # larger presets: 3e-4
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="fsdp-graph train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--preset", choices=list(PRESETS), default="tiny", help="model size (default: tiny, 0.8 M)")
-    p.add_argument(
-        "--strategy",
-        choices=[s.name for s in fsdp_graph.ShardingStrategy],
-        default="FULL_SHARD",
-        help="sharding strategy (default: FULL_SHARD; hybrid ones need 4+ ranks)",
-    )
-    p.add_argument(
-        "--mixed-precision",
-        choices=["none", "bf16"],
-        default="none",
-        help="bf16: bf16 gathers and compute, fp32 master weights and gradient reduction (default: none)",
-    )
-    p.add_argument(
-        "--cpu-offload",
-        action="store_true",
-        help="keep shards, gradients and optimizer state in CPU memory; gather and compute on the device",
-    )
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default: 8)")
-    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the preset's, tiny 128)")
-    p.add_argument("--steps", type=int, default=40, help="total optimizer steps, resumed ones included")
-    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: 3e-3 tiny, 1e-3 small)")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: off)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the model")
-    p.add_argument(
-        "--backend-mode",
-        choices=["inductor", "aot"],
-        default="inductor",
-        help="inductor (default), or aot: the same passes with eager kernels, fast to compile",
-    )
-    p.add_argument("--checkpoint-dir", default=None, help="save DCP checkpoints to DIR/step_NNNNNN")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
-    p.add_argument(
-        "--resume",
-        nargs="?",
-        const="latest",
-        metavar="PATH",
-        help="continue from the latest checkpoint in --checkpoint-dir, or from PATH (a DIR/step_NNNNNN)",
-    )
-    p.add_argument("--keep", type=int, default=1, help="checkpoints kept in --checkpoint-dir (default: the newest 1)")
-    p.add_argument("--dump-dir", default=None, help="write each compile stage's graph as code here")
-    p.add_argument(
-        "--compress",
-        default=None,
-        help="quantized gathers and gradient all-to-alls (fsdp_graph.Compression.parse): 'int8', or e.g. "
-        "'weights=int8,grads=int4,block=256' (default: off)",
-    )
-    p.add_argument(
-        "--plot",
-        default=None,
-        help="loss curve PNG (default: CHECKPOINT_DIR/loss.png, else ./loss.png; 'none': no plot)",
-    )
-    p.add_argument(
-        "--pp",
-        type=int,
-        default=1,
-        help="pipeline stages: a (pp, world/pp) mesh, each stage sharded over its dp group (default: 1, none)",
-    )
-    p.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default: 1f1b)")
-    p.add_argument(
-        "--microbatches",
-        type=int,
-        default=None,
-        help="microbatches per step with --pp (default: --pp); divides --batch",
-    )
-    p.add_argument(
-        "--tp",
-        type=int,
-        default=1,
-        help="tensor parallel degree: a (world/tp, tp) mesh, the blocks split by torchtitan's plan over tp and "
-        "sharded over dp (default: 1, none)",
-    )
-    p.add_argument(
-        "--reuse-blocks",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="compile one block body for every layer, so compile time stays about flat in depth. Default: where "
-        "eligible (fully_shard(reuse_blocks=None); off with --tp, whose tensor-parallel blocks cannot share one); "
-        "--reuse-blocks: everywhere or an error (reuse_blocks=True; not with --tp); --no-reuse-blocks: off",
-    )
-    p.add_argument("--world", type=int, default=2, help="ranks to start when not under torchrun (default: 2)")
-    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds (default: 300)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the init and of the data order")
-    return p
+EXIT_FAILED, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 1, 2, 75, 130
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.checkpoint_every and not args.checkpoint_dir and args.resume in (None, "latest"):
-        parser.error("--checkpoint-every needs --checkpoint-dir")
-    if args.resume == "latest" and not args.checkpoint_dir:
-        parser.error("--resume without a PATH needs --checkpoint-dir")
-    if args.resume not in (None, "latest"):
-        if checkpoints.step_of(args.resume) is None:
-            parser.error(
-                f"--resume {args.resume}: not a checkpoint of this job (DIR/step_NNNNNN with a .metadata file)"
-            )
-        args.checkpoint_dir = args.checkpoint_dir or os.path.dirname(os.path.abspath(args.resume))
-    if args.pp < 1:
-        parser.error(f"--pp must be at least 1, got {args.pp}")
-    if args.compress is not None:
-        if not args.compile:
-            parser.error("--compress is a compiler pass: it needs --compile")
-        try:
-            args.compress = fsdp_graph.Compression.parse(args.compress)
-        except (TypeError, ValueError) as error:
-            parser.error(f"--compress {args.compress}: {error}")
-    if args.microbatches is None:
-        args.microbatches = args.pp
-    if why := _check_tp_args(args):
-        parser.error(why)
-    if args.reuse_blocks and args.tp > 1:
-        parser.error(
-            "--reuse-blocks runs without --tp (fully_shard cannot share a block body across tensor-parallel units)"
-        )
-    if args.reuse_blocks is None and args.tp > 1:
-        args.reuse_blocks = False  # said in the header: the default's fallback, without fully_shard's warning
-    if args.pp > 1 and not _under_torchrun() and (why := check_pipeline_args(args, args.world)):
-        parser.error(why)
-    if args.seq is None:
-        args.seq = PRESETS[args.preset].seq
-    if args.lr is None:
-        args.lr = _DEFAULT_LR.get(args.preset, 3e-4)
-    if args.plot is None:
-        args.plot = os.path.join(args.checkpoint_dir or ".", "loss.png")
-    return args
-
-
-def _check_tp_args(args: argparse.Namespace) -> str | None:
-    """Why the --tp options cannot run (None: they can); the world size is checked when known (not under torchrun)."""
-    if args.tp < 1:
-        return f"--tp must be at least 1, got {args.tp}"
-    if args.tp == 1:
-        return None
-    if args.pp > 1:
-        return "--tp with --pp is not supported yet"
-    if fsdp_graph.ShardingStrategy[args.strategy] is not fsdp_graph.ShardingStrategy.FULL_SHARD:
-        return f"--tp runs with FULL_SHARD only (got {args.strategy})"
-    if args.cpu_offload:
-        return "--tp with --cpu-offload is not supported yet"
-    if not _under_torchrun() and args.world % args.tp:
-        return f"--tp {args.tp} does not divide the {args.world} ranks"
-    return check_tp(PRESETS[args.preset], args.tp)
-
-
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    """The checked options (fsdp_graph.train.flags); argparse's usage error (exit 2) when one is wrong."""
+    return _parse_args(argv, __doc__)
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    """Run the job; returns rank 0's summary (None on other torchrun ranks). Raises `RankFailedError` naming the
-    rank that failed first when ranks were started here (torchrun reports failures itself)."""
-    args = parse_args(argv)
+    """Run the job; returns rank 0's summary (None on other torchrun ranks; with "stopped" when a signal stopped
+    it). Raises `RankFailedError` naming the rank that failed first when ranks were started here (torchrun reports
+    failures itself), `CheckpointDirError` before any rank starts when --checkpoint-dir cannot be used."""
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """`main` on parsed options."""
+    if args.plan or args.layout == "auto":
+        result = layout.plan_job(args, layout.planned_world(args), log=lambda line: print(line, file=sys.stderr))
+        print(result.to_text(), flush=True)
+        if args.plan:
+            return None
+        if result.best is None:
+            raise SystemExit("fsdp-graph train --layout auto: no layout fits (the plan above says why)")
+        layout.apply_layout(args, result.best.layout)
     if _under_torchrun():
         return _torchrun_rank(args)
     if torch.cuda.is_available():
@@ -214,16 +80,52 @@ def main(argv: list[str] | None = None) -> dict | None:
             "`torchrun --nproc-per-node NGPUS -m fsdp_graph train ...`",
             file=sys.stderr,
         )
-    return spawn(train_rank, args.world, (args,), timeout_s=args.timeout)[0]
+    lock = checkpoints.prepare_dir(args)  # before any rank starts
+    args.dir_prepared = True
+    try:
+        return spawn(train_rank, args.world, (args,), timeout_s=args.timeout)[0]
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """`fsdp-graph train`: main() with failures printed as one clear message instead of a launcher traceback."""
+    """`fsdp-graph train`: main() with failures printed as one clear message instead of a traceback, and an exit
+    code that says what happened (see the module docstring)."""
+    args = parse_args(argv)
     try:
-        main(argv)
+        result = run(args)
     except RankFailedError as e:
         print(f"\nfsdp-graph train FAILED: {e}", file=sys.stderr, flush=True)
-        return 1
+        return EXIT_FAILED
+    except CheckpointDirError as e:
+        print(f"fsdp-graph train: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        safe = checkpoints.last_safe(args.checkpoint_dir)
+        where = (
+            f"the last safe checkpoint is {safe} (continue with --resume)"
+            if safe
+            else "no checkpoint was saved" + ("" if args.checkpoint_dir else " (no --checkpoint-dir)")
+        )
+        print(
+            f"\nfsdp-graph train: interrupted (Ctrl-C); every rank was stopped; {where}.", file=sys.stderr, flush=True
+        )
+        return EXIT_INTERRUPTED
+    stopped = (result or {}).get("stopped")
+    if stopped:
+        saved = (
+            f"checkpoint {stopped['checkpoint']} saved; continue with --resume"
+            if stopped["checkpoint"]
+            else "no checkpoint saved (no --checkpoint-dir)"
+        )
+        print(
+            f"fsdp-graph train: stopped by {stopped['signal']} after step {stopped['step']} of {args.steps}; {saved} "
+            f"(exit code {EXIT_PREEMPTED}).",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_PREEMPTED
     return 0
 
 
@@ -314,7 +216,7 @@ def _build(args: argparse.Namespace, world: int, device: torch.device):
     With --tp: a (world / tp, tp) mesh ("dp", "tp"); the meta-device model is split by `tp_plan` over tp, then
     fully_shard over dp materialises it a unit at a time, each tp parameter initialised whole and cut to this
     rank's piece (so it starts from the values the job without --tp starts from)."""
-    cfg = preset(args.preset, seq=max(args.seq, PRESETS[args.preset].seq))
+    cfg = preset(args.preset, seq=max(args.seq, PRESETS[args.preset].seq), checkpoint=args.ac)
     torch.manual_seed(args.seed)
     with torch.device("meta"):
         model = Llama(cfg)
@@ -345,7 +247,18 @@ def _build(args: argparse.Namespace, world: int, device: torch.device):
 
 
 def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
-    """One rank of the job (spawned, or under torchrun). Returns the summary on rank 0."""
+    """One rank of the job (spawned, or under torchrun). Returns the summary on rank 0 (and {"stopped": ...} on the
+    others when a signal stopped the job). SIGTERM and SIGUSR1 make every rank finish its step, save and return."""
+    with fsdp_graph.StopSignal() as stop:
+        lock = None if getattr(args, "dir_prepared", False) else checkpoints.prepare_dir_on_rank0(args)
+        try:
+            return _train(rank, world, args, stop)
+        finally:
+            if lock is not None:
+                lock.release()
+
+
+def _train(rank: int, world: int, args: argparse.Namespace, stop: fsdp_graph.StopSignal) -> dict | None:
     from tqdm import tqdm
 
     device = collective_device()  # the accelerator of an NCCL (or mixed) group, else the CPU
@@ -363,70 +276,98 @@ def train_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
     tokens = load_tokens()
     start, history = 0, []
     if found := checkpoints.resume(args, model, opt, rank):
-        path, start = found
-        history = load_history(os.path.join(os.path.dirname(os.path.abspath(path)), "history.json"), start)
+        _, start, history = found
+        history = [(s, v) for s, v in history if s <= start]
     if rank == 0:
         _print_header(args, cfg, world, device, start)
+    losses_summed = dp * args.tp  # the guard's all-reduce adds one loss per pipeline, per tp rank
+    guard = fsdp_graph.StepGuard(model, nonfinite=args.nonfinite, max_skips=args.nonfinite_skips, stop=stop)
 
-    def step_fn(batch) -> torch.Tensor:
+    def step_fn(batch, step: int) -> fsdp_graph.StepCheck:
         if pipeline is not None:
             loss = pipeline.step(batch)  # the last stage's mean loss, 0 on the others
         else:
             loss = llama_loss(step_model, batch)
             loss.backward()
+        checkpoints.mid_step_if_asked(rank, step, model, stop)
+        norm = None
         if args.clip > 0:
-            fsdp_graph.clip_grad_norm_(model, args.clip, pp_group=pipeline.pp_group if pipeline else None)
-        opt.step()
+            norm = fsdp_graph.clip_grad_norm_(model, args.clip, pp_group=pipeline.pp_group if pipeline else None)
+        # One all-reduce: the loss the bar shows, the gradients' finiteness (the clip norm, or each rank's local
+        # gradient norms) and the stop flag; every rank decides alike whether to apply the step and to stop.
+        check = guard.check(step + 1, loss, grad_norm=norm, loss_ranks=losses_summed)
+        if check.apply:
+            opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return check
 
     stats = RunStats(history=history)
     ar_group = 2 if fsdp_graph.ShardingStrategy[args.strategy].is_hybrid else args.tp if args.tp > 1 else world
-    losses_summed = dp * args.tp  # the all-reduce below adds one loss per pipeline, per tp rank
     # The last step counts the collectives under the profiler: not the first (compiling) one, and late, because
     # the profiler's bookkeeping takes memory (up to 1 GB on the small preset) that the peak must not include.
     profile_at = args.steps - 1 if args.steps - start >= 3 else None
-    executed, checkpoint, peak = None, None, None
+    executed, checkpoint, peak, stopped = None, None, None, None
     tokens_per_step = args.batch * args.seq * dp
     # A thread lock, not tqdm's default multiprocessing one: spawned ranks leave with os._exit, which would leak
     # its semaphore (a resource_tracker warning at the end of every run).
     tqdm.set_lock(threading.RLock())
     bar = tqdm(total=args.steps, initial=start, disable=rank != 0, desc="train", unit="step", dynamic_ncols=True)
-    for step in range(start, args.steps):
-        checkpoints.fail_if_asked(rank, step)
-        ticker = compile_ticker(bar, rank == 0 and step == start and args.compile)
-        batch = tuple(t.to(device) for t in batch_at(tokens, step, args.seed, args.batch, args.seq, dp_rank, dp))
-        began = time.perf_counter()
-        if step == profile_at:
-            peak = local_peak_memory(device)
-            out: list[torch.Tensor] = []
-            with _native_stderr_muted():
-                executed = executed_collectives(
-                    lambda b=batch, o=out: o.append(step_fn(b)), group_size_of_all_reduce=ar_group
-                )
-            loss = out[0]
-            stats.profiled = len(stats.step_s)
-        else:
-            with ticker:
-                loss = step_fn(batch)
-        dist.all_reduce(loss)
-        value = loss.item() / losses_summed  # one loss per pipeline (all ranks without --pp), tp ranks' alike
-        stats.step_s.append(time.perf_counter() - began)
-        stats.history.append((step + 1, value))
-        bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{tokens_per_step / stats.step_s[-1]:,.0f}", refresh=False)
-        bar.update()
-        if args.checkpoint_dir and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            checkpoint = checkpoints.save(args, model, opt, step + 1, stats.history, rank)
-    bar.close()
-    if args.checkpoint_dir and args.steps > start and checkpoint != checkpoints.checkpoint_path(args, args.steps):
-        checkpoint = checkpoints.save(args, model, opt, args.steps, stats.history, rank)
+    try:
+        for step in range(start, args.steps):
+            checkpoints.fail_if_asked(rank, step)
+            progress.record(step + 1)
+            ticker = compile_ticker(bar, rank == 0 and step == start and args.compile)
+            batch = tuple(t.to(device) for t in batch_at(tokens, step, args.seed, args.batch, args.seq, dp_rank, dp))
+            began = time.perf_counter()
+            if step == profile_at:
+                peak = local_peak_memory(device)
+                out: list[fsdp_graph.StepCheck] = []
+                with _native_stderr_muted():
+                    executed = executed_collectives(
+                        lambda b=batch, o=out, s=step: o.append(step_fn(b, s)), group_size_of_all_reduce=ar_group
+                    )
+                check = out[0]
+                stats.profiled = len(stats.step_s)
+            else:
+                with ticker:
+                    check = step_fn(batch, step)
+            stats.step_s.append(time.perf_counter() - began)
+            if check.apply:
+                stats.history.append((step + 1, check.loss))
+            else:
+                stats.skipped.append(step + 1)
+                if rank == 0:
+                    bar.write(
+                        f"step {step + 1} skipped: {check.what} ({check.skipped_in_a_row} in a row, up to "
+                        f"{args.nonfinite_skips} allowed; the optimizer and its state untouched)"
+                    )
+            bar.set_postfix(loss=f"{check.loss:.3f}", tok_s=f"{tokens_per_step / stats.step_s[-1]:,.0f}", refresh=False)
+            bar.update()
+            if args.checkpoint_dir and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                checkpoint = checkpoints.save(args, model, opt, step + 1, stats.history, rank, stop)
+            if check.stop:
+                name = stop.signal_name or f"a signal that reached {check.stop_ranks} of the {world} ranks"
+                stopped = {"signal": name, "step": step + 1, "checkpoint": None}
+                break
+    except Exception as e:
+        if not getattr(e, "fsdp_graph_brief", False) and (late := progress.behind(e)) is not None:
+            raise late from e
+        raise
+    finally:
+        bar.close()
+    last = stopped["step"] if stopped else args.steps
+    if args.checkpoint_dir and last > start and checkpoint != checkpoints.checkpoint_path(args, last):
+        checkpoint = checkpoints.save(args, model, opt, last, stats.history, rank, stop)
+    if stopped:
+        stopped["checkpoint"] = checkpoint
     mine, memory_what = peak or local_peak_memory(device)
     if peak:
         memory_what += ", before the profiled last step"
     memory = gather_per_rank(mine, device)
     if rank != 0:
-        return None
-    return summarise(args, cfg, world, device, start, stats, executed, memory, memory_what, checkpoint)
+        return {"stopped": stopped} if stopped else None
+    summary = summarise(args, cfg, world, device, start, stats, executed, memory, memory_what, checkpoint)
+    return {**summary, "stopped": stopped}
 
 
 def _print_header(args, cfg, world: int, device: torch.device, start: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
 import multiprocessing.connection
@@ -10,6 +11,7 @@ import pickle
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -56,6 +58,9 @@ def _entry(
     # pytest, the capture of whichever test ran first): use the caller's, as they are now.
     os.environ.clear()
     os.environ.update(env)
+    # Ctrl-C reaches every process of the terminal's group: the launcher ends the ranks, which stay silent
+    # (a KeyboardInterrupt traceback per rank says nothing the launcher does not).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for target, fd in zip((1, 2), outputs):
         if fd != target:  # under spawn the child inherits the caller's descriptors under the same numbers
             os.dup2(fd, target)
@@ -74,10 +79,8 @@ def _entry(
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
         dist.barrier()  # nobody tears the group down while a peer still has collectives in flight
-    except BaseException:
-        # Timestamped, so the parent can tell the root cause from the ranks that failed because of it.
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(f"{time.time()}\n{traceback.format_exc()}")
+    except BaseException as e:
+        _write_error(os.path.join(out_dir, f"rank{rank}.err"), e)
         raise
     finally:
         dist.destroy_process_group()
@@ -87,6 +90,23 @@ def _entry(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _write_error(path: str, error: BaseException) -> None:
+    """Timestamped, so the parent can tell the root cause from the ranks that failed because of it. An error that
+    says all there is in its message (`fsdp_graph_brief = True`: a failed save, a non-finite step) is written
+    without its traceback; one that blames other ranks (`blamed_ranks`: a collective that timed out waiting for
+    them) names them on a line of its own."""
+    text = f"{error}\n" if getattr(error, "fsdp_graph_brief", False) else traceback.format_exc()
+    blamed = " ".join(str(r) for r in getattr(error, "blamed_ranks", ()))
+    with open(path, "w") as f:
+        f.write(f"{time.time()}\nblame: {blamed}\n{text}")
+
+
+def _read_error(path: str) -> tuple[float, list[int], str]:
+    with open(path) as f:
+        stamp, blame, text = f.read().split("\n", 2)
+    return float(stamp), [int(r) for r in blame.removeprefix("blame:").split()], text
 
 
 class RankFailedError(RuntimeError):
@@ -100,7 +120,10 @@ class RankFailedError(RuntimeError):
         self.rank = failures[0][1]
         self.failures, self.ended, self.signal = failures, ended, signal
         first = f"rank {self.rank} failed first:\n{failures[0][2]}"
-        later = "".join(f"\nthen rank {rank} failed: {_last_line(text)}" for _, rank, text in failures[1:])
+        later = "".join(
+            f"\nthen rank {rank} failed" + (" the same way" if text == failures[0][2] else f": {_last_line(text)}")
+            for _, rank, text in failures[1:]
+        )
         tail = "".join(
             f"\nrank {rank} was still running {_GRACE_S:g} s after the first failure; the launcher ended it."
             for rank in ended
@@ -129,35 +152,66 @@ def _exit_status(exitcode: int) -> tuple[str, str | None]:
 
 
 def _failures(
-    out_dir: str, world: int, exits: dict[int, tuple[float, int]]
+    out_dir: str, world: int, exits: dict[int, tuple[float, int]], states: dict[int, str]
 ) -> tuple[list[tuple[float, int, str]], str | None]:
     """(failures with the root cause first, the signal that killed the root cause). A rank that vanished without
     a traceback comes before ranks that raised: a peer's death makes the others raise (a broken collective), never
-    vanish, and the parent notices a death later than the peers do."""
-    raised, vanished, signals = [], [], {}
+    vanish, and the parent notices a death later than the peers do. A rank that neither raised nor ended but that
+    the first rank to blame others names (its collective timed out waiting for it: hung, or stopped) comes first.
+    `states`: the process state of each rank still running when the launcher ended it."""
+    raised, vanished, signals, blamed = [], [], {}, []
     for rank in range(world):
         path = os.path.join(out_dir, f"rank{rank}.err")
         if os.path.exists(path):
-            with open(path) as f:
-                stamp, _, text = f.read().partition("\n")
-            raised.append((float(stamp), rank, text))
+            stamp, blames, text = _read_error(path)
+            raised.append((stamp, rank, text))
+            blamed.append((stamp, rank, blames))
         elif rank in exits and exits[rank][1] != 0:
             text, signals[rank] = _exit_status(exits[rank][1])
             vanished.append((exits[rank][0], rank, text))
     failures = sorted(vanished) + sorted(raised)
+    accusers = sorted(entry for entry in blamed if entry[2])
+    if not vanished and accusers:
+        stamp, accuser, blames = accusers[0]
+        hung = [
+            (
+                stamp,
+                rank,
+                f"it stopped making progress ({states[rank]}); rank {accuser}'s collective timed out "
+                f"waiting for it:\n{_last_line(dict((r, t) for _, r, t in raised)[accuser])}\n",
+            )
+            for rank in blames
+            if rank in states
+        ]
+        failures = hung + failures
     return failures, (signals.get(failures[0][1]) if failures else None)
 
 
+def _process_state(pid: int | None) -> str:
+    """'its process was stopped, e.g. by SIGSTOP' and the like, from /proc (Linux); a plain phrase elsewhere."""
+    names = {
+        "T": "stopped, e.g. by SIGSTOP",
+        "t": "stopped by a debugger",
+        "S": "sleeping",
+        "D": "in disk I/O",
+        "R": "running",
+        "Z": "a zombie",
+    }
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            state = next(line.split()[1] for line in f if line.startswith("State:"))
+    except (OSError, StopIteration, IndexError):
+        return "its process was still running"
+    return f"its process was {names.get(state, 'in state ' + state)}"
+
+
 def _end(processes: list, ranks: list[int]) -> None:
-    """SIGTERM, then SIGKILL whatever is still alive a few seconds later (a rank stuck in native code)."""
+    """SIGKILL: a rank may handle SIGTERM as 'finish the step and save' (the main job does), which is not what
+    ending it after a peer's failure or on Ctrl-C asks for."""
     for rank in ranks:
-        if processes[rank].is_alive():
-            processes[rank].terminate()
-    deadline = time.monotonic() + 5.0
-    for rank in ranks:
-        processes[rank].join(max(0.0, deadline - time.monotonic()))
         if processes[rank].is_alive():
             processes[rank].kill()
+    for rank in ranks:
         processes[rank].join()
 
 
@@ -181,6 +235,31 @@ def _watch(processes: list, out_dir: str) -> tuple[dict[int, tuple[float, int]],
             if failed and failed_at is None:
                 failed_at = time.monotonic()
     return exits, sorted(sentinels.values())
+
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+LAUNCHER_PID_ENV = "FSDP_GRAPH_LAUNCHER_PID"  # set in the ranks' environment (the main job's test hooks signal it)
+
+
+@contextlib.contextmanager
+def _forwarding_signals(processes: list):
+    """While the ranks run, SIGTERM and SIGUSR1 sent to this process go to every rank that is still alive."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum, frame) -> None:
+        for p in processes:
+            if p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 START_METHOD_ENV = "FSDP_GRAPH_START_METHOD"
@@ -208,6 +287,10 @@ def spawn(fn: Callable[..., Any], world: int = 2, args: tuple = (), timeout_s: f
     own, then the launcher terminates them. `RankFailedError` names the rank that failed first, with its traceback
     or the signal that killed it. Collectives time out after `timeout_s`, so a rank that hangs ends the run too,
     by its peers' timeout errors. `fn` must be importable (a module-level function) and its result picklable.
+
+    SIGTERM and SIGUSR1 sent to this process while the ranks run are passed on to every rank (a scheduler
+    signals the launcher before it kills the job: the ranks may finish their step and save, see
+    fsdp_graph.StopSignal); Ctrl-C ends every rank at once (ranks ignore SIGINT: the launcher ends them).
     """
     # The parent owns the rendezvous store, bound to a port the OS picks and held for the whole run: no window in
     # which another process could take the port between choosing and binding it.
@@ -215,22 +298,26 @@ def spawn(fn: Callable[..., Any], world: int = 2, args: tuple = (), timeout_s: f
         _HOST, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
     )
     start_method = _start_method(fn)
+    env = {**os.environ, LAUNCHER_PID_ENV: str(os.getpid())}
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _entry,
-            args=(fn, world, store.port, timeout_s, out_dir, args, dict(os.environ), (_CallersFd(1), _CallersFd(2))),
+            args=(fn, world, store.port, timeout_s, out_dir, args, env, (_CallersFd(1), _CallersFd(2))),
             nprocs=world,
             join=False,
             start_method=start_method,
         )
+        states: dict[int, str] = {}
         try:
-            exits, running = _watch(context.processes, out_dir)
+            with _forwarding_signals(context.processes):
+                exits, running = _watch(context.processes, out_dir)
+            states = {rank: _process_state(context.processes[rank].pid) for rank in running}
         finally:  # also on KeyboardInterrupt in the parent: no rank outlives the call
             _end(context.processes, list(range(world)))
             for path in context.error_files:  # torch's own copy of a traceback; ours is in out_dir
                 if os.path.exists(path):
                     os.unlink(path)
-        failures, killed_by = _failures(out_dir, world, exits)
+        failures, killed_by = _failures(out_dir, world, exits, states)
         if failures:
             raise RankFailedError(failures, ended=tuple(running), signal=killed_by)
         results = []

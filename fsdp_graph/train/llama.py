@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,14 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tied: bool = True
     init_std: float = 0.02
+    # Activation checkpointing: "none"; "selective", every block with torchtitan's per-op policy (keep attention's
+    # output and every other matmul's, recompute the rest); "layer", every second block whole (torchtitan's
+    # selective "layer" option 2, blocks 1, 3, 5, ...); "full", every block whole (keep only its input).
+    checkpoint: str = "none"
 
     def __post_init__(self) -> None:
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"LlamaConfig: checkpoint={self.checkpoint!r}; use one of {', '.join(CHECKPOINT_MODES)}")
         if self.dim % self.heads or self.heads % self.kv_heads or (self.dim // self.heads) % 2:
             raise ValueError(
                 f"LlamaConfig: dim ({self.dim}) must split into heads ({self.heads}) of even size, and heads into "
@@ -48,6 +55,9 @@ class LlamaConfig:
         block = attn + 3 * self.dim * self.hidden + 2 * self.dim
         head = 0 if self.tied else self.vocab * self.dim
         return self.layers * block + self.vocab * self.dim + head + self.dim
+
+
+CHECKPOINT_MODES = ("none", "selective", "layer", "full")
 
 
 # Byte-level vocabulary (256) everywhere; the larger shapes follow Llama 3.2 1B / 3B and Llama 3 / 3.1 8B, 70B and
@@ -209,9 +219,40 @@ class Llama(nn.Module):
             raise ValueError(f"Llama: sequence of {idx.shape[1]} tokens is longer than cfg.seq={self.cfg.seq}")
         x = self.tok_embeddings(idx)
         cos, sin = self.rope(idx.shape[1])
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        for i, block in enumerate(self.blocks):
+            if self.cfg.checkpoint == "none" or (self.cfg.checkpoint == "layer" and i % 2 == 0):
+                x = block(x, cos, sin)
+            elif self.cfg.checkpoint in ("full", "layer"):
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = checkpoint(block, x, cos, sin, use_reentrant=False, context_fn=_selective_context)
         return self.output(self.norm(x))
+
+
+_aten = torch.ops.aten
+# Kept under selective checkpointing: attention (every kernel a device may pick) and, of the matmuls, every other
+# one in each block (the first, third, ...), as torchtitan's "op" policy.
+_SAVED_ATTENTION = {
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _selective_context():
+    """A fresh per-block policy: counts the block's matmuls (forward and recompute apart) and keeps the odd ones."""
+    matmuls = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op == _aten.mm.default:
+            matmuls[ctx.is_recompute] += 1
+            keep = matmuls[ctx.is_recompute] % 2 == 1
+        else:
+            keep = op in _SAVED_ATTENTION
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def tp_plan(cfg: LlamaConfig) -> dict:

@@ -60,6 +60,7 @@ class RunStats:
     history: list[tuple[int, float]] = field(default_factory=list)  # (step number, 1-based; mean loss over ranks)
     step_s: list[float] = field(default_factory=list)  # wall time of each step of this run
     profiled: int | None = None  # index into step_s of the step run under the profiler (slower; not timed)
+    skipped: list[int] = field(default_factory=list)  # steps not applied: non-finite loss or gradients
 
     def timed_steps(self) -> list[float]:
         """Step times without the first (compilation) and the profiled step, when enough remain."""
@@ -79,11 +80,24 @@ def table(title: str, rows: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def history_bytes(history: list[tuple[int, float]]) -> bytes:
+    """The loss history as JSON: [[step, loss], ...]."""
+    return json.dumps([[step, loss] for step, loss in history]).encode()
+
+
+def parse_history(data: bytes) -> list[tuple[int, float]]:
+    """`history_bytes`' inverse; ValueError if `data` is not such a list (truncated, damaged)."""
+    try:
+        return [(int(s), float(v)) for s, v in json.loads(data)]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"not a loss history ({type(e).__name__}: {e})") from None
+
+
 def save_history(path: str, history: list[tuple[int, float]]) -> None:
     """Write the loss history as JSON, atomically (a crash leaves the previous file)."""
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump([[step, loss] for step, loss in history], f)
+    with open(tmp, "wb") as f:
+        f.write(history_bytes(history))
     os.replace(tmp, path)
 
 
@@ -91,8 +105,8 @@ def load_history(path: str, upto_step: int) -> list[tuple[int, float]]:
     """The saved losses of steps 1..upto_step (a later crash may have saved more than the checkpoint holds)."""
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [(int(s), float(v)) for s, v in json.load(f) if int(s) <= upto_step]
+    with open(path, "rb") as f:
+        return [(s, v) for s, v in parse_history(f.read()) if s <= upto_step]
 
 
 def plot_losses(path: str, history: list[tuple[int, float]], title: str) -> str:
@@ -131,6 +145,15 @@ def describe(args: argparse.Namespace, world: int, device: torch.device) -> str:
     return f"{ranks}, {args.strategy}, {precision}{offload}, {mode}"
 
 
+def _skipped_line(args, skipped: list[int]) -> str:
+    mode = getattr(args, "nonfinite", "off")
+    if mode == "off":
+        return "not checked (--nonfinite off)"
+    if not skipped:
+        return "none"
+    return f"{len(skipped)} skipped (steps {', '.join(map(str, skipped))}; --nonfinite {mode})"
+
+
 def summarise(args, cfg, world, device, start, stats: RunStats, executed, memory, memory_what, checkpoint) -> dict:
     """Print the summary table and draw the loss curve (rank 0); returns the numbers as a dict."""
     if not stats.step_s:
@@ -142,7 +165,7 @@ def summarise(args, cfg, world, device, start, stats: RunStats, executed, memory
     compile_s = stats.step_s[0] - median if args.compile else None
     title = f"Llama {args.preset}\n{describe(args, world, device)}"
     plot = plot_losses(args.plot, stats.history, title) if args.plot.lower() != "none" else "off (--plot none)"
-    (first_step, first), (last_step, last) = stats.history[0], stats.history[-1]
+    (first_step, first), (last_step, last) = (stats.history[0], stats.history[-1]) if stats.history else ((0, 0.0),) * 2
     rows = [
         ("model", f"Llama {args.preset}: {cfg.num_params() / 1e6:.2f} M params, byte-level vocab {VOCAB}"),
         ("run", describe(args, world, device)),
@@ -150,8 +173,11 @@ def summarise(args, cfg, world, device, start, stats: RunStats, executed, memory
             "tokens per step",
             f"{tokens_per_step:,} ({args.batch}x{args.seq} per {'pipeline' if dp < world else 'rank'})",
         ),
-        ("steps", f"{start + 1} -> {args.steps} ({len(stats.step_s)} in this run)"),
-        ("loss", f"{first:.4f} -> {last:.4f} (step {first_step} -> {last_step})"),
+        ("steps", f"{start + 1} -> {start + len(stats.step_s)} ({len(stats.step_s)} in this run)"),
+        (
+            "loss",
+            f"{first:.4f} -> {last:.4f} (step {first_step} -> {last_step})" if stats.history else "no step applied",
+        ),
         ("median step time", f"{median:.3f} s"),
         ("tokens/s", f"{tokens_per_step / median:,.0f} (all ranks)"),
         (
@@ -160,6 +186,7 @@ def summarise(args, cfg, world, device, start, stats: RunStats, executed, memory
         ),
         ("collectives per step", collectives_line(executed)),
         ("compile time", f"{compile_s:.1f} s (first step minus median)" if compile_s is not None else "none (eager)"),
+        ("non-finite steps", _skipped_line(args, stats.skipped)),
         ("checkpoint", checkpoint or "none (no --checkpoint-dir)"),
         ("loss curve", plot),
     ]
@@ -176,5 +203,6 @@ def summarise(args, cfg, world, device, start, stats: RunStats, executed, memory
         "collectives": dict(executed.counts) if executed else None,
         "compile_s": compile_s,
         "checkpoint": checkpoint,
+        "skipped": stats.skipped,
         "plot": plot,
     }

@@ -77,18 +77,22 @@ def test_clip_grad_norm_all_reduces_on_the_collective_device(on_meta):
 
 
 def test_save_checkpoint_hashes_and_broadcasts_on_the_collective_device(on_meta, monkeypatch, tmp_path):
-    """First the checksums' all-reduce (the files DCP wrote), then the broadcast of rank 0's outcome."""
+    """First the non-finite check's all-reduce (a count), then the checksums' (the files DCP wrote), then the
+    broadcast of rank 0's outcome."""
     monkeypatch.setattr(dcp, "save", lambda *args, **kwargs: Metadata(state_dict_metadata={}, storage_data={}))
     model = fsdp_graph.fully_shard(TwoBlock())
     monkeypatch.setattr(checkpoint, "_state", lambda model, optimizer: {})
     monkeypatch.setattr(checkpoint, "_publish", lambda staging, path: None)
     with pytest.raises(_ReachedError):
         fsdp_graph.save_checkpoint(str(tmp_path / "ckpt"), model)
+    monkeypatch.setattr(checkpoint, "nonfinite_entries", lambda state: [])
+    with pytest.raises(_ReachedError):
+        fsdp_graph.save_checkpoint(str(tmp_path / "ckpt"), model)
     monkeypatch.setattr(checkpoint, "checksums", lambda directory, files: {})
     monkeypatch.setattr(checkpoint, "write_manifest", lambda directory, entries: None)
     with pytest.raises(_ReachedError):
         fsdp_graph.save_checkpoint(str(tmp_path / "ckpt"), model)
-    assert on_meta == [("all_reduce", [META]), ("broadcast", [META])]
+    assert on_meta == [("all_reduce", [META]), ("all_reduce", [META]), ("broadcast", [META])]
 
 
 def test_load_checkpoint_verifies_on_the_collective_device(on_meta, monkeypatch, tmp_path):
@@ -98,7 +102,7 @@ def test_load_checkpoint_verifies_on_the_collective_device(on_meta, monkeypatch,
 
     def broadcast_object_list(objects, src, device=None):
         devices_used.append(device)
-        objects[0] = {".metadata": (0, None)}
+        objects[0] = ({".metadata": (0, None)}, False)
 
     monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
     with pytest.raises(_ReachedError):
@@ -138,10 +142,10 @@ def test_state_dict_mesh_is_chosen_when_the_state_dict_is_made(fake_pg, monkeypa
     mesh over NCCL: the mesh's device type is the collective device of the shards' device at state-dict time.
     (Moving to meta cannot stand in for `.cuda()`: meta tensors cannot be `.data` of CPU parameters.)"""
     model = fsdp_graph.fully_shard(TwoBlock())
-    root = model.__dict__["_fsdp_root"]
-    assert fsdp_graph.state.sharded.to_dtensor(torch.zeros(8), root).device_mesh.device_type == "cpu"
+    state = model.__dict__["_fsdp_root"].flat_params[0]
+    assert fsdp_graph.state.sharded.to_dtensor(torch.zeros(8), state).device_mesh.device_type == "cpu"
     monkeypatch.setattr(devices, "choose_device", lambda config, preferred=None, current_index=None: META)
-    assert fsdp_graph.state.sharded.to_dtensor(torch.zeros(8), root).device_mesh.device_type == "meta"
+    assert fsdp_graph.state.sharded.to_dtensor(torch.zeros(8), state).device_mesh.device_type == "meta"
 
 
 def test_state_dict_mesh_of_an_accelerator_resident_model(fake_pg):

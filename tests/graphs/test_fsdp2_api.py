@@ -1,5 +1,8 @@
 """Issue 28: `fsdp_graph.fsdp2`'s API on a fake world: FSDP2's calling convention, torch's classes, every
-`FSDPModule` method of torch's accounted for, and clear refusals of what the engine cannot do."""
+`FSDPModule` method of torch's accounted for, and clear refusals of what the engine cannot do. Issue 32: what FSDP2
+accepts and this front door refused (requires_grad changed after the calls, `load_state_dict(assign=True)` also into a
+meta model, `output_dtype`, meta models with CPU offload, `reuse_blocks`) and FSDP2's error for tied weights in two
+calls; their multi-rank numerics against torch's FSDP2: tests/numerics/test_fsdp2_semantics.py."""
 
 from __future__ import annotations
 
@@ -8,14 +11,28 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import fsdp_graph
 from fsdp_graph import fsdp2
-from fsdp_graph.fsdp2 import MixedPrecisionPolicy
+from fsdp_graph.fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy
 from fsdp_graph.fsdp2.module import FSDP2Module
 from fsdp_graph.runtime.unit import flat_params
-from tests.workers.fsdp2_upstream import MLP, mlp_stack, shard_blocks
+from tests.workers.fsdp2_upstream import MLP, mlp_stack, row_block, shard_blocks
+
+
+class TiedLM(nn.Module):
+    """Embedding and head share a weight (TestFullyShardSharedParams's tied weights)."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = mlp_stack(dim, 2)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(tokens)))
 
 
 @pytest.fixture(autouse=True)
@@ -97,25 +114,15 @@ def test_native_error_gone_for_fsdp2_convention_and_type_error_gone_for_mp_polic
     assert all(s.param_dtype == torch.bfloat16 and s.reduce_dtype == torch.float32 for s in flat_params(model))
 
 
-def test_different_policies_between_calls_are_refused(fake_pg):
-    model = mlp_stack()
-    fsdp2.fully_shard(model[0], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    fsdp2.fully_shard(model)
-    with pytest.raises(NotImplementedError, match="mp_policy.*one mp_policy"):
-        list(model.parameters())
-
-
 def test_refusals_name_what_to_change(fake_pg):
     with pytest.raises(TypeError, match="MixedPrecisionPolicy"):
         fsdp2.fully_shard(mlp_stack(), mp_policy=fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16))
-    with pytest.raises(NotImplementedError, match="output_dtype"):
-        fsdp2.fully_shard(mlp_stack(), mp_policy=MixedPrecisionPolicy(output_dtype=torch.bfloat16))
 
-    class OwnMesh:  # a ShardPlacementResult's shape: a placement and a mesh of its own
+    class NoMesh:  # a ShardPlacementResult's shape, but its mesh_info has no mesh
         placement, mesh_info = None, object()
 
-    with pytest.raises(NotImplementedError, match="'in_proj.weight'.*own mesh"):
-        fsdp2.fully_shard(MLP(8), shard_placement_fn=lambda p: OwnMesh())
+    with pytest.raises(TypeError, match="'in_proj.weight'.*mesh_info without a mesh"):
+        fsdp2.fully_shard(MLP(8), shard_placement_fn=lambda p: NoMesh())
 
 
 def test_group_as_outermost_call_is_refused(fake_pg):
@@ -235,3 +242,247 @@ def test_unshard_exposes_full_tensors_until_reshard(fake_pg):
     assert isinstance(model[0].in_proj.weight, DTensor)  # not recursive into other units
     block.reshard()
     assert isinstance(block.in_proj.weight, DTensor) and block.in_proj.weight.to_local().shape == (8, 8)
+
+
+# ---- issue 32: supported instead of refused
+
+
+def test_requires_grad_change_after_the_calls_recompiles_only_what_changed(fake_pg):
+    # Frozen views are read detached and their flat shard requires grad only while one view does; the compiled
+    # graph is specialised on both, for every unit, also those running another unit's reused block body.
+    model = mlp_stack()
+    shard_blocks(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    backend = fsdp_graph.make_backend(inductor=False)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+
+    def step() -> list[bool]:
+        compiled(torch.randn(2, 8)).sum().backward()
+        has_grad = [p.grad is not None for p in model.parameters()]
+        opt.zero_grad()
+        return has_grad
+
+    assert all(step())
+    for block in model:  # frozen in every block: one new graph
+        block.in_proj.weight.requires_grad_(False)
+    assert step() == [False, True, True, True] * 3 and backend.dynamo_graphs == 2
+    model[1].in_proj.weight.requires_grad_(True)  # block 1 ran block 0's body: its change must be seen too
+    assert step() == [False, True, True, True, True, True, True, True, False, True, True, True]
+    assert backend.dynamo_graphs == 3
+    model[2].requires_grad_(False)  # a whole unit: its flat shard no longer requires grad
+    assert not model[2]._fsdp_states[0].flat_shard.requires_grad
+    assert step()[8:] == [False] * 4 and backend.dynamo_graphs == 4
+
+
+def _torchtune_style_load(model: nn.Module, full: dict[str, torch.Tensor]):
+    """torchtune 0.6.1's `load_from_full_model_state_dict` on FSDP2 (its code path without `set_model_state_dict`):
+    each full tensor distributed as the model's sharded (meta) state dict says, loaded with assign=True."""
+    meta_sd = model.state_dict()
+    sharded = {
+        name: nn.Parameter(distribute_tensor(value.to(meta_sd[name].dtype), meta_sd[name].device_mesh, meta_sd[name].placements))
+        for name, value in full.items()
+    }
+    return model.load_state_dict(sharded, strict=True, assign=True)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_assign_load_into_a_meta_model_lands_in_the_flat_shards(fake_pg, offload):
+    torch.manual_seed(0)
+    full = mlp_stack().state_dict()
+    with torch.device("meta"):
+        model = mlp_stack()
+    shard_blocks(model, **({"offload_policy": CPUOffloadPolicy()} if offload else {}))
+    objects = {n: id(p) for n, p in model.named_parameters()}
+    assert str(_torchtune_style_load(model, full)) == "<All keys matched successfully>"
+    for name, p in model.named_parameters():  # exactly the given values (the fake world's rank 0 block)
+        assert id(p) == objects[name] and p.device.type == "cpu"
+        assert torch.equal(p.to_local(), row_block(full[name], 0, 4)), name
+        shard = flat_params(model)[int(name[0])].flat_shard  # ... as the gather will read them
+        assert p.to_local().untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
+    assert all(torch.equal(v.to_local(), row_block(full[k], 0, 4)) for k, v in model.state_dict().items())
+    model(torch.randn(2, 8)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_assign_load_piece_by_piece_keeps_a_flat_shard_on_meta_until_it_is_whole(fake_pg):
+    # FSDP2's test_dp_state_dict_cpu_offload loads a meta model one parameter at a time (strict=False): the
+    # parameters not loaded yet stay on meta, as FSDP2's do, and nothing is allocated with garbage in it.
+    torch.manual_seed(0)
+    full = MLP(8).state_dict()
+    with torch.device("meta"):
+        model = MLP(8)
+    fsdp2.fully_shard(model, offload_policy=CPUOffloadPolicy())
+    meta_sd = model.state_dict()
+    for name in ("in_proj.weight", "in_proj.bias", "out_proj.weight"):
+        spec = meta_sd[name]
+        model.load_state_dict({name: distribute_tensor(full[name], spec.device_mesh, spec.placements)}, strict=False, assign=True)
+        assert all(p.device.type == "meta" for p in model.parameters())
+    spec = meta_sd["out_proj.bias"]
+    model.load_state_dict({"out_proj.bias": distribute_tensor(full["out_proj.bias"], spec.device_mesh, spec.placements)}, strict=False, assign=True)
+    assert all(torch.equal(p.to_local(), row_block(full[n], 0, 4)) for n, p in model.named_parameters())
+    assert all(v.device.type == "cpu" for v in model.state_dict().values())
+
+
+def test_assign_load_refuses_another_dtype_naming_the_parameter(fake_pg):
+    model = mlp_stack()
+    shard_blocks(model)
+    sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"'0.in_proj.weight' is torch.bfloat16 in the state dict but torch.float32"):
+        model.load_state_dict(sd, assign=True)
+
+
+def test_assign_load_of_a_real_model_keeps_the_parameter_objects_and_ties(fake_pg):
+    torch.manual_seed(0)
+    model, other = TiedLM(), TiedLM()
+    full = other.state_dict()
+    for block in model.blocks:
+        fsdp2.fully_shard(block)
+    fsdp2.fully_shard(model)
+    params = list(model.parameters())
+    _torchtune_style_load(model, full)
+    assert list(model.parameters()) == params and model.head.weight is model.embed.weight
+    assert all(torch.equal(v.to_local(), row_block(full[k], 0, 4)) for k, v in model.state_dict().items())
+
+
+def test_output_dtype_casts_the_outputs_of_every_called_module_as_fsdp2(fake_pg):
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float16)
+    seen: dict[str, list[torch.dtype]] = {}
+    for name, shard in (("ours", fsdp2.fully_shard), ("fsdp2", torch.distributed.fsdp.fully_shard)):
+        model = nn.Sequential(MLP(8), nn.LayerNorm(8), nn.Linear(8, 8))
+        shard(model[0], mp_policy=policy)
+        shard([model[1], model[2]], mp_policy=policy)
+        shard(model, mp_policy=policy)
+        dtypes = seen[name] = []
+        for m in (model[0], model[0].out_proj, model[1], model[2], model):
+            m.register_forward_hook(lambda m, args, out, dtypes=dtypes: dtypes.append(out.dtype))
+        model(torch.randn(2, 8))
+    # FSDP2 casts the output of each module a call names (each of a list), not of the modules inside them
+    assert seen["ours"] == seen["fsdp2"], seen
+    assert seen["ours"] == [torch.bfloat16, torch.float16, torch.float16, torch.float16, torch.float16]
+
+
+def test_meta_model_with_cpu_offload_materialises_on_the_cpu(fake_pg):
+    with torch.device("meta"):
+        model = mlp_stack()
+    shard_blocks(model, offload_policy=CPUOffloadPolicy())
+    assert all(p.device.type == "meta" for p in model.parameters())  # sharded on meta, as FSDP2
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.reset_parameters()
+    assert all(s.flat_shard.device.type == "cpu" and s.compute_device.type == "cpu" for s in flat_params(model))
+    model(torch.randn(2, 8)).sum().backward()
+    assert all(p.grad is not None and p.grad.device.type == "cpu" for p in model.parameters())
+
+
+def test_tied_weights_in_two_calls_raise_fsdp2s_value_error(fake_pg):
+    for called in (("embed", "head"), ("embed",)):
+        theirs, ours = TiedLM(), TiedLM()
+        for name in called:
+            torch.distributed.fsdp.fully_shard(getattr(theirs, name))
+            fsdp2.fully_shard(getattr(ours, name))
+        torch.distributed.fsdp.fully_shard(theirs)
+        fsdp2.fully_shard(ours)
+        with pytest.raises(ValueError, match="shared with a parameter already managed by another FSDP group"):
+            theirs(torch.randint(0, 16, (2, 5)))
+        with pytest.raises(ValueError, match=r"'(head|embed)\.weight' is the same tensor as .*fully_shard\(\['embedding', 'output_head'\]\)|one call"):
+            list(ours.parameters())
+        fsdp2.calls._PENDING.clear()
+    ours = TiedLM()  # the same modules in one list call: accepted, one flat parameter holds the weight once
+    fsdp2.fully_shard([ours.embed, ours.head])
+    fsdp2.fully_shard(ours)
+    assert ours.embed.weight is ours.head.weight
+
+
+def test_reuse_blocks_is_a_keyword_and_a_unit_with_nothing_to_share_does_not_warn(fake_pg, recwarn):
+    from fsdp_graph.runtime.block_region import BLOCK_KEY
+
+    def accelerate_style(model: nn.Sequential, **options) -> None:  # blocks, then [norm, head] as one unit, root
+        for block in model[:3]:
+            fsdp2.fully_shard(block, **options)
+        fsdp2.fully_shard([model[3], model[4]], reshard_after_forward=False, **options)
+        fsdp2.fully_shard(model, **options)
+
+    model = nn.Sequential(MLP(8), MLP(8), MLP(8), nn.LayerNorm(8), nn.Linear(8, 16))
+    accelerate_style(model)
+    list(model.parameters())
+    assert not [w for w in recwarn if "reuse_blocks" in str(w.message)]  # the [norm, head] unit lost nothing
+    assert all(BLOCK_KEY in block.__dict__ for block in model[:3])
+    model = nn.Sequential(MLP(8), MLP(8), MLP(8), nn.LayerNorm(8), nn.Linear(8, 16))
+    accelerate_style(model, reuse_blocks=False)
+    list(model.parameters())
+    assert not any(BLOCK_KEY in block.__dict__ for block in model[:3])
+    model = mlp_stack()
+    fsdp2.fully_shard(model[0], reuse_blocks=True)
+    fsdp2.fully_shard(model, reuse_blocks=False)
+    with pytest.raises(ValueError, match="reuse_blocks=True but.*reuse_blocks=False"):
+        list(model.parameters())
+
+
+def test_a_unit_losing_a_shared_body_still_warns_naming_the_reachable_fix(fake_pg):
+    class Outer(nn.Module):  # a block holding a unit of its own: blocks alike that cannot share a body
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.norm = MLP(8), nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.norm(self.inner(x))
+
+    model = nn.Sequential(Outer(), Outer())
+    for block in model:
+        fsdp2.fully_shard(block.inner)
+        fsdp2.fully_shard(block)
+    fsdp2.fully_shard(model)
+    with pytest.warns(UserWarning, match=r"reuse_blocks: unit '0' contains another unit.*fsdp_graph.fsdp2.fully_shard"):
+        list(model.parameters())
+
+
+def test_blocks_called_with_inputs_of_another_dtype_do_not_share_a_body(fake_pg):
+    # A block body is traced for its arguments' dtypes: the first block gets float32 (a bf16 embedding plus a
+    # float32 table), the next its bf16 output. Sharing one body made the backward fail on mixed dtypes.
+    from tests.workers.fsdp2_semantics import RopeLM
+
+    model = RopeLM()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.bfloat16)
+    for block in model.blocks:
+        fsdp2.fully_shard(block, mp_policy=policy)
+    fsdp2.fully_shard(model, mp_policy=policy)
+    fsdp2.shard_pending()
+    backend = fsdp_graph.make_backend(inductor=False)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled(torch.randint(0, 16, (2, 6))).float().sum().backward()
+    assert all(p.grad is not None for p in model.parameters()) and backend.dynamo_graphs == 1
+
+
+def test_to_empty_on_a_module_inside_a_unit_keeps_its_parameters_in_the_flat_shard(fake_pg):
+    # torchtune's LoRA recipe: the base frozen and the adapters trainable before the calls, the model sharded on
+    # meta, each adapter module `to_empty()`d and initialised on its own, then the base loaded with assign. The
+    # adapters' parameters must stay views of their unit's flat shard (nn.Module's own `_apply` unlinked them: the
+    # init wrote tensors the gather never read).
+    torch.manual_seed(0)
+    full = mlp_stack().state_dict()
+    with torch.device("meta"):
+        model = mlp_stack()
+    for block in model:
+        block.in_proj.requires_grad_(False)  # the base; out_proj plays the adapter
+    shard_blocks(model)
+    for block in model:
+        block.out_proj.to_empty(device="cpu")
+        with torch.no_grad():
+            block.out_proj.weight.fill_(0.5)
+            block.out_proj.bias.zero_()
+    base = {k: v for k, v in full.items() if "in_proj" in k}
+    meta_sd = model.state_dict()
+    sharded = {k: distribute_tensor(v, meta_sd[k].device_mesh, meta_sd[k].placements) for k, v in base.items()}
+    model.load_state_dict(sharded, strict=False, assign=True)
+    for index, block in enumerate(model):
+        for name, p in block.named_parameters():
+            state = next(s for s in flat_params(model) if any(v is p for v in s.views))
+            assert p.device.type == "cpu" and p.to_local().untyped_storage().data_ptr() == state.flat_shard.untyped_storage().data_ptr()
+            expected = row_block(full[f"{index}.{name}"], 0, 4) if "in_proj" in name else None
+            assert expected is None or torch.equal(p.to_local(), expected), name
+        assert (block.out_proj.weight.to_local() == 0.5).all()
+    model(torch.randn(2, 8)).sum().backward()
+    assert all((p.grad is not None) == p.requires_grad for p in model.parameters())
+    with pytest.raises(NotImplementedError, match=r"called on it alone.*unit '0'.*model.to\(\.\.\.\)"):
+        model[0].out_proj.to(torch.float64)

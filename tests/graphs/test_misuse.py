@@ -1,5 +1,5 @@
-"""Issue 12: an optimizer built before fully_shard, and requires_grad changed after it, raise instead of training
-silently wrong."""
+"""Issue 12: an optimizer built before fully_shard raises instead of training silently wrong; requires_grad changed
+after fully_shard reaches the flat shards (issue 32; its numerics: tests/numerics/test_fsdp2_semantics.py)."""
 
 import copy
 
@@ -36,24 +36,30 @@ def test_optimizer_built_after_fully_shard_steps(fake_pg):
         optimizer.step()
 
 
-def test_requires_grad_change_after_fully_shard_raises(fake_pg):
+def test_requires_grad_change_after_fully_shard_reaches_the_flat_shard(fake_pg):
     model = fsdp_graph.fully_shard(TwoBlock())
-    with pytest.raises(RuntimeError, match=r"'blocks\.1\.bias' cannot change after fully_shard.*before calling"):
-        model.blocks[1].bias.requires_grad_(False)
-    with pytest.raises(RuntimeError, match=r"'head\.weight'"):
-        model.head.weight.requires_grad = False
-    with pytest.raises(RuntimeError, match="cannot change after fully_shard"):
-        model.requires_grad_(False)
-    model.requires_grad_(True)  # no change: allowed
+    state = model.blocks[1]._fsdp_states[0]
+    bias = state.layout.slots.index(next(s for s in state.layout.slots if s.fqns == ("blocks.1.bias",)))
+    model.blocks[1].bias.requires_grad_(False)
+    assert state.detached_slots == (bias,) and state.flat_shard.requires_grad  # read detached; others train
+    model.blocks[1].requires_grad_(False)
+    assert state.detached_slots == () and not state.flat_shard.requires_grad  # nothing of it trains: no gradient
+    model.blocks[1].weight.requires_grad = True
+    assert state.flat_shard.requires_grad and state.detached_slots == (bias,)
+    model.requires_grad_(True)
     assert all(p.requires_grad for p in model.parameters())
-    assert all(s.flat_shard.requires_grad for s in flat_params(model))
+    assert all(s.flat_shard.requires_grad and not s.detached_slots for s in flat_params(model))
 
 
-def test_frozen_view_cannot_be_unfrozen_and_copies_work(fake_pg):
+def test_frozen_view_can_be_unfrozen_and_copies_work(fake_pg):
     model = TwoBlock()
     model.blocks[0].bias.requires_grad_(False)
     fsdp_graph.fully_shard(model)
-    with pytest.raises(RuntimeError, match=r"'blocks\.0\.bias'.*frozen"):
-        model.blocks[0].bias.requires_grad_(True)
+    frozen = next(s for s in flat_params(model) if s.name.endswith("[frozen]"))
+    assert not frozen.flat_shard.requires_grad
+    model.blocks[0].bias.requires_grad_(True)  # its shard, frozen at fully_shard, now gets a gradient
+    assert frozen.flat_shard.requires_grad
+    model(torch.randn(2, 4)).sum().backward()
+    assert model.blocks[0].bias.grad is not None and model.blocks[0].bias.grad.shape == model.blocks[0].bias.shape
     copied = copy.deepcopy(model.blocks[0].weight)
     assert copied.requires_grad and torch.equal(copied, model.blocks[0].weight)

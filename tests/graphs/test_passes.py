@@ -449,7 +449,7 @@ def forward(self, primals_1, tangents_1):
     assert_expected_inline(
         code(lower_fsdp_ops(reducing)),
         """\
-def forward(self, primals_1, primals_3, tangents_1):
+def forward(self, primals_1, primals_2, tangents_1):
     t_1 = torch.ops.aten.t.default(tangents_1);  tangents_1 = None
     mm_1 = torch.ops.aten.mm.default(t_1, primals_1);  t_1 = primals_1 = None
     t_2 = torch.ops.aten.t.default(mm_1);  mm_1 = None
@@ -457,12 +457,13 @@ def forward(self, primals_1, primals_3, tangents_1):
     slice_backward = torch.ops.aten.slice_backward.default(t_3, [4, 4], 0, 0, 2, 1);  t_3 = None
     view_2 = torch.ops.aten.view.default(slice_backward, [4, 4]);  slice_backward = None
     view_3 = torch.ops.aten.view.default(view_2, [16]);  view_2 = None
-    add = torch.ops.aten.add.Tensor(view_3, primals_3);  view_3 = primals_3 = None
+    take_accumulated = torch.ops.fsdp.take_accumulated.default(primals_2);  primals_2 = None
+    add = torch.ops.aten.add.Tensor(view_3, take_accumulated);  view_3 = take_accumulated = None
     div_tensor = torch.ops.aten.div.Tensor(add, 2);  add = None
     reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 4, '0');  div_tensor = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
     div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default, 2);  wait_tensor_default = None
-    return (None, div_tensor_1, None)""",
+    return (None, None, div_tensor_1)""",
     )
 
 

@@ -51,8 +51,26 @@ def test_error_mesh_over_part_of_the_world_not_a_named_dimension(fake_pg):
         fsdp_graph.fully_shard(TwoBlock(), DeviceMesh("cpu", torch.arange(2), _init_backend=False))
 
 
-def test_error_flattened_dimension(fake_pg):
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    flat = mesh["dp", "tp"]._flatten("dp_tp")
-    with pytest.raises(ValueError, match="not one of its named dimensions"):
-        fsdp_graph.fully_shard(TwoBlock(), flat)
+def test_unflattened_and_flattened_views_of_a_world_mesh(fake_world_8):
+    """Issue 35: torchtitan's `ParallelDims` makes every mesh as an `_unflatten`ed (or flattened) view of a 1-D world
+    mesh, whose names are not the root's. Rank 5 at (dp_replicate, fsdp, tp) = (1, 0, 1) of (2, 2, 2): its fsdp
+    group is [5, 7], its replicate group [1, 5], and the flattened (fsdp, tp) group [4, 5, 6, 7]."""
+    world = init_device_mesh("cpu", (8,), mesh_dim_names=("world",))
+    dense = world._unflatten(0, (2, 2, 2), ("dp_replicate", "fsdp", "tp"))
+    for mesh, strategy, shard, replicate in [
+        (dense["fsdp"], "FULL_SHARD", [5, 7], None),
+        (dense["dp_replicate", "fsdp"], "HYBRID_SHARD", [5, 7], [1, 5]),
+        (dense["fsdp", "tp"]._flatten("fsdp_tp"), "FULL_SHARD", [4, 5, 6, 7], None),
+    ]:
+        model = TwoBlock()
+        if strategy == "HYBRID_SHARD":  # one compile: the groups below are what the graphs' collectives use
+            lines = _fingerprint(model, mesh, strategy)
+            assert sum("all_reduce" in line for line in lines) == 3, lines
+            assert all("group_size=2," in line for line in lines if "all_reduce" not in line), lines
+        else:
+            fsdp_graph.fully_shard(model, mesh, reuse_blocks=False)
+        state = flat_params(model)[0]
+        assert _group_ranks(state.group_name) == shard, mesh
+        assert (state.replicate_world > 1) == (replicate is not None)
+        if replicate is not None:
+            assert _group_ranks(state.replicate_group) == replicate

@@ -10,6 +10,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import fsdp_graph
+from fsdp_graph.runtime.unit import flat_params
 from tests.workers.tensor_parallel import Block
 
 
@@ -272,8 +273,9 @@ def test_tp_views_are_dtensors_on_dp_tp_around_the_flat_shard(fake_pg):
     with torch.no_grad():  # an in-place update of the DTensor writes the flat shard
         params["q.weight"].fill_(3.0)
     assert (state["q.weight"].to_local() == 3.0).all()
-    with pytest.raises(RuntimeError, match="'q.weight' cannot change after fully_shard"):
-        params["q.weight"].requires_grad_(False)
+    params["q.weight"].requires_grad_(False)  # a DTensor view reports the change to its flat parameter too
+    state = next(s for s in flat_params(model) if any(v is params["q.weight"] for v in s.views))
+    assert [i for i, v in enumerate(state.views) if v is params["q.weight"]] == list(state.detached_slots)
 
 
 def test_tp_dtensor_grads_accumulate_keep_low_precision_and_survive_double(fake_pg):

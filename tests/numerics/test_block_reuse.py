@@ -1,5 +1,6 @@
 """`fully_shard(reuse_blocks=True)` (issue 15) trains as without it, on 2 gloo ranks, compiled with eager kernels."""
 
+import pytest
 import torch
 
 from fsdp_graph.train.launch import spawn
@@ -16,6 +17,7 @@ def _assert_same_training(plain: dict, reused: dict, label: str) -> None:
     assert [c for c in reused["collectives"] if "no collectives" not in c[1]] == plain["collectives"], label
 
 
+@pytest.mark.oldest_torch
 def test_reused_blocks_train_bit_for_bit_like_inlined_ones():
     """3 Llama blocks, 3 SGD steps: the same losses, gradients and parameters (exactly: the same kernels run in
     the same order), the same collectives, and one block body called 3 times."""

@@ -49,8 +49,8 @@ def test_checkpoints_interoperate_with_torch_fsdp2(tmp_path, layout):
 
 def test_interrupted_save_keeps_the_previous_checkpoint_and_damaged_files_are_named(tmp_path):
     """Also: a shard file with flipped bytes (DCP alone loads it silently) fails the manifest's SHA-256, and a
-    truncated one in a checkpoint without a manifest fails the sizes .metadata implies; every rank raises the same
-    `DamagedCheckpointError` naming the file."""
+    truncated one in a checkpoint without a manifest (loaded as foreign, as torch's) fails the sizes .metadata
+    implies; every rank raises the same `DamagedCheckpointError` naming the file."""
     path = str(tmp_path / "ckpt")
     for r in spawn(interrupted_save, 2, (path,)):
         assert r["raised"] and r["diff_to_first_save"] == 0.0 and r["missing_raises"], r

@@ -17,10 +17,6 @@ import pytest
 from fsdp_graph.train.launch import spawn
 from tests.workers import accelerate_recipe, tune_recipe
 
-_EAGER_AC = "issue 32: eager gather cache reused across activation-checkpoint recompute (helper eager-sem)"
-_ASSIGN = "issue 32: load_state_dict(assign=True) refused (helper fsdp2-api)"
-_OUTPUT_DTYPE = "issue 32: MixedPrecisionPolicy(output_dtype=...) refused (helper fsdp2-api)"
-
 
 @pytest.fixture(scope="module")
 def tune_results():
@@ -35,16 +31,9 @@ def _each(results, name: str):
         yield r[name]
 
 
-def _xfail(reason: str, *values: str) -> list:
-    return [pytest.param(v, marks=pytest.mark.xfail(strict=True, reason=reason)) for v in values]
-
-
 @pytest.mark.parametrize(
     "name",
-    ["plain[eager]", "plain[compiled]", "ac[compiled]"]
-    + _xfail(_EAGER_AC, "ac[eager]")
-    + _xfail(_ASSIGN, "recipe[compiled]")
-    + _xfail(f"{_ASSIGN}; {_EAGER_AC}", "recipe[eager]"),
+    ["plain[eager]", "plain[compiled]", "ac[eager]", "ac[compiled]", "recipe[eager]", "recipe[compiled]"],
 )
 def test_torchtune_recipe_matches_fsdp2(tune_results, name):
     for r in _each(tune_results, name):
@@ -64,9 +53,8 @@ def accelerate_results():
 
 @pytest.mark.parametrize(
     "name",
-    ["untied[eager]", "untied[compiled]", "tied[eager]", "tied[compiled]"]
-    + _xfail(_OUTPUT_DTYPE, "bf16[eager]", "bf16[compiled]")
-    + _xfail(_ASSIGN, "cpu_ram_efficient_loading[eager]", "cpu_ram_efficient_loading[compiled]"),
+    ["untied[eager]", "untied[compiled]", "tied[eager]", "tied[compiled]", "bf16[eager]", "bf16[compiled]"]
+    + ["cpu_ram_efficient_loading[eager]", "cpu_ram_efficient_loading[compiled]"],
 )
 def test_accelerate_fsdp2_recipe_matches_fsdp2(accelerate_results, name):
     assert accelerate_results[0][name].get("full_state_dict_keys", 0) > 0, accelerate_results[0][name]

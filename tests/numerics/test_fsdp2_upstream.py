@@ -72,31 +72,9 @@ from fsdp_graph.train.launch import spawn
 from tests.workers.fsdp2_upstream import CHECKS, MODES, upstream_checks
 from tests.workers.upstream_registry import EAGER, TRAINED
 
-_EAGER_SEM = "(helper eager-sem)"
-_API = "(helper fsdp2-api)"
-_LAYOUTS = "issue 32: shard_placement_fn Shard(d) / largest dim refused (helper layouts)"
 _NEW = "issue 32, found here"
 _DOC = "documented difference (docs/migrating-from-fsdp2.md)"
 XFAIL: dict[str, str] = {
-    "param_registration_after_forward": f"issue 32 item 6: registered parameters after forward {_EAGER_SEM}",
-    "train_parity_shard_largest_dim[eager]": _LAYOUTS,
-    "train_parity_shard_largest_dim[compiled]": _LAYOUTS,
-    "train_parity_shard_placement_fn_shard_largest_dim": _LAYOUTS,
-    "shard_placement_fn_contiguous_params_grads": _LAYOUTS,
-    "dp_state_dict_save_load_largest_dim": _LAYOUTS,
-    "train_parity_with_activation_checkpointing[eager]": f"issue 32 item 1: eager gathers kept across AC recompute {_EAGER_SEM}",
-    "partial_group_forward_grad_accum_chunked": f"issue 32 item 1: wrong gradient, chunked head {_EAGER_SEM}",
-    "gradient_accumulation_comm_counts": f"issue 32 item 8: CommDebugMode sees no eager collective {_EAGER_SEM}",
-    "post_acc_grad_hook_runs": f"issue 32 item 2: post-accumulate-grad hooks never run {_EAGER_SEM}",
-    "post_acc_grad_hook_optim_parity": f"issue 32 item 2: post-accumulate-grad hooks never run {_EAGER_SEM}",
-    "shared_params_separate_fsdp_groups_error": f"issue 32 item 5: tied weights across calls accepted {_API}",
-    "partial_group_forward_then_standalone_output_dtype": f"issue 32: output_dtype refused {_API}",
-    "float16_on_one_submodule_output_dtype": f"issue 32: output_dtype refused {_API}",
-    "train_mixed_requires_grad_per_group_freeze_after_init": f"issue 32 item 4: requires_grad changed after calls {_API}",
-    "train_mixed_requires_grad_across_groups": f"issue 32 item 4: requires_grad changed after calls {_API}",
-    "dp_state_dict_cpu_offload": f"issue 32 item 7: meta model with CPUOffloadPolicy, assign=True {_API}",
-    "rank0_broadcast_meta_device_init": f"issue 32: load_state_dict(assign=True) refused {_API}",
-    "invalid_shard_dim": _LAYOUTS,
     # Found by these re-created tests, no helper yet:
     "unused_forward_output[compiled]": f"{_NEW}: compiled, a parameter the loss does not reach gets a zero gradient, "
     "FSDP2 leaves None (SGD momentum then still moves it)",
@@ -109,8 +87,6 @@ XFAIL: dict[str, str] = {
     "invalid_meta_device_init": f"{_NEW}: a forward with parameters left on meta raises 'Tensor on device meta is not "
     "on the expected device cpu!' without naming them (FSDP2 names them)",
     "gradient_accumulation_partial_sync": f"{_DOC}: set_requires_gradient_sync on part of the model is refused",
-    "float16_on_one_submodule": f"{_DOC}: one mp_policy per model, a submodule's own policy is refused",
-    "submodules_with_external_inputs": f"{_DOC}: one mp_policy per model, a submodule's own policy is refused",
 }
 
 

@@ -1,6 +1,7 @@
 """benchmarks/gpu.py on a machine without a GPU: its command line, trace parsing, overlap, picture and report,
 the clear exit without CUDA, and its measuring children run on the CPU with small models."""
 
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,9 @@ import torch
 
 from benchmarks import gpu
 from benchmarks.gpu_report import (
+    OUT_DIR_ENV,
     draw_timeline,
+    headline,
     intersection,
     kernel_intervals,
     length,
@@ -20,13 +23,20 @@ from benchmarks.gpu_report import (
     union,
 )
 
+# Under torch 2.11 too (.ci/run): the children are what the GPU machines (torch 2.11) run.
+pytestmark = pytest.mark.oldest_torch
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_parse_args_defaults_and_quick():
+def test_parse_args_defaults_and_quick(monkeypatch):
+    monkeypatch.delenv(OUT_DIR_ENV, raising=False)
     full = parse_args([])
     assert (full.steps, full.plan_seq, full.budget, full.quick) == (30, 2048, 470.0, False)
     assert full.out == "docs/benchmarks-gpu.md"
+    monkeypatch.setenv(OUT_DIR_ENV, "/tmp/device-out")  # the folder the report, JSON and picture go to
+    assert parse_args([]).out == "/tmp/device-out/benchmarks-gpu.md"
+    assert parse_args(["--out", "r.md"]).out == "r.md"
     assert full.only == ["train", "plan", "offload", "overlap", "hybrid", "compress"]
     quick = parse_args(["--quick", "--only", "plan", "overlap"])
     assert (quick.steps, quick.plan_seq, quick.budget, quick.only) == (8, 512, 360.0, ["plan", "overlap"])
@@ -117,6 +127,27 @@ def test_render_markdown_reports_ratios_errors_and_missing_sections():
     single = dict(results, overlap={"world": 1, "comm_ms": 0.0, "compute_ms": 40.0, "overlap_fraction": None,
                                     "png": None})  # fmt: skip
     assert "no NCCL kernel ran" in render_markdown(single, _META)
+    assert "no NCCL kernel ran (needs 2+ GPUs)" in headline("overlap", single["overlap"])
+    cut_short = render_markdown({"train": results["train"]}, {**_META, "pending": ["offload", "plan"]})
+    assert "1 section(s)" not in cut_short and "2 section(s) still to run" in cut_short
+    assert cut_short.count("Not measured yet: the run ended (or was cut short) before this section.") == 2
+    assert "Not run (`--only` left out overlap)" in cut_short and "| fsdp_graph (ours) | 50.0 ms |" in cut_short
+
+    # The line each section prints as soon as it ends.
+    assert headline("train", results["train"]) == (
+        "[train] step 50.0 ms against plain torch.compile's 40.0 ms (1.25x); peak 900 MiB against 1,200 MiB (0.75x)"
+    )
+    assert (
+        headline("offload", results["offload"])
+        == "[offload] peak 900 MiB -> 300 MiB: saves 600 MiB (66.7%), step 2.00x"
+    )
+    assert (
+        headline("plan", results["plan"])
+        == "[plan] 1b: step 200.0 ms, peak 8,000 MiB against explain()'s 8,400 MiB (+5.0%)"
+    )
+    assert headline("overlap", results["overlap"]) == "[overlap] world 2: compute hides 75% of 10.0 ms of NCCL kernels"
+    assert headline("hybrid", results["hybrid"]).count("against explain()'s") == 2
+    assert headline("train", {"error": "Traceback ...\nRuntimeError: boom"}) == "[train] FAILED: RuntimeError: boom"
 
 
 def test_main_without_cuda_exits_with_a_message(tmp_path, monkeypatch, capsys):
@@ -128,27 +159,36 @@ def test_main_without_cuda_exits_with_a_message(tmp_path, monkeypatch, capsys):
 
 def test_main_runs_the_hybrid_and_compress_children(tmp_path, monkeypatch):
     """`--only hybrid compress`: the children each section needs (CUDA and the children replaced; their own code runs
-    in test_children_run_on_cpu), and a report with both sections."""
+    in test_children_run_on_cpu), and a report and JSON with both sections, in the folder $FSDP_GRAPH_GPU_OUT
+    names, written after each section."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "test GPU")
     asked = []
+    seen_on_disk = []  # what the JSON held when each child started: a run cut short keeps the sections before it
 
     def run_child(kind, params, deadline, cache, cap=None):
         asked.append((kind, params.get("preset"), params.get("strategy"), params.get("compress")))
+        seen_on_disk.append(json.loads(figures.read_text())["meta"]["pending"])
         return _plan(0.2, 2**30, 2**28)
 
     monkeypatch.setattr(gpu, "_run_child", run_child)
-    out = tmp_path / "report.md"
-    assert gpu.main(["--quick", "--only", "hybrid", "compress", "--out", str(out)]) == 0
+    monkeypatch.setenv(OUT_DIR_ENV, str(tmp_path / "device-out"))
+    out, figures = tmp_path / "device-out" / "benchmarks-gpu.md", tmp_path / "device-out" / "benchmarks-gpu.json"
+    assert gpu.main(["--quick", "--only", "hybrid", "compress"]) == 0
     assert asked == [
         ("plan", "small", "FULL_SHARD", None),  # the baseline of both sections, run once
         ("plan", "small", "HYBRID_SHARD", None),
         ("plan", "small", "FULL_SHARD", "weights=int8,grads=int8"),
     ]
+    assert seen_on_disk == [["hybrid", "compress"], ["hybrid", "compress"], ["compress"]]
     text = out.read_text()
     assert "| HYBRID_SHARD | 200.0 ms | 1.00x |" in text and "| int8 weights and gradients | 200.0 ms |" in text
-    assert "Not run (`--only` left out train)" in text
+    assert "Not run (`--only` left out train)" in text and "still to run" not in text
+    saved = json.loads(figures.read_text())
+    assert saved["meta"]["pending"] == [] and set(saved["results"]) == {"hybrid", "compress"}
+    assert saved["results"]["hybrid"]["HYBRID_SHARD"]["step_s"] == 0.2
+    assert sorted(p.name for p in out.parent.iterdir()) == ["benchmarks-gpu.json", "benchmarks-gpu.md"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")

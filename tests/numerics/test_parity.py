@@ -20,6 +20,7 @@ def _check(cases: list[Case]) -> None:
                 assert r.dynamo_graphs == 1, (r.case, r.dynamo_graphs)
 
 
+@pytest.mark.oldest_torch
 def test_compiled_full_shard():
     _check(
         [
@@ -32,6 +33,7 @@ def test_compiled_full_shard():
     )
 
 
+@pytest.mark.oldest_torch
 def test_compiled_shard_grad_op():
     _check(
         [
@@ -42,6 +44,7 @@ def test_compiled_shard_grad_op():
     )
 
 
+@pytest.mark.oldest_torch
 def test_eager_path():
     _check(
         [

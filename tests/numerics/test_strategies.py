@@ -35,6 +35,7 @@ def _check(cases: list[Case], world: int = 2, tol: float = FP32_TOL, loss_tol: f
     return results[0]
 
 
+@pytest.mark.oldest_torch
 def test_no_shard():
     results = _check(
         [
@@ -47,6 +48,7 @@ def test_no_shard():
         assert report.collectives.counts == ({} if report.stage == "fw" else {"all_reduce": 3}), report
 
 
+@pytest.mark.oldest_torch
 def test_hybrid_shard_world_4():
     """The last case: rank 3 alone recompiles for a shorter sequence (the same collectives, on its shard and its
     replicate group): the rank check passes it without a collective (tests/numerics/test_rank_check.py)."""

@@ -12,18 +12,7 @@ import pytest
 
 from fsdp_graph.train import job as train
 from fsdp_graph.train.launch import RankFailedError, spawn
-from tests.workers.train_job import llama_checks
-
-# Small and fast: eager kernels (no Inductor codegen), short sequences.
-FAST = ["--preset", "tiny", "--batch", "2", "--seq", "32", "--backend-mode", "aot"]
-
-
-@pytest.fixture(scope="module")
-def plain_job() -> dict:
-    """The job on 2 ranks without --tp or --pp (block reuse by default), 4 steps: what the --tp and --no-reuse-blocks
-    jobs are compared with (nothing in the job depends on --steps but the loop's length, so its first 3 steps are a
-    3-step run's)."""
-    return train.main([*FAST, "--world", "2", "--steps", "4", "--plot", "none"])
+from tests.workers.train_job import FAST, llama_checks
 
 
 def test_llama_sharded_and_compiled_matches_single_process():
@@ -50,6 +39,7 @@ def test_llama_sharded_and_compiled_matches_single_process():
         assert meta["rope_diff"] == 0.0 and meta["logits_diff"] < 1e-5, meta
 
 
+@pytest.mark.oldest_torch
 def test_cli_end_to_end_then_resume_continues_exactly(tmp_path, capfd):
     ckpt = tmp_path / "ckpt"
     args = [*FAST, "--steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--keep", "2"]
@@ -79,9 +69,10 @@ def test_save_killed_midway_then_a_truncated_shard_resume_from_the_newest_intact
     tmp_path, monkeypatch, capfd, plain_job
 ):
     """Rank 1 is SIGKILLed while saving step 3 (its shard file written, .metadata not): nothing is published as
-    step_000003 and step_000002 keeps the bytes its manifest recorded. Then step_000002's rank-1 shard is truncated:
-    --resume names the file, skips back to step_000001 and says so, and repeats the uninterrupted run's losses
-    exactly."""
+    step_000003 (rank 0 removes the partial step_000003.tmp if it gets to before the launcher ends it; the next
+    start does otherwise) and step_000002 keeps the bytes its manifest recorded. Then step_000002's rank-1 shard is
+    truncated: --resume names the file, skips back to step_000001 and says so, and repeats the uninterrupted run's
+    losses exactly."""
     ckpt = tmp_path / "ckpt"
     args = [*FAST, "--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--keep", "3"]
     monkeypatch.setenv("FSDP_GRAPH_FAIL_AT_STEP", "1:3:save")
@@ -89,8 +80,8 @@ def test_save_killed_midway_then_a_truncated_shard_resume_from_the_newest_intact
         train.main([*args, "--plot", "none"])
     assert info.value.rank == 1 and info.value.signal == "SIGKILL", info.value
     monkeypatch.delenv("FSDP_GRAPH_FAIL_AT_STEP")
-    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000001", "step_000002", "step_000003.tmp"]
-    assert (ckpt / "step_000003.tmp" / "__1_0.distcp").exists()  # the save had started writing
+    names = sorted(p.name for p in ckpt.glob("step_*"))
+    assert names in (["step_000001", "step_000002"], ["step_000001", "step_000002", "step_000003.tmp"]), names
     assert not (ckpt / "step_000003.tmp" / ".metadata").exists()
     newest = ckpt / "step_000002"
     for name, entry in json.loads((newest / "checksums.json").read_text())["files"].items():
@@ -203,14 +194,18 @@ def test_killed_rank_ends_every_rank_with_a_clear_message(tmp_path):
     assert elapsed < 60, elapsed
 
 
-def test_hung_rank_ends_every_rank_within_the_timeout(monkeypatch):
-    """A rank that stops without dying: its peer's collective times out after --timeout, and the launcher ends the
-    hung rank instead of waiting for it."""
-    monkeypatch.setenv("FSDP_GRAPH_FAIL_AT_STEP", "1:1:hang")
+def test_stopped_rank_is_named_and_every_rank_ends_within_the_timeout(monkeypatch):
+    """A rank stopped with SIGSTOP before its step 2: its peer's collective times out after --timeout, the progress
+    each rank recorded in the store names the stopped rank as the one that never reached step 2 (not the peer whose
+    wait timed out), and the launcher ends it instead of waiting for it."""
+    monkeypatch.setenv("FSDP_GRAPH_FAIL_AT_STEP", "1:1:stop")
     start = time.monotonic()
-    with pytest.raises(RankFailedError, match="(?s)^rank 0 failed first:.*rank 1 was still running") as info:
+    with pytest.raises(RankFailedError) as info:
         train.main([*FAST, "--no-compile", "--steps", "3", "--timeout", "5", "--plot", "none"])
-    assert info.value.ended == (1,)
+    text = str(info.value)
+    assert info.value.rank == 1 and info.value.ended == (1,), text
+    assert text.startswith("rank 1 failed first:\nit stopped making progress (its process was stopped"), text
+    assert "Rank 0 started step 2; rank 1 last started step 1: it never reached it" in text, text
     assert time.monotonic() - start < 45
 
 

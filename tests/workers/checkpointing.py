@@ -101,7 +101,7 @@ def fsdp2_interop(rank: int, world: int, direction: str, path: str, layout: str 
         loss_fn(theirs, batch).backward()
         opt.step()
         dcp.save({"model": theirs.state_dict()}, checkpoint_id=path)
-        fsdp_graph.load_checkpoint(path, ours)
+        fsdp_graph.load_checkpoint(path, ours, foreign=True)  # torch's DCP writes no checksums.json
     else:
         fsdp_graph.save_checkpoint(path, ours)
         state = {"model": theirs.state_dict()}
@@ -154,7 +154,7 @@ def interrupted_save(rank: int, world: int, path: str) -> dict:
 def _damaged_loads(path: str, model, optimizer) -> dict[str, str | None]:
     """The error every rank gets from `load_checkpoint` after rank 0 damages one shard file of the checkpoint:
     bytes flipped in place (same size), then truncated with the manifest removed (as in a checkpoint written by
-    torch's FSDP2, which has none). None where the load went through."""
+    torch's FSDP2, which has none: loaded as foreign). None where the load went through."""
     shard = os.path.join(path, "__1_0.distcp")
     with open(shard, "rb") as f:
         intact = f.read()
@@ -169,7 +169,7 @@ def _damaged_loads(path: str, model, optimizer) -> dict[str, str | None]:
                 os.remove(os.path.join(path, "checksums.json"))
         dist.barrier()
         try:
-            fsdp_graph.load_checkpoint(path, model, optimizer)
+            fsdp_graph.load_checkpoint(path, model, optimizer, foreign=case == "truncated_no_manifest")
             errors[case] = None
         except fsdp_graph.DamagedCheckpointError as e:
             errors[case] = str(e)

@@ -46,36 +46,72 @@ def _train(run: nn.Module, model: nn.Module, rank: int, world: int, steps: int) 
 
 
 def titan_parity(
-    rank: int, world: int, family: str, flavor: str, layers: int | None = None, steps: int = 5
+    rank: int,
+    world: int,
+    family: str,
+    flavor: str,
+    layers: int | None = None,
+    steps: int = 5,
+    expert_hidden: int | None = None,
+    modes: tuple[str, ...] = ("fsdp2",),
 ) -> dict[str, float]:
-    """Losses and this rank's row block of every weight after `steps` SGD-with-momentum steps: torchtitan with torch's
-    FSDP2 (eager), and with fsdp_graph.fsdp2 compiled (fullgraph). `layers`: the model's first that many layers only."""
+    """Losses, every weight and every buffer after `steps` SGD-with-momentum steps: torchtitan with torch's FSDP2
+    (eager), against the same model compiled (fullgraph, default options: blocks share a body) in each of `modes`:
+    "fsdp2", torchtitan's `apply_fsdp_to_decoder` with fsdp_graph.fsdp2.fully_shard (this rank's row block of each
+    weight compared), "native", `fsdp_graph.fully_shard(model, mesh)` (full weights compared). `layers` and
+    `expert_hidden`: see `titan.build`."""
+    from collections import Counter
+
+    from tests.workers.block_reuse import body_calls
+
     mesh = init_device_mesh("cpu", (world,))
-    reference = titan.build(family, flavor, layers=layers)
+    reference = titan.build(family, flavor, layers=layers, expert_hidden=expert_hidden)
     _apply_fsdp(reference, mesh, torch.distributed.fsdp.fully_shard)
     ref_losses = _train(reference, reference, rank, world, steps)
-    ref_params = {n: p.to_local() for n, p in reference.named_parameters()}
+    ref_local = {n: p.to_local().detach() for n, p in reference.named_parameters()}
+    ref_full = {n: p.full_tensor().detach() for n, p in reference.named_parameters()}
+    ref_buffers = {n: b.clone() for n, b in reference.named_buffers()}
 
     out: dict[str, float] = {}
-    for mode in ("compiled",):  # eager: tests/numerics/test_fsdp2_upstream.py
-        model = titan.build(family, flavor, layers=layers)
-        _apply_fsdp(model, mesh, fsdp_graph.fsdp2.fully_shard)
-        out[f"{mode}_fsdp_modules"] = float(
-            sum(isinstance(m, torch.distributed.fsdp.FSDPModule) for m in model.modules())
-        )
+    for mode in modes:
+        model = titan.build(family, flavor, layers=layers, expert_hidden=expert_hidden)
+        if mode == "fsdp2":
+            _apply_fsdp(model, mesh, fsdp_graph.fsdp2.fully_shard)
+            out[f"{mode}_fsdp_modules"] = float(
+                sum(isinstance(m, torch.distributed.fsdp.FSDPModule) for m in model.modules())
+            )
+        else:
+            fsdp_graph.fully_shard(model, mesh)
+            for unit in model.modules():  # torchtitan's recipe sums the gradients (its loss is already divided)
+                if unit.__dict__.get("_fsdp_states"):
+                    unit.set_gradient_divide_factor(1.0)
         backend = fsdp_graph.make_backend(inductor=False)
-        run = torch.compile(model, backend=backend, fullgraph=True)
+        graphs: list[torch.fx.GraphModule] = []
+        capture = lambda gm, ex, graphs=graphs, backend=backend: graphs.append(gm) or backend(gm, ex)  # noqa: E731
+        run = torch.compile(model, backend=capture, fullgraph=True)
         losses = _train(run, model, rank, world, steps)
         out[f"{mode}_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
-        params = dict(model.named_parameters())
-        out[f"{mode}_same_names"] = float(sorted(params) == sorted(ref_params))
-        local = {n: p.to_local().detach() for n, p in params.items()}
+        out[f"{mode}_graphs"] = float(backend.dynamo_graphs)
+        out[f"{mode}_body_uses"] = sorted(Counter(body_calls(graphs[0])).values())
+        if mode == "fsdp2":
+            params = {n: p.to_local().detach() for n, p in model.named_parameters()}
+            reference_params = ref_local
+        else:
+            with fsdp_graph.summon_full_params(model):
+                params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            reference_params = ref_full
+        out[f"{mode}_same_names"] = float(sorted(params) == sorted(reference_params))
+        out[f"{mode}_same_shapes"] = float(all(params[n].shape == reference_params[n].shape for n in reference_params))
         out[f"{mode}_weight_diff"] = max(
-            (local[n] - ref_params[n]).abs().max().item() if ref_params[n].numel() else 0.0 for n in ref_params
+            (params[n] - p).abs().max().item() if p.numel() else 0.0 for n, p in reference_params.items()
         )
-        out[f"{mode}_same_shapes"] = float(all(local[n].shape == ref_params[n].shape for n in ref_params))
-        if mode == "compiled":
-            out["graphs"] = float(backend.dynamo_graphs)
+        buffers = dict(model.named_buffers())
+        out[f"{mode}_same_buffer_names"] = float(sorted(buffers) == sorted(ref_buffers))
+        out[f"{mode}_buffer_diff"] = max(
+            ((buffers[n] - b).abs().max().item() for n, b in ref_buffers.items() if b.numel()), default=0.0
+        )
     out["ref_fsdp_modules"] = float(sum(isinstance(m, torch.distributed.fsdp.FSDPModule) for m in reference.modules()))
     out["loss_moved"] = ref_losses[0] - ref_losses[-1]
+    # MoE layers count the tokens routed to each expert in place, in forward (aux-loss-free load balancing)
+    out["tokens_counted"] = sum(b.sum().item() for n, b in ref_buffers.items() if n.endswith("tokens_per_expert_E"))
     return out

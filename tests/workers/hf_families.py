@@ -1,6 +1,7 @@
 """Hugging Face model families (tiny configs, random init, nothing downloaded), each trained sharded and compiled with
-and without `reuse_blocks` (issue 25): the same losses and parameters bit for bit, one Dynamo graph, and with reuse
-a body shared by the decoder (encoder, vision) layers."""
+and without `reuse_blocks` (issue 25), called with their defaults (a KV cache for decoders: issue 36): the same
+losses, parameters and caches bit for bit, one Dynamo graph, and with reuse a body shared by the decoder (encoder,
+vision) layers."""
 
 from __future__ import annotations
 
@@ -78,9 +79,24 @@ def family_batch(name: str, gen: torch.Generator) -> dict:
     return batch
 
 
-def train_family(name: str, reuse: bool, mesh=None, use_cache: bool = False) -> dict:
+def cache_tensors(out) -> list[torch.Tensor]:
+    """Every key and value tensor of the transformers cache in a model output (none: an empty list), in layer order;
+    an EncoderDecoderCache's self-attention halves, then its cross-attention ones."""
+    from transformers.cache_utils import Cache, EncoderDecoderCache
+
+    def flat(cache) -> list[torch.Tensor]:
+        if isinstance(cache, EncoderDecoderCache):
+            return flat(cache.self_attention_cache) + flat(cache.cross_attention_cache)
+        return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+    caches = [value for value in out.values() if isinstance(value, Cache)]
+    return [t.detach().clone() for cache in caches for t in flat(cache)]
+
+
+def train_family(name: str, reuse: bool, mesh=None) -> dict:
     """STEPS SGD steps (momentum) of `name`, sharded over `mesh` (None: the world), compiled fullgraph with eager
-    kernels; a decoder called with `use_cache` (True: transformers passes each layer a cache object)."""
+    kernels, called as its users call it: the config's defaults (decoders' `use_cache`: transformers passes every
+    layer a cache, empty on entry)."""
     torch.manual_seed(0)
     model, wrap = build_family(name)
     fsdp_graph.fully_shard(model, mesh, wrap=wrap, reuse_blocks=reuse)
@@ -95,12 +111,12 @@ def train_family(name: str, reuse: bool, mesh=None, use_cache: bool = False) -> 
     compiled = torch.compile(model, backend=capture, fullgraph=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
-    extra = {} if name == "vit" else {"use_cache": use_cache}
     losses = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(STEPS):
-            loss = compiled(**family_batch(name, gen), **extra).loss
+            out = compiled(**family_batch(name, gen))
+            loss = out.loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -110,6 +126,7 @@ def train_family(name: str, reuse: bool, mesh=None, use_cache: bool = False) -> 
     return {
         "losses": losses,
         "params": params,
+        "cache": [] if name == "vit" else cache_tensors(out),
         "graphs": len(graphs),
         "body_uses": sorted(Counter(body_calls(graphs[0])).values()),
         "reuse_warnings": [str(w.message) for w in caught if "reuse_blocks" in str(w.message)],
@@ -117,13 +134,9 @@ def train_family(name: str, reuse: bool, mesh=None, use_cache: bool = False) -> 
 
 
 def train_families(rank: int, world: int, names: list[str]) -> dict[str, list[dict]]:
-    """Each family trained without and with `reuse_blocks`; Llama also with reuse and a KV cache passed to every
-    layer (which torch refuses to reuse a body for). Each rank trains every `world`-th family on its own, sharded
-    over a one-rank mesh: the comparison is within a rank, so the ranks split the compiles between them."""
+    """Each family trained without and with `reuse_blocks`. Each rank trains every `world`-th family on its own,
+    sharded over a one-rank mesh: the comparison is within a rank, so the ranks split the compiles between them."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("family", "dp"))["dp"]
-    runs = {name: [train_family(name, False, mesh), train_family(name, True, mesh)] for name in names[rank::world]}
-    if "llama" in runs:
-        runs["llama"].append(train_family("llama", True, mesh, use_cache=True))
-    return runs
+    return {name: [train_family(name, False, mesh), train_family(name, True, mesh)] for name in names[rank::world]}

@@ -13,9 +13,11 @@ import torch.nn as nn
 
 
 def available() -> str | None:
-    """None when torchtitan's models import here, else the reason they do not."""
+    """None when torchtitan's models and its FSDP recipe import here, else the reason they do not (torchtitan 0.3.0
+    imports names torch 2.11 lacks, e.g. `torch.distributed.fsdp.DataParallelMeshDims`)."""
     try:
         _import_models()
+        importlib.import_module("torchtitan.distributed.fsdp")
     except Exception as error:  # an absent package or one of its dependencies
         return f"torchtitan 0.3.0 with its CPU dependencies is not importable: {error!r}"
     return None
@@ -41,16 +43,27 @@ def _import_models():
     return importlib.import_module("torchtitan.models")
 
 
-def build(family: str = "llama3", flavor: str = "debugmodel", seed: int = 0, layers: int | None = None) -> nn.Module:
+def build(
+    family: str = "llama3",
+    flavor: str = "debugmodel",
+    seed: int = 0,
+    layers: int | None = None,
+    expert_hidden: int | None = None,
+) -> nn.Module:
     """torchtitan's `family` model of `flavor`, initialised by its own `init_states()` from `seed`, with SDPA instead
     of FlexAttention (which has no CPU backward); `layers`: only the first that many of its layers (Qwen3's
-    `debugmodel_moe` has 316 M parameters in 8). Call it as `model(tokens, positions, None)`."""
+    `debugmodel_moe` has 316 M parameters in 8); `expert_hidden`: each MoE expert's hidden size instead of the
+    flavor's (its 64 experts of 768 are 302 M of those parameters; the routing, top-k and load-balancing buffers stay
+    as they are). Call it as `model(tokens, positions, None)`."""
     _import_models()
     configs = importlib.import_module(f"torchtitan.models.{family}")
     registry = getattr(configs, f"{family}_configs")
     config = registry[flavor]("flex")
     if layers is not None:
         config.layers = config.layers[:layers]
+    if expert_hidden is not None:
+        for layer in config.layers:
+            layer.moe.routed_experts.inner_experts.hidden_dim = expert_hidden
     torch.manual_seed(seed)
     model = config.build()
     model.init_states()

@@ -13,6 +13,8 @@ from fsdp_graph.train.llama import Llama, LlamaConfig
 from tests.workers.training import llama_step_beside_reference, max_param_diff
 
 SMALL = LlamaConfig(dim=32, layers=2, heads=4, kv_heads=2, hidden=64, seq=16)
+# The main job's tests run it small and fast: eager kernels (no Inductor codegen), short sequences.
+FAST = ["--preset", "tiny", "--batch", "2", "--seq", "32", "--backend-mode", "aot"]
 
 
 def llama_parity(rank: int, world: int, tied: bool, strategy: str, steps: int = 4, batch: int = 2) -> dict:

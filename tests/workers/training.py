@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_graph
+from fsdp_graph import compat
 from tests.workers.models import (
     GPT,
     Block,
@@ -336,7 +337,7 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
             full = local
         else:
             group = dist.distributed_c10d._resolve_process_group(state.group_name)
-            dist.all_gather_single(full, local, group=group)
+            compat.all_gather_single(full, local, group=group)
         for slot, grad in zip(layout.slots, layout.unflatten(full)):
             for fqn in slot.fqns:
                 out[fqn] = grad

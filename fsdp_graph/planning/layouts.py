@@ -1,0 +1,211 @@
+"""Layouts `plan()` compares, what each costs, and the cheap bounds that decide which are worth tracing.
+
+A `Layout` places `world` ranks as `pp` pipeline stages x `dp_replicate` x `dp_shard` data-parallel ranks x `tp`
+tensor-parallel ranks (tp innermost, so a tensor-parallel group sits inside one node), and runs each step as
+`microbatches` micro-batches of `micro_batch` sequences per data-parallel rank (gradient accumulation without
+pipelining; the pipeline's micro-batches with it, 1F1B).
+
+`evaluate` turns a traced `Profile` (the stage's blocks at the layout's shapes, `fsdp_graph.planning.profiles`)
+into the layout's figures:
+- one micro-batch's forward and backward, communication included, is the profile's step at the stage's depth
+  (blocks / pp) without its optimizer step; a step runs `microbatches` of them, plus the pipeline's fill and drain
+  (pp - 1 more micro-batch times, 1F1B) and the activations and gradients sent between stages, then one optimizer
+  step;
+- memory is the profile's peak (allocated), plus, under gradient accumulation, the gradients kept from the previous
+  micro-batch, and under 1F1B the activations of the first stage's min(pp, microbatches) - 1 further micro-batches in
+  flight; reserved memory adds the allocator's overhead over allocated the profile measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fsdp_graph.planning.profiles import Profile, ProfileKey
+from fsdp_graph.train.llama import LlamaConfig
+from passes.hardware import GIB, Hardware, collective_seconds, span
+
+AC_MODES = ("none", "selective", "full")  # what plan() searches; LlamaConfig also takes "layer"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How `world = pp * dp_replicate * dp_shard * tp` ranks train one step of `global batch = dp_replicate *
+    dp_shard * micro_batch * microbatches` sequences."""
+
+    tp: int
+    pp: int
+    dp_shard: int
+    dp_replicate: int
+    checkpoint: str  # activation checkpointing: "none", "selective" or "full"
+    micro_batch: int
+    microbatches: int
+    reshard_after_forward: bool = True
+    compression: str | None = None
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp_shard * self.dp_replicate
+
+    def describe(self) -> str:
+        parts = [f"HSDP {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"FSDP {self.dp_shard}"]
+        if self.tp > 1:
+            parts.append(f"TP {self.tp}")
+        if self.pp > 1:
+            parts.append(f"PP {self.pp}")
+        text = " x ".join(parts) + f", AC {self.checkpoint}, micro-batch {self.micro_batch}"
+        if self.microbatches > 1:
+            text += f" x {self.microbatches}" + (" (1F1B)" if self.pp > 1 else " (accumulated)")
+        if not self.reshard_after_forward:
+            text += ", no reshard after forward"
+        if self.compression:
+            text += f", compressed {self.compression}"
+        return text
+
+    def profile_key(self, config: LlamaConfig, seq: int, bf16: bool) -> ProfileKey:
+        return ProfileKey(
+            config,
+            self.tp,
+            self.dp_shard,
+            self.dp_replicate,
+            self.checkpoint,
+            self.micro_batch,
+            seq,
+            bf16,
+            self.reshard_after_forward,
+            self.compression,
+        )
+
+
+@dataclass
+class Evaluation:
+    """A layout's predicted step (seconds), its parts, and its memory per rank (bytes)."""
+
+    layout: Layout
+    step_time: float
+    tokens_per_s_per_gpu: float
+    allocated_bytes: float
+    reserved_bytes: float
+    breakdown: dict[str, float] = field(default_factory=dict)  # seconds: compute, exposed, optimizer, pipeline
+    memory_breakdown: dict[str, float] = field(default_factory=dict)  # bytes: states, activations and buffers
+    fits: bool = True
+    reason: str = ""
+
+
+def model_flops_per_token(cfg: LlamaConfig, seq: int) -> float:
+    """Training flops per token (forward and backward, 3x the forward's): 6 per matmul parameter (the embedding is
+    a lookup, no matmul) plus causal attention's scores and values, 6 * 2 * layers * dim * seq / 2."""
+    embedding = 0 if cfg.tied else cfg.vocab * cfg.dim  # tied: the one matrix is the head's matmul too
+    matmul_params = cfg.num_params() - embedding - (2 * cfg.layers + 1) * cfg.dim
+    return 6 * matmul_params + 6 * cfg.layers * cfg.dim * seq
+
+
+def throughput_bound(cfg: LlamaConfig, seq: int, layout: Layout, hardware: Hardware, bf16: bool = True) -> float:
+    """Tokens per second per GPU no plan of this layout beats: the step is at least its matmul flops at the matmul
+    rate (full checkpointing runs the forward twice, 8/6 of the flops; a pipeline adds its fill and drain), and at
+    least the time of its collectives, which the cost model runs one after another (`comm_lower_bound`)."""
+    flops = model_flops_per_token(cfg, seq) * (8 / 6 if layout.checkpoint == "full" else 1.0)
+    tokens = layout.dp_shard * layout.dp_replicate * layout.micro_batch * layout.microbatches * seq
+    compute = flops * tokens / layout.world / hardware.matmul_rate()
+    compute *= (layout.microbatches + layout.pp - 1) / layout.microbatches
+    return tokens / max(compute, comm_lower_bound(cfg, seq, layout, hardware, bf16)) / layout.world
+
+
+def comm_lower_bound(cfg: LlamaConfig, seq: int, layout: Layout, hardware: Hardware, bf16: bool = True) -> float:
+    """Seconds of the collectives one rank runs per step (`passes.hardware.collective_seconds` on the layout's
+    groups: tp innermost, the FSDP group every tp-th rank): per block and micro-batch, FSDP's gathers (two, one
+    without resharding after forward) in the compute dtype and its fp32 reduce-scatter, HSDP's replica all-reduce
+    of the shard, and tensor parallelism's four activation all-reduces (six under full checkpointing, whose
+    recomputed forward runs them again). The embedding and head are left out, so it is a lower bound."""
+    elem = 2 if bf16 else 4
+    block = (cfg.num_params() - cfg.vocab * cfg.dim * (1 if cfg.tied else 2)) / cfg.layers / layout.tp
+    dp_ranks = tuple(i * layout.tp for i in range(layout.dp_shard))
+    nodes, per_node = span(dp_ranks, hardware.ranks_per_node)
+    gathers = 2 if layout.reshard_after_forward else 1
+    fsdp = gathers * collective_seconds("all_gather", block * elem, layout.dp_shard, hardware, nodes, per_node)
+    fsdp += collective_seconds("reduce_scatter", block * 4, layout.dp_shard, hardware, nodes, per_node)
+    if layout.dp_replicate > 1:
+        replicas = layout.dp_replicate
+        fsdp += collective_seconds("all_reduce", block * 4 / layout.dp_shard, replicas, hardware, replicas, 1)
+    tp = 0.0
+    if layout.tp > 1:
+        activation = layout.micro_batch * seq * cfg.dim * 2
+        count = 6 if layout.checkpoint == "full" else 4
+        tp = count * collective_seconds("all_reduce", activation, layout.tp, hardware)
+    return cfg.layers / layout.pp * layout.microbatches * (fsdp + tp)
+
+
+def memory_lower_bound(cfg: LlamaConfig, seq: int, layout: Layout, bf16: bool = True) -> float:
+    """Bytes per rank no layout of these degrees can go below: the model state (fp32 master, gradient and AdamW's
+    two moments, 16 bytes a parameter) over the ranks holding it, one gathered block (every block of the stage
+    without resharding after forward: they stay gathered for the backward), and per block and sequence the
+    activations checkpointing keeps at least (the block's input; without checkpointing also the feed-forward's
+    input and its three hidden-width values, split over tp)."""
+    elem = 2 if bf16 else 4
+    state = 16 * cfg.num_params() / (layout.tp * layout.pp * layout.dp_shard)
+    block = (cfg.num_params() - cfg.vocab * cfg.dim * (1 if cfg.tied else 2)) / cfg.layers
+    gathered = block / layout.tp * elem * (1 if layout.reshard_after_forward else cfg.layers / layout.pp)
+    per_token = cfg.dim if layout.checkpoint != "none" else cfg.dim * 2 + 3 * cfg.hidden / layout.tp
+    in_flight = min(layout.pp, layout.microbatches) if layout.pp > 1 else 1
+    activations = cfg.layers / layout.pp * layout.micro_batch * in_flight * seq * per_token * elem
+    return state + gathered + activations
+
+
+def _send_seconds(nbytes: float, hardware: Hardware) -> float:
+    """One point-to-point send between nodes: a network step's latency plus the bytes at a rank's NIC rate."""
+    latency = hardware.inter_latency_s if hardware.inter_latency_s is not None else hardware.link_latency_s
+    return latency + nbytes / (hardware.inter_bytes_per_s or hardware.link_bytes_per_s)
+
+
+def evaluate(
+    layout: Layout,
+    profile: Profile,
+    cfg: LlamaConfig,
+    seq: int,
+    hardware: Hardware,
+    usable_bytes: float,
+) -> Evaluation:
+    """The layout's figures from its stage's profile (see the module docstring)."""
+    stage_layers = max(cfg.layers // layout.pp, 1)
+    f = profile.at(stage_layers)
+    optimizer = f["optimizer_time"]
+    per_micro = f["step_time"] - optimizer
+    exposed = f["exposed_comm"]
+    compute = per_micro - exposed
+    m, p = layout.microbatches, layout.pp
+    pipeline = 0.0
+    if p > 1:
+        activation = layout.micro_batch * seq * cfg.dim * 2  # bf16 hidden states between stages
+        send = _send_seconds(activation, hardware)  # stages sit on different nodes
+        pipeline = (p - 1) * per_micro + (m + p - 1) * 2 * send  # activations forward, their gradients back
+    step = m * per_micro + pipeline + optimizer
+    allocated = f["peak_memory_bytes"]
+    extra = 0.0
+    if p == 1 and m > 1:
+        extra = f["gradient_bytes"]  # the previous micro-batches' gradients, kept for the next backward
+    if p > 1:
+        extra = (min(p, m) - 1) * f["transient_bytes"]
+    allocated += extra
+    reserved = allocated + max(f["reserved_bytes"] - f["peak_memory_bytes"], 0.0)
+    tokens = layout.dp_shard * layout.dp_replicate * layout.micro_batch * m * seq
+    states = f["shard_bytes"] * 2 + f["optimizer_state_bytes"]  # fp32 master shards, their gradients, the state
+    evaluation = Evaluation(
+        layout,
+        step,
+        tokens / step / layout.world,
+        allocated,
+        reserved,
+        {
+            "compute": m * compute,
+            "exposed communication": m * exposed,
+            "optimizer": optimizer,
+            "pipeline": pipeline,
+        },
+        {"model state": states, "activations and buffers": allocated - states},
+    )
+    if reserved > usable_bytes:
+        evaluation.fits = False
+        evaluation.reason = (
+            f"needs {reserved / GIB:.1f} GiB reserved ({allocated / GIB:.1f} GiB allocated) > "
+            f"{usable_bytes / GIB:.1f} GiB usable"
+        )
+    return evaluation
