@@ -7,6 +7,7 @@ from passes.compress import compress_collectives
 from passes.dedup import dedup_unshard
 from passes.fingerprint import collective_fingerprint
 from passes.flat_grad import cat_flat_grads
+from passes.grad_reads import gathered_reads
 from passes.lower import lower_fsdp_ops
 from passes.region_mutation import lift_region_mutations
 from passes.reshard import tag_reshard
@@ -21,6 +22,7 @@ __all__ = [
     "collective_summary",
     "compress_collectives",
     "dedup_unshard",
+    "gathered_reads",
     "lift_region_mutations",
     "lower_fsdp_ops",
     "reduce_scatter_as_all_to_all",

@@ -58,7 +58,11 @@ def hint(x: int | torch.SymInt) -> int:
     optimization hint (unbacked sizes), which falls back to 1."""
     if isinstance(x, torch.SymInt):
         node = x.node
-        return int(node.hint) if node.has_hint() else int(node.optimization_hint(fallback=1))
+        if node.has_hint():
+            return int(node.hint)
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        return int(optimization_hint(x, fallback=1))
     return int(x)
 
 

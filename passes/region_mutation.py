@@ -74,6 +74,11 @@ def written_inputs(body: fx.GraphModule) -> tuple[int, ...]:
             inputs = [_fresh(e) for e in examples]
             with watcher:
                 body(*inputs)
+    except RuntimeError:
+        # torch 2.11 cannot run some ops on fresh fakes of symbolic size ("Cannot call numel() on tensor with
+        # symbolic sizes"): nothing is lifted then, and a body that does write an input fails in AOT autograd with
+        # torch's own error (never silently); a unit writing its buffers is traced on its own there anyway
+        return ()
     finally:
         torch.set_grad_enabled(grad_enabled)  # a body toggles grad mode itself (`torch.no_grad()` blocks)
     return tuple(i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and _storage(t) in watcher.written)

@@ -3,10 +3,15 @@ while it is in flight, it is waited for before the graph returns, and serial gro
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from fsdp_graph.ir import COLLECTIVES, WAIT
 from passes.fx_nodes import alias_source, collective_group, written_args
+
+# Reads of a tensor's sizes, not its data: an all-to-all with data-dependent split sizes (expert parallelism's token
+# dispatch) has an output of unbacked size, which the graph reads from the issue node itself.
+_METADATA_READS = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default)
 
 
 def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node]) -> fx.Node:
@@ -18,7 +23,8 @@ def check_collectives(gm: fx.GraphModule, serial_groups: frozenset[str] | set[st
 
     Matches: `_c10d_functional` issue nodes (all_gather_into_tensor, reduce_scatter_tensor, all_reduce,
     all_to_all_single) and their `wait_tensor`. Guarantees, when it returns:
-    - an issue's result is read only by `wait_tensor` (nothing reads a buffer that is still being filled);
+    - an issue's result is read only by `wait_tensor` (nothing reads a buffer that is still being filled), and by
+      reads of its sizes (`sym_size`: an all-to-all's data-dependent output size);
     - between issue and wait no op writes (schema `(a!)`) to the storage of the collective's input or output,
       views included;
     - every issue is waited for before the graph's output (nothing is still in flight when the graph returns and
@@ -46,7 +52,7 @@ def check_collectives(gm: fx.GraphModule, serial_groups: frozenset[str] | set[st
             roots[node] = _storage_root(issue, roots) if isinstance(issue, fx.Node) else node
             continue
         if node.target in COLLECTIVES:
-            readers = [u for u in node.users if u.target is not WAIT]
+            readers = [u for u in node.users if u.target is not WAIT and u.target not in _METADATA_READS]
             if readers:
                 raise RuntimeError(
                     f"check_collectives: {readers[0].name} reads {node.name}'s result without waiting for it"

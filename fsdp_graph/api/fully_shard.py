@@ -133,13 +133,13 @@ def fully_shard(
     ignored = _ignored_param_ids(model, ignored_modules, ignored_params)
     units, group_members = _select_units(model, wrap, module_fqns, ignored_modules)
     unit_fqns = [module_fqns[id(u)] for u in units]
-    params, uses, tp = _collect_parameters(model, ignored, mesh)
+    params, uses, dtensor_fqns = _collect_parameters(model, ignored)
     owner_of_prefix = {fqn: fqn for fqn in unit_fqns}
     owner_of_prefix.update(
         {module_fqns[id(m)]: module_fqns[id(u)] for u, group in group_members.items() for m in group}
     )
     assignment = _assign_to_units(params, uses, owner_of_prefix)
-    refused = reuse_refusals(unit_fqns[:-1], assignment, uses, tp) if reuse_blocks is not False else {}
+    refused = reuse_refusals(unit_fqns[:-1], assignment, uses, dtensor_fqns) if reuse_blocks is not False else {}
     if reuse_blocks is not False:
         for unit in group_members:
             refused[module_fqns[id(unit)]] = f"unit {module_fqns[id(unit)]!r} is several modules (a tuple in wrap)"
@@ -160,6 +160,8 @@ def fully_shard(
     options = unit_settings(unit_options, units, unit_fqns, meshes, mp, cpu_offload, device)
     unit_entries = {fqn: o.entry for fqn, o in options.items()}
     placed = param_placements(params, uses, assignment, unit_entries, meshes, shard_placement_fn)
+    # checked against each parameter's own FSDP mesh: an expert's "efsdp", not the call's dense mesh
+    tp = {pid: tp_spec_of(params[pid], fqn, placed[pid].entry.mesh) for pid, fqn in dtensor_fqns.items()}
     shard_worlds = {fqn: o.entry.groups.shard_world for fqn, o in options.items()}
     reshard = _resolve_reshard(reshard_after_forward, strategy, units, unit_fqns, shard_worlds)
     if tp:
@@ -171,8 +173,7 @@ def fully_shard(
 
     root_state = RootState(mesh=mesh)
     track_kept_gathers(root_state)
-    views_tp_mesh = None if layout != "rows" else dtensor_views_mesh(list(tp.values()), mesh, meshes.default.placements)
-    dtensor_views = views_tp_mesh is not None or (dtensor_params and not tp)
+    views_tp_meshes = _views_tp_meshes(layout, tp, placed, meshes, dtensor_params)
     post_forward: dict[tuple[int, int], tuple[str, str]] = {}
     for unit, unit_fqn in zip(units, unit_fqns):
         settings = dataclasses.replace(options[unit_fqn], reshard=reshard[unit_fqn])
@@ -201,7 +202,7 @@ def fully_shard(
                     root_state,
                     device,
                     layout,
-                    views_tp_mesh if dtensor_views else False,
+                    views_tp_meshes[id(entry)] if views_tp_meshes is not None else False,
                 )
                 root_state.flat_params.append(state)
         del values
@@ -238,6 +239,31 @@ def fully_shard(
     return model
 
 
+def _views_tp_meshes(layout: str, tp: dict[int, TPSpec], placed, meshes: Meshes, dtensor_params: bool):
+    """Per mesh entry (by id), the tp dimension its flat parameters' DTensor views add to the entry's mesh (None:
+    views on the entry's mesh alone), or None when every view of the call stays plain (`dtensor_views_mesh`: all or
+    nothing). A call whose tp parameters all sit on one mesh is the TP case: every parameter on that mesh is viewed
+    on (dp..., tp). Per-parameter meshes (torchtitan's EP: experts on "efsdp" and "ep", the rest on "fsdp") view
+    each mesh's parameters as FSDP2 does: (efsdp, ep) for the experts, "fsdp" alone for the others."""
+    if layout != "rows":
+        return None
+    views: dict[int, DeviceMesh | None] = {}
+    for entry in meshes.entries:
+        on_entry = [pid for pid in tp if placed[pid].entry is entry]
+        specs = [tp[pid] for pid in on_entry]
+        if specs:
+            placements = [entry.placements_for(placed[pid].dim) for pid in on_entry]
+            tp_mesh = dtensor_views_mesh(specs, entry.mesh, placements)
+            if tp_mesh is None:
+                return None
+            views[id(entry)] = tp_mesh
+        else:
+            views[id(entry)] = None
+    if not tp and not dtensor_params:
+        return None
+    return views
+
+
 def _check_tp_options(uses, tp, reshard, cpu_offload, sync_module_states, meshes: Meshes, placed) -> None:
     """Options not built or not tested with tensor-parallel parameters are refused, naming one such parameter."""
     pid = next(iter(tp))
@@ -249,10 +275,6 @@ def _check_tp_options(uses, tp, reshard, cpu_offload, sync_module_states, meshes
         ("cpu_offload", cpu_offload is not None and cpu_offload.offload_params, "not tested yet; train without it"),
         ("reshard_after_forward=int", any(not isinstance(k, bool) for k in reshard.values()),
          "not tested yet; use True or False"),
-        ("other meshes or shard dims (shard_placement_fn, unit_options)",
-         len(meshes.entries) > 1 or any(p.dim for p in placed.values()),
-         "the (dp, tp) DTensor views assume one data-parallel mesh and Shard(0); shard every parameter over the "
-         "call's mesh by rows"),
     ]  # fmt: skip
     for option, given, why in refused:
         if given:
@@ -318,12 +340,12 @@ def _select_units(
     return units + [model], members
 
 
-def _collect_parameters(model: nn.Module, ignored: set[int], mesh: DeviceMesh | None):
-    """Distinct parameters in registration order, every (module FQN, module, name) using each, and the
-    tensor-parallel spec of each DTensor parameter (checked against fully_shard's `mesh`)."""
+def _collect_parameters(model: nn.Module, ignored: set[int]):
+    """Distinct parameters in registration order, every (module FQN, module, name) using each, and the FQN of each
+    DTensor (tensor- or expert-parallel) parameter."""
     params: dict[int, nn.Parameter] = {}
     uses: dict[int, list[tuple[str, nn.Module, str]]] = defaultdict(list)
-    tp: dict[int, TPSpec] = {}
+    tp: dict[int, str] = {}
     for module_fqn, module in model.named_modules(remove_duplicate=False):
         for name, p in module._parameters.items():
             if p is None or id(p) in ignored:
@@ -335,7 +357,7 @@ def _collect_parameters(model: nn.Module, ignored: set[int], mesh: DeviceMesh | 
                     "sharded. Register it as a buffer (module.register_buffer) or pass it in ignored_params."
                 )
             if isinstance(p, DTensor) and id(p) not in tp:
-                tp[id(p)] = tp_spec_of(p, fqn, mesh)
+                tp[id(p)] = fqn
             params.setdefault(id(p), p)
             if (module_fqn, name) not in {(f, n) for f, _, n in uses[id(p)]}:
                 uses[id(p)].append((module_fqn, module, name))

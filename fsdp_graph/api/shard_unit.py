@@ -185,7 +185,8 @@ def shard_flat_param(
                     slot.shape, entry.mesh, entry.placements_for(slot.dim), views_tp_mesh, shard.dtype
                 )
             else:
-                dtensor_spec = view_spec(member.tp, entry.mesh, entry.placements, slot.shape[0], shard.dtype)
+                placements = entry.placements_for(slot.dim)
+                dtensor_spec = view_spec(member.tp, entry.mesh, placements, slot.shape[0], shard.dtype)
         view = make_view(member.param, slot.fqns[0], shard, dtensor_spec)
         state.views.append(view)
         state.owners.append([(module, pname) for _, module, pname in member.uses])

@@ -26,6 +26,7 @@ import passes
 from fsdp_graph import ir
 from fsdp_graph.api.config import Compression
 from fsdp_graph.compiler.dump import GraphDumper, no_caches_when_dumping
+from fsdp_graph.compiler.grad_outputs import watch_gradients
 from fsdp_graph.compiler.options import OWNED_VALUES, inductor_config_patches, patches_key
 from fsdp_graph.compiler.rank_check import STORE, GraphCollectives, RankAgreement, check_first_call
 from fsdp_graph.compiler.region_schema import cached_region_schemas
@@ -199,8 +200,9 @@ class FSDPBackend:
         dumper.graph("01_dedup", gm)
         if self.schedule.compress is not None:
             _check_compressible(gm, self.schedule.compress)
-        gloo = _gloo_groups(gm)
-        all_to_all = frozenset() if self.schedule.reduce_scatter == "native" else gloo
+        fsdp_gloo = _gloo_groups(gm)
+        all_to_all = frozenset() if self.schedule.reduce_scatter == "native" else fsdp_gloo
+        gloo = fsdp_gloo | _user_gloo_groups(gm)  # serial too: expert parallelism's all-to-alls, a user's all-reduce
         # The process groups' backends decide the lowering, and torch.compile's options what Inductor makes of it:
         # both are part of the compiled code's cache key; so are, under compression (which packs by them), the node
         # groups' piece sizes, which the backward graph does not show.
@@ -240,8 +242,9 @@ class FSDPBackend:
                     )
                 return _compile_eager(gm, example_inputs, reshard, lower)
 
+        reads = passes.gathered_reads(gm)  # before AOT autograd, on the graph whose outputs the caller sees
         if not verify and not share:
-            return compile_graph()
+            return watch_gradients(compile_graph(), reads)
         store_key = STORE.key(uuid, gm, example_inputs)
         index = dumper.graph_index
 
@@ -249,14 +252,15 @@ class FSDPBackend:
             return self._compile_verified(compile_graph, index, store_key) if verify else compile_graph()
 
         if not share:
-            return compile_checked()
-        return self.sharing.compile(
+            return watch_gradients(compile_checked(), reads)
+        compiled = self.sharing.compile(
             store_key,
             f"Dynamo graph {index}",
             compile_checked,
             lambda: STORE.load_json(store_key),
             lambda lists: STORE.save_json(store_key, lists),
         )
+        return watch_gradients(compiled, reads)
 
     def _compile_verified(self, compile_graph, index: int, store_key: str):
         """Compiles, and wraps the result to check the ranks' collectives on its first call. The lists come from
@@ -357,6 +361,28 @@ def _gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
             for arg in ("group", "reduce_group", "replicate_group", "piece_group", "post_forward_group"):
                 names.add((args[arg] or "", device))
     return frozenset(name for name, device in names if name and ops.is_gloo_group(name, device))
+
+
+def _user_gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
+    """The gloo process groups of the model's own functional collectives in this graph (torchtitan's token
+    dispatch and combine all-to-alls on its "ep" mesh): serial like fully_shard's, so the schedule and
+    `check_collectives` keep one collective in flight on each (the backward's all-to-alls run on the same groups)."""
+    packets = {op.overloadpacket for op in ir.COLLECTIVES}
+    names = set()
+    for node in gm.graph.nodes:
+        target = node.target
+        # Dynamo records a traced functional collective as its overload packet; its group name is the last argument
+        packet = target if isinstance(target, torch._ops.OpOverloadPacket) else getattr(target, "overloadpacket", None)
+        if node.op != "call_function" or packet not in packets or not node.args:
+            continue
+        group = node.kwargs.get("group_name", node.args[-1])
+        if not isinstance(group, str):
+            continue
+        source = node.args[0].meta.get("example_value") if isinstance(node.args[0], fx.Node) else None
+        device = source.device if isinstance(source, torch.Tensor) else torch.device("cpu")
+        if ops.is_gloo_group(group, device):
+            names.add(group)
+    return frozenset(names)
 
 
 def _piece_rows(gm: fx.GraphModule) -> dict[str, int]:

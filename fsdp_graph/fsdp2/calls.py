@@ -319,7 +319,8 @@ def _check_no_param_in_two_calls(root: nn.Module, calls: list[_Call]) -> None:
                 if first[0] is not call:
                     raise ValueError(
                         f"fsdp2.fully_shard: parameter '{fqn}' is the same tensor as '{first[1]}' (shared or tied "
-                        f"weights), and {_named(call, names)} and {_named(first[0], names)} each manage it: a parameter "
+                        f"weights), already managed by another FSDP group: {_named(call, names)} and "
+                        f"{_named(first[0], names)} each manage it: a parameter "
                         "may be in one FSDP group only (torch's FSDP2 raises this ValueError too). Put the modules "
                         "sharing it in one call, e.g. fully_shard([embedding, output_head]), or leave them to a call "
                         "on a module containing both."

@@ -28,8 +28,11 @@ def other_group_sizes(graphs: Sequence[GraphReport], known: Mapping[str, int]) -
 def group_roles(states: Sequence[FlatParamState], groups: Sequence[str]) -> dict[str, str]:
     """Group name -> the mesh dimension it is this rank's group of ("dp", "tp", "efsdp", ...), matched by ranks (ours
     on gloo are copies of the mesh's groups, with other names): the dimensions of every mesh the flat parameters
-    are on (per-parameter meshes included), then those of their world mesh; groups matching none are left out."""
+    are on (per-parameter meshes included) and of their tensor- or expert-parallel parameters (torchtitan's "ep",
+    whose all-to-alls are the model's own), then those of their world mesh; groups matching none are left out."""
+    tp_meshes = [spec.mesh for s in states for spec in s.tp if spec is not None]
     meshes = list({id(m): m for s in states for m in (s.mesh, s.root.mesh) if m is not None}.values())
+    meshes += list({id(m): m for m in tp_meshes if all(m is not other for other in meshes)}.values())
     by_ranks: dict[tuple[int, ...], str] = {}
     for mesh in [*meshes, *{id(r): r for r in (m._get_root_mesh() for m in meshes)}.values()]:
         for dim, name in enumerate(mesh.mesh_dim_names or ()):

@@ -67,14 +67,34 @@ def rebuild_output(template: object, tensors: tuple, args: tuple, kwargs: dict) 
 
 
 def _argument_places(args: tuple, kwargs: dict) -> list[tuple[tuple, object]]:
-    return [(("arg", i), value) for i, value in enumerate(args)] + [(("kwarg", k), v) for k, v in kwargs.items()]
+    """Each argument and, after them, each tensor inside an argument's tuples, lists and dicts, by its place: an
+    output that is one of them (a namedtuple's member passed through) is the caller's own object, which a body
+    cannot return (torch's higher-order ops refuse outputs aliasing inputs)."""
+    top = [(("arg", i), value) for i, value in enumerate(args)] + [(("kwarg", k), v) for k, v in kwargs.items()]
+    nested: list[tuple[tuple, object]] = []
+    pending = list(top)
+    while pending:
+        place, value = pending.pop(0)
+        if isinstance(value, (tuple, list)):
+            items = list(enumerate(value))
+        elif isinstance(value, dict):
+            items = [(key, item) for key, item in value.items() if isinstance(key, _CONSTANTS)]
+        else:
+            continue
+        for key, item in items:
+            if isinstance(item, torch.Tensor):  # tensors only: Dynamo traces `is` between tensors, not containers
+                nested.append(((*place, key), item))
+            else:
+                pending.append(((*place, key), item))
+    return top + nested
 
 
 def _template(item: object, inputs: list, tensors: list) -> object:
     if isinstance(item, _CONSTANTS):
         return ("constant", item)
+    containers = (tuple, list, dict)  # Dynamo cannot trace `is` on them: a container passed through is rebuilt
     for place, value in inputs:
-        if value is item:
+        if not isinstance(item, containers) and not isinstance(value, containers) and value is item:
             return place
     if isinstance(item, torch.Tensor):
         tensors.append(item)
@@ -108,10 +128,11 @@ def _rebuild(template: object, tensors, args: tuple, kwargs: dict) -> object:
     if template is FRESH or template == ("fresh",):
         return next(tensors)
     kind = template[0]
-    if kind == "arg":
-        return args[template[1]]
-    if kind == "kwarg":
-        return kwargs[template[1]]
+    if kind in ("arg", "kwarg"):
+        value = args[template[1]] if kind == "arg" else kwargs[template[1]]
+        for key in template[2:]:  # an item inside the argument (`_argument_places`)
+            value = value[key]
+        return value
     if kind == "constant":
         return template[1]
     if kind == "sequence":

@@ -157,6 +157,7 @@ def make_reusable(unit: nn.Module, strict: bool = False) -> None:
     """Give `unit` (a unit with flat parameters, its class already swapped, no `reuse_refusals` entry) a forward that
     gathers outside a compile region shared by every unit of the same structure. `strict` (reuse_blocks=True): a
     call that cannot run the shared body raises at trace time instead of falling back with a warning."""
+    compat.dynamo_traces_hash()  # probed here, eagerly: the body's keys ask it while traced
     unit.__dict__[BLOCK_KEY] = block_key(unit)
     unit.__dict__[CACHE_LAYER] = block_cache.layer_index(unit)
     unit.__dict__[STRICT] = strict
@@ -207,19 +208,65 @@ def _reuse_key(self: nn.Module, count: int, *flats_and_args, **kwargs) -> int:
 
 
 def _call_key(self: nn.Module, *flats_and_args, **kwargs) -> int:
-    return _hashed(
-        self.__dict__[BLOCK_KEY], torch.is_grad_enabled(), self.training, _pattern(flats_and_args), _pattern(kwargs)
-    )
+    if torch.compiler.is_compiling():
+        # The arguments' pattern is read at trace time from their example values: computed by the traced code, a
+        # tensor's size would be specialized (every new sequence length a recompile under dynamic shapes)
+        comptime(lambda ctx: _note_pattern(ctx.get_local("flats_and_args"), ctx.get_local("kwargs")))
+        pattern = _noted_pattern()
+    else:
+        pattern = hash((_pattern(flats_and_args), _pattern(kwargs)))
+    return _hashed(self.__dict__[BLOCK_KEY], torch.is_grad_enabled(), self.training, pattern)
+
+
+def _hashed(*parts: object) -> int:
+    """`hash(parts)` of constants; where Dynamo cannot trace the builtin `hash` (torch 2.11), computed at trace time."""
+    if compat.dynamo_traces_hash():
+        return hash(parts)
+    return _hashed_at_trace_time(*parts)
 
 
 @torch._dynamo.assume_constant_result
-def _hashed(*parts: object) -> int:
-    """`hash(parts)` of constants, computed at trace time: torch 2.11's Dynamo cannot trace the builtin `hash`."""
+def _hashed_at_trace_time(*parts: object) -> int:
     return hash(parts)
 
 
+_NOTED_PATTERN: list[int] = [0]
+
+
+def _note_pattern(args, kwargs) -> None:
+    """At trace time (`comptime`): the hash of the call's pattern, `_pattern` of the arguments' example values."""
+    variables = [variable._i_will_not_complain_if_bc_breaks_VariableTracker() for variable in (args, kwargs)]
+    _NOTED_PATTERN[0] = hash(tuple(_traced_pattern(variable) for variable in variables))
+
+
+@torch._dynamo.assume_constant_result
+def _noted_pattern() -> int:
+    return _NOTED_PATTERN[0]
+
+
+def _traced_pattern(variable) -> object:
+    """`_pattern` of a traced value: a tensor's example (fake) value, containers item by item (a namedtuple by its
+    own name), constants as themselves, anything else (a module, a symbolic number) by its type's name."""
+    from torch._dynamo.variables import ConstDictVariable, TensorVariable
+    from torch._dynamo.variables.lists import BaseListVariable
+
+    if isinstance(variable, TensorVariable):
+        return _pattern(variable.as_proxy().node.meta.get("example_value"))
+    if isinstance(variable, BaseListVariable):
+        return (variable.python_type().__name__, tuple(_traced_pattern(item) for item in variable.items))
+    if isinstance(variable, ConstDictVariable):
+        items = variable.items.items()
+        return ("dict", tuple((getattr(k, "vt", k).as_python_constant(), _traced_pattern(v)) for k, v in items))
+    if variable.is_python_constant():
+        return _pattern(variable.as_python_constant())
+    return variable.python_type().__name__
+
+
 def _pattern(value: object) -> object:
-    """What a traced body depends on in an argument (see `_reuse_key`) but its requires_grad, as constants."""
+    """What a traced body depends on in an argument (see `_reuse_key`) but its requires_grad, as constants: a tensor's
+    dtype and static sizes (a symbolic size as None)."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return type(value).__name__
     if isinstance(value, torch.Tensor):
         return ("tensor", value.dtype, tuple(size if isinstance(size, int) else None for size in value.shape))
     if isinstance(value, (tuple, list)):

@@ -53,16 +53,20 @@ def _tp_local_rows(spec: TPSpec) -> int:
     return spec.shape[0] // spec.mesh.size() if spec.shard_dim == 0 else spec.shape[0]
 
 
-def dtensor_views_mesh(specs: list[TPSpec], fsdp_mesh: DeviceMesh | None, fsdp_placements: tuple) -> DeviceMesh | None:
+def dtensor_views_mesh(
+    specs: list[TPSpec], fsdp_mesh: DeviceMesh | None, fsdp_placements: tuple | list[tuple]
+) -> DeviceMesh | None:
     """The tp dimension (of the world mesh) the DTensor views of one rows-layout fully_shard call add to fully_shard's
     mesh, or None when its views stay plain: no tensor-parallel parameters (`specs` empty), tp parameters on
-    different tp dimensions (no one mesh holds them all), or one whose row block no DTensor describes."""
+    different tp dimensions (no one mesh holds them all), or one whose row block no DTensor describes.
+    `fsdp_placements`: fully_shard's placements, or one tuple per spec (`Shard(d)`: shard_placement_fn's dims)."""
     meshes = {spec.mesh.mesh_dim_names for spec in specs}
     if fsdp_mesh is None or not fsdp_mesh.mesh_dim_names or len(meshes) != 1:
         return None
     if any(len(s.shape) == 0 for s in specs):  # no rows: the rows layout refuses it, naming the parameter
         return None
-    if any(view_spec(s, fsdp_mesh, fsdp_placements, _tp_local_rows(s), torch.float32) is None for s in specs):
+    per_spec = fsdp_placements if isinstance(fsdp_placements, list) else [fsdp_placements] * len(specs)
+    if any(view_spec(s, fsdp_mesh, p, _tp_local_rows(s), torch.float32) is None for s, p in zip(specs, per_spec)):
         return None
     return specs[0].mesh
 

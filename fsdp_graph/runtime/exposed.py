@@ -68,10 +68,16 @@ class UnshardedParams:
                 flat.register_hook(self._after_backward)
 
     def restore(self, states: list[FlatParamState]) -> None:
-        """Put the sharded views of `states` back in place of their registered unsharded parameters."""
+        """Put the sharded views of `states` back in place of their registered unsharded parameters. A
+        `requires_grad_()` the user applied to a registered parameter (FSDP2's `module.parameters()` then) carries
+        over to its view: a frozen unit whose forward kept its gathers has no backward to restore it, so its
+        parameters stay registered until its next forward, and unfreezing them in between must unfreeze the view."""
         for state in states:
             entry = self.registered.pop(state.name, None)
             for module, name, view in entry.swaps if entry is not None else ():
+                registered = module._parameters.get(name)
+                if registered is not None and registered is not view and registered.requires_grad != view.requires_grad:
+                    view.requires_grad_(registered.requires_grad)
                 module._parameters[name] = view
 
     def restore_all(self) -> None:

@@ -11,11 +11,12 @@ in what a rank's shard holds and so in how a parameter is read back from the gat
   keeps the parameter's other dims, and each unsharded parameter is copied out of the rank-major gathered flat.
 
 The rest of the code only uses the interface both share: `slots`, `numel`, `shard_numel`, `padded_numel`,
-`local_range`, `local_shape`, `local_view`, `local_piece`, `shard_of`, `param_of`, `unflatten`.
+`local_range`, `local_shape`, `local_view`, `local_piece`, `shard_of`, `param_of`, `unflatten`, `slot_at`.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -52,6 +53,11 @@ def _slots(named_shapes: list[NamedShape], size) -> tuple[ParamSlot, ...]:
         slots.append(slot)
         offset += size(slot)
     return tuple(slots)
+
+
+def _slot_at(slots: tuple[ParamSlot, ...], position: int, size) -> int | None:
+    index = bisect.bisect_right([slot.offset for slot in slots], position) - 1
+    return index if index >= 0 and position < slots[index].offset + size(slots[index]) else None
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,10 @@ class FlatParamLayout:
     def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each slot's parameter, in its original shape, read from the gathered flat parameter `flat`."""
         return [self.param_of(flat, s) for s in self.slots]
+
+    def slot_at(self, position: int) -> int | None:
+        """The slot holding element `position` of the gathered flat parameter (None: padding)."""
+        return _slot_at(self.slots, position, lambda slot: slot.numel)
 
 
 def _shard_of(layout, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -244,6 +254,10 @@ class RowShardLayout:
 
     def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [self.param_of(flat, s) for s in self.slots]
+
+    def slot_at(self, position: int) -> int | None:
+        """The slot whose block (on any rank) holds element `position` of the gathered flat parameter."""
+        return _slot_at(self.slots, position % max(self.shard_numel, 1), self.block_numel)
 
 
 def _others(slot: ParamSlot) -> int:

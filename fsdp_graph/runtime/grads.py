@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_graph.runtime import grad_presence
 from fsdp_graph.runtime.dtensor_views import like, local_of, set_local
 from fsdp_graph.runtime.flat_param import Layout
 from fsdp_graph.runtime.offload import GradFence
@@ -25,7 +26,9 @@ def install_grad_hook(
     the same shape as the parameter view).
 
     Plain PyTorch semantics: `.grad is None` (after `zero_grad()`) -> becomes a view of this backward's
-    reduced gradient; otherwise the new gradient is added in place (accumulation). The flat shard's own
+    reduced gradient; otherwise the new gradient is added in place (accumulation). A parameter no read of which got
+    a gradient in this backward (`grad_presence`), here or on another rank (its reduced piece is not all zero), is
+    skipped: its `.grad` stays as it was, None after `zero_grad()`, as FSDP2's. The flat shard's own
     `.grad` is dropped so a later backward never accumulates into a gradient the user already zeroed.
     Then every callback in `after` runs (e.g. an optimizer step in backward); it is read at call time, so
     callbacks added later count. Each parameter's own post-accumulate-grad hooks (what a user registered on it with
@@ -45,16 +48,20 @@ def install_grad_hook(
         flat.grad = None
         if grad is None:
             return
+        reads = grad_presence.take(flat)
+        reached = None if reads is None or None in reads else {layout.slot_at(p) for p in reads}
         if fence is not None:
-            fence[0].defer(fence[1], lambda: hand_out(grad))
+            fence[0].defer(fence[1], lambda: hand_out(grad, reached))
         else:
-            hand_out(grad)
+            hand_out(grad, reached)
 
-    def hand_out(grad: torch.Tensor) -> None:
-        for param, slot in zip(views, layout.slots):
+    def hand_out(grad: torch.Tensor, reached: set[int | None] | None) -> None:
+        for index, (param, slot) in enumerate(zip(views, layout.slots)):
             if not param.requires_grad:
                 continue
             piece = layout.local_view(grad, slot)
+            if reached is not None and index not in reached and not piece.any():
+                continue  # no gradient reached it here, nor (the reduced piece is zero) on another rank: as FSDP2
             if grad_dtype is not None:
                 piece = piece.to(grad_dtype)
             if param.grad is not None:

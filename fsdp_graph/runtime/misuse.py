@@ -109,3 +109,36 @@ def check_optimizer(optimizer: torch.optim.Optimizer, args=None, kwargs=None) ->
 
 
 register_optimizer_step_pre_hook(check_optimizer)
+
+
+def refuse_meta_parameters(flat_params, args: tuple) -> None:
+    """A forward on real tensors while sharded parameters are still on the meta device (a model sharded on meta and
+    never materialised) would fail inside some op with a device mismatch naming no parameter: refuse it first,
+    naming them, as FSDP2 does. A forward whose inputs are all on meta (planning, shape tracing) is left alone.
+    A parameter the user replaced after sharding (`module.w = nn.Parameter(...)`) is named as such: the gather reads
+    the flat shard, never the new tensor (FSDP2 adopts it at its lazy init; docs/migrating-from-fsdp2.md)."""
+    on_meta = [s for s in flat_params if s.flat_shard.device.type == "meta"]
+    inputs = [a for a in args if isinstance(a, torch.Tensor)]
+    if not on_meta or not inputs or all(a.device.type == "meta" for a in inputs):
+        return
+    names = [slot.fqns[0] for s in on_meta for slot in s.layout.slots]
+    replaced = [
+        f"{type(module).__name__}.{name}"
+        for s in on_meta
+        for view, owners in zip(s.views, s.owners)
+        for module, name in owners
+        if module._parameters.get(name) is not view
+    ]
+    if replaced:
+        raise RuntimeError(
+            f"fsdp_graph: {replaced} replaced a sharded parameter with a new nn.Parameter after fully_shard, while "
+            f"its flat shard is still on the meta device (parameters {names}). A sharded parameter is a view of its "
+            "unit's flat shard, which the forward reads, so the new tensor would never be used. Load the value "
+            "instead: `module.load_state_dict({name: value}, strict=False, assign=True)`, or materialise the unit "
+            "(`to_empty()`) and copy the value into the parameter under torch.no_grad()."
+        )
+    raise RuntimeError(
+        f"fsdp_graph: these sharded parameters are still on the meta device: {names}. Materialise the model before "
+        "a forward: `model.to_empty(device=...)`, then initialise it (e.g. `reset_parameters()` on each module), or "
+        "load a checkpoint into it (`load_state_dict(..., assign=True)`, `set_model_state_dict`)."
+    )

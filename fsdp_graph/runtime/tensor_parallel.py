@@ -58,7 +58,8 @@ def tp_spec_of(param: DTensor, fqn: str, fsdp_mesh: DeviceMesh | None) -> TPSpec
             f"{where}: only tensor parallelism over one named dimension of the world mesh is supported "
             '(parallelize_module(model, world_mesh["tp"], plan)).'
         )
-    if not _is_dimension_of(mesh, root):
+    own_dimension = _is_dimension_of(mesh, root)
+    if not own_dimension and not _is_orthogonal_view(mesh, fsdp_mesh):
         raise ValueError(
             f"{where}, which is not a named dimension of the world mesh {root.mesh_dim_names} that fully_shard's "
             'mesh belongs to. Slice both from one mesh: world_mesh["tp"] for the plan, world_mesh["dp"] for '
@@ -87,7 +88,8 @@ def tp_spec_of(param: DTensor, fqn: str, fsdp_mesh: DeviceMesh | None) -> TPSpec
             )
         placements = (Shard(dim),)
     # The world's own dimension, not the parameter's mesh object: that may hang from another, equal-valued world.
-    return TPSpec(root[names[0]], placements, param.shape, tuple(param.stride()))
+    # A view of the world made by `_unflatten` (torchtitan's "ep") is no dimension of it: then the mesh itself.
+    return TPSpec(root[names[0]] if own_dimension else mesh, placements, param.shape, tuple(param.stride()))
 
 
 def _is_dimension_of(mesh: DeviceMesh, root: DeviceMesh) -> bool:
@@ -100,17 +102,32 @@ def _is_dimension_of(mesh: DeviceMesh, root: DeviceMesh) -> bool:
     return torch.equal(root[name].mesh, mesh.mesh)
 
 
+def _is_orthogonal_view(mesh: DeviceMesh, fsdp_mesh: DeviceMesh) -> bool:
+    """Whether the 1-D `mesh` is another view of `fsdp_mesh`'s world (torchtitan's `ParallelDims` unflattens one
+    1-D world mesh into a dense and a sparse mesh, so its "ep" is no named dimension of the world) that meets
+    `fsdp_mesh` in this rank only: then each piece of a parameter split over `mesh` is sharded over `fsdp_mesh`
+    among ranks that all hold that same piece, as with a tp dimension of the world (expert parallelism: experts on
+    "ep", sharded over "efsdp")."""
+    if mesh.device_type != fsdp_mesh.device_type or mesh._get_root_mesh() != fsdp_mesh._get_root_mesh():
+        return False
+    shared = set(mesh.mesh.flatten().tolist()) & set(fsdp_mesh.mesh.flatten().tolist())
+    return shared == {torch.distributed.get_rank()}
+
+
 def state_dict_placements(spec: TPSpec, fsdp_mesh: DeviceMesh, fsdp_placements: tuple, local_rows: int) -> tuple:
     """(mesh, placements) of a tensor-parallel parameter's state-dict DTensor, as FSDP2 + TP make it: fully_shard's
     mesh dimensions then the tp one, sliced from the world mesh; fully_shard's placements then the tp placement.
     FSDP shards the tp-LOCAL tensor on dim 0, so when tp also shards dim 0 (ColwiseParallel) the dp row blocks are
     blocks of each tp piece: torch's `_StridedShard(0, split_factor=tp)` ("tp first, then dp"), exact only when the
-    dp blocks are even (`local_rows`, the tp piece's dim 0, divisible by the dp shard size): otherwise a ValueError."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
+    dp blocks are even (`local_rows`, the tp piece's dim 0, divisible by the dp shard size): otherwise a ValueError.
+    A tp mesh that is no dimension of fully_shard's world (an `_unflatten`ed view: torchtitan's "ep") is joined to
+    fully_shard's mesh by `DeviceMesh._concatenate`, as FSDP2 does."""
     root = fsdp_mesh._get_root_mesh()
     root_names = root.mesh_dim_names or ()
     names = (*(fsdp_mesh.mesh_dim_names or ()), *spec.mesh.mesh_dim_names)
+    if not set(names) <= set(root_names):  # views of one world unflattened apart (torchtitan's EP): as FSDP2 joins them
+        mesh = DeviceMesh._concatenate([fsdp_mesh, spec.mesh])
+        return mesh, _spmd_placements(spec, fsdp_mesh, fsdp_placements, local_rows)
     positions = [root_names.index(n) for n in names]
     if positions != sorted(positions):
         raise ValueError(
@@ -118,20 +135,28 @@ def state_dict_placements(spec: TPSpec, fsdp_mesh: DeviceMesh, fsdp_placements: 
             f"{fsdp_mesh.mesh_dim_names}; tensor-parallel state dicts need the data-parallel dimensions first, as "
             'torchtitan orders them: init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp")).'
         )
-    mesh = root[names]
+    return root[names], _spmd_placements(spec, fsdp_mesh, fsdp_placements, local_rows)
+
+
+def _spmd_placements(spec: TPSpec, fsdp_mesh: DeviceMesh, fsdp_placements: tuple, local_rows: int) -> tuple:
+    """fully_shard's placements (`Shard(d)` on its shard dim) then the tp one; where both split the same dim d, the
+    dp blocks are blocks of each tp piece: `_StridedShard(d, split_factor=tp)`, even blocks only."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     placements = list(fsdp_placements)
-    if spec.shard_dim == 0:
-        for index, placement in enumerate(placements):
-            if isinstance(placement, Shard):
-                size = fsdp_mesh.size(index)
-                if local_rows % size:
-                    raise ValueError(
-                        f"state_dict: a tensor-parallel parameter sharded on dim 0 has {local_rows} rows per tp rank, "
-                        f"not divisible by the {size} data-parallel ranks: its dp row blocks are uneven, which no "
-                        "DTensor placement describes exactly. Choose sizes divisible by dp x tp."
-                    )
-                placements[index] = _StridedShard(0, split_factor=spec.mesh.size())
-    return mesh, (*placements, spec.placements[0])
+    for index, placement in enumerate(placements):
+        if not isinstance(placement, Shard) or spec.shard_dim != placement.dim:
+            continue
+        dim, size = placement.dim, fsdp_mesh.size(index)
+        local = local_rows if dim == 0 else spec.shape[dim] // spec.mesh.size()
+        if local % size:
+            raise ValueError(
+                f"state_dict: a tensor-parallel parameter sharded on dim {dim} has {local} of it per tp rank, "
+                f"not divisible by the {size} data-parallel ranks: its dp blocks are uneven, which no DTensor "
+                "placement describes exactly. Choose sizes divisible by dp x tp."
+            )
+        placements[index] = _StridedShard(dim, split_factor=spec.mesh.size())
+    return (*placements, spec.placements[0])
 
 
 def tp_local_of(full: torch.Tensor, spec: TPSpec) -> torch.Tensor:

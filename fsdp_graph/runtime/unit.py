@@ -21,14 +21,14 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_graph.api.controls import FSDPModule
 from fsdp_graph.ir.ops import UNSHARD_SIGNATURE, gather_pieces, piece_of, reuse_gathered
-from fsdp_graph.runtime import eager_reshard, offload
+from fsdp_graph.runtime import eager_reshard, grad_presence, offload
 from fsdp_graph.runtime.block_region import region_flat, region_param
 from fsdp_graph.runtime.dtensor_views import hide_views, restore_views, set_local
 from fsdp_graph.runtime.eager_prefetch import ForwardPrefetch
 from fsdp_graph.runtime.exposed import UnshardedParams
 from fsdp_graph.runtime.flat_param import Layout
 from fsdp_graph.runtime.held import HeldGather, drop_held, hold, keeps, valid_held
-from fsdp_graph.runtime.misuse import REQUIRES_GRAD_CHANGED
+from fsdp_graph.runtime.misuse import REQUIRES_GRAD_CHANGED, refuse_meta_parameters
 from fsdp_graph.runtime.mp_cast import casting_forward
 from fsdp_graph.runtime.owner_apply import owner_apply, unit_applying
 from fsdp_graph.runtime.param_changes import ensure_grad_hook, sync_requires_grad
@@ -335,6 +335,8 @@ def _tracked(state: FlatParamState, slot: int, flat: torch.Tensor, param: torch.
     """`param`, read from `flat` in an eager forward; a copy of it (rows layout) is tracked like the gather itself:
     freed with it, made again in backward. Of a unit keeping its gather, remembered where `fsdp_graph.fsdp2`
     registers it after the forward (`exposed`)."""
+    if not torch.compiler.is_compiling():
+        grad_presence.track_read(state.flat_shard, state.layout.slots[slot].offset, param)
     session = state.root.session
     if session is not None:
         if not resharded_in_eager(state):
@@ -437,12 +439,15 @@ def swap_class(
     module.__class__ = _SWAPPED_CLASSES[key]
 
 
-def enter_forward(root: RootState) -> None:
+def enter_forward(root: RootState, args: tuple = ()) -> None:
     """An eager forward of a unit (or an `register_fsdp_forward_method` method) starts: property reads gather. The
-    outermost one outside backward opens an `eager_reshard` session."""
+    outermost one outside backward opens an `eager_reshard` session (after refusing parameters left on meta)."""
     if torch.compiler.is_compiling():
         return
     if root.forward_depth == 0 and torch._C._current_graph_task_id() == -1:
+        if root.exposure is not None:  # a unit no backward resharded (frozen, or a no_grad forward): views back first,
+            root.exposure.restore_all()  # with any requires_grad_() applied to its registered parameters since
+        refuse_meta_parameters(root.flat_params, args)
         root.recompute = None  # a backward that raised left its recompute's gathers: they are the last step's
         root.session, root.saved_hooks = eager_reshard.begin(_regather)
     root.forward_depth += 1
@@ -481,7 +486,7 @@ def install_forward_hooks(module: nn.Module, root: RootState) -> None:
     """`enter_forward`/`exit_forward` around eager forwards of `module`. The hooks touch no tensor, so under
     torch.compile they add no graph."""
     own_states: list[FlatParamState] = module.__dict__.get("_fsdp_states", [])
-    module.register_forward_pre_hook(lambda module, args: enter_forward(root))
+    module.register_forward_pre_hook(lambda module, args: enter_forward(root, args))
     module.register_forward_hook(lambda module, args, output: exit_forward(root, own_states), always_call=True)
 
 

@@ -75,8 +75,9 @@ def _tp_spec(state: FlatParamState, slot_index: int) -> TPSpec | None:
 
 
 def _tp_placements(state: FlatParamState, spec: TPSpec, slot_index: int) -> tuple:
-    rows = state.layout.slots[slot_index].shape[0]
-    return state_dict_placements(spec, state_dict_mesh(state), state.placements, rows)
+    slot = state.layout.slots[slot_index]
+    placements = tuple(Shard(slot.dim) if isinstance(p, Shard) else p for p in state.placements)
+    return state_dict_placements(spec, state_dict_mesh(state), placements, slot.shape[0])
 
 
 def tp_dtensor(local_rows: torch.Tensor, state: FlatParamState, slot_index: int) -> DTensor:

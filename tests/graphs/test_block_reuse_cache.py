@@ -9,7 +9,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fsdp_graph
 from fsdp_graph.runtime.block_region import ReuseBlocksError
@@ -17,15 +16,6 @@ from tests.workers.block_reuse import body_calls
 from tests.workers.hf_families import build_family, cache_tensors, family_batch
 
 pytest.importorskip("transformers")
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _pair(name: str, reuse: bool | None = None):

@@ -13,7 +13,6 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_graph
@@ -76,15 +75,6 @@ class Stack(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x).square().mean()
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _run(reuse: bool | None) -> dict:

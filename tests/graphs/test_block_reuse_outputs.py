@@ -10,9 +10,7 @@ import math
 import warnings
 from typing import NamedTuple
 
-import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from transformers.utils import ModelOutput
 
@@ -79,15 +77,6 @@ class Stack(nn.Module):
         for block in self.blocks:
             x = OUTPUTS[block.kind][1](block(x))
         return self.head(x).square().mean()
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _train(reuse: bool | None) -> tuple[list, list, dict, list[str]]:

@@ -156,3 +156,27 @@ def test_a_cpu_built_model_moves_its_shards_and_buffers_to_the_device(monkeypatc
     assert all(state.flat_shard.device == META for state in flat_params(model))
     assert model.blocks[0].scale.device == META and model.head.kept.device == CPU
     assert model.head.weight.device == CPU
+
+
+def test_the_models_own_gloo_collectives_are_serial():
+    """A model's own functional collectives (torchtitan's expert-parallel all-to-alls, with data-dependent split
+    sizes) on a gloo group: that group is serial in the schedule and `check_collectives` too (issue 35)."""
+    from torch.distributed._functional_collectives import all_to_all_single
+
+    from fsdp_graph.compiler.backend import _user_gloo_groups
+    from tests.graphs.capture import dynamo_graph
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+
+        class Dispatch(torch.nn.Module):
+            def forward(self, x, counts):
+                splits = counts.tolist()
+                return all_to_all_single(x, splits, splits, group) * 2
+
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            graph = dynamo_graph(Dispatch(), torch.randn(3, 2), torch.tensor([3]))
+        assert _user_gloo_groups(graph) == {group.group_name}
+    finally:
+        dist.destroy_process_group()

@@ -143,6 +143,18 @@ def test_bytes_of_tensors_tuples_and_symbolic_sizes():
     assert isinstance(placeholder.meta["val"].numel(), torch.SymInt)
     assert node_bytes(placeholder) == 40  # at the traced size
 
+    # an unbacked size (an all-to-all's data-dependent split sizes, `.tolist()`): Inductor's fallback hint, 1 row
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        rows = mode.shape_env.create_unbacked_symint()
+        torch._check(rows >= 0)
+        routed = b.graph.placeholder("routed")
+        routed.meta["val"] = torch.empty(rows, 4)
+    assert not rows.node.has_hint()
+    assert node_bytes(routed) == 16
+
 
 def test_node_emitter_fake_values_and_meta():
     b = _Builder(x=torch.zeros(4))

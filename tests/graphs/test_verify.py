@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from fsdp_graph.ir import ALL_GATHER, WAIT
+from fsdp_graph.ir import ALL_GATHER, ALL_TO_ALL, WAIT
 from passes import check_collectives
 
 _aten = torch.ops.aten
@@ -39,6 +39,16 @@ def test_read_before_wait():
 
     with pytest.raises(RuntimeError, match="reads all_gather_into_tensor_default.s result without waiting"):
         check_collectives(_graph(build))
+
+
+def test_size_reads_of_an_issue_are_not_data_reads():
+    # torchtitan's token dispatch: an all-to-all of data-dependent size, whose output size the graph reads at once
+    def build(graph, shard):
+        issue = graph.call_function(ALL_TO_ALL, (shard, [1, 1], [1, 1], "g"))
+        rows = graph.call_function(_aten.sym_size.int, (issue, 0))
+        return graph.call_function(WAIT, (issue,)), rows
+
+    check_collectives(_graph(build), {"g"})
 
 
 def test_write_to_in_flight_input_through_a_view():

@@ -11,6 +11,8 @@ tests/workers/fsdp2_semantics.py):
   `load_from_full_model_state_dict` and accelerate 1.15.0's `cpu_ram_efficient_loading` do it: the loaded weights
   are exactly the checkpoint's, and training continues as FSDP2's;
 - `MixedPrecisionPolicy(output_dtype=bf16)` with accelerate's bf16 policy: the same output dtype and numbers;
+- parameters of one flat parameter that the loss reaches in some steps only (an unused output; compiled, autograd
+  gives it zeros): no gradient where FSDP2 gives none, accumulation kept;
 - a meta-device model with `CPUOffloadPolicy` (test_fully_shard_state_dict.py::test_dp_state_dict_cpu_offload: loaded
   one parameter at a time with assign, some still on meta; and `to_empty()` then an init).
 """
@@ -36,6 +38,12 @@ def _same_as_fsdp2(r: dict, suffix: str = "") -> None:
     assert r[f"same_grads{suffix}"] == 1.0, r  # frozen parameters get no gradient, as FSDP2's
     for key in ("loss_diff", "grad_diff", "param_diff"):  # measured: 0 (the same kernels and reductions)
         assert r[f"{key}{suffix}"] < 1e-6, (key + suffix, r)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parameters_the_loss_does_not_reach_get_no_gradient_as_fsdp2(results, mode):
+    for r in _each(results, f"unreached_in_flat_param[{mode}]"):
+        _same_as_fsdp2(r)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -72,20 +72,10 @@ from fsdp_graph.train.launch import spawn
 from tests.workers.fsdp2_upstream import CHECKS, MODES, upstream_checks
 from tests.workers.upstream_registry import EAGER, TRAINED
 
-_NEW = "issue 32, found here"
 _DOC = "documented difference (docs/migrating-from-fsdp2.md)"
 XFAIL: dict[str, str] = {
-    # Found by these re-created tests, no helper yet:
-    "unused_forward_output[compiled]": f"{_NEW}: compiled, a parameter the loss does not reach gets a zero gradient, "
-    "FSDP2 leaves None (SGD momentum then still moves it)",
-    "double_partial_forward_then_backward": f"{_NEW}: eager, the unused grouped head gets a zero DTensor gradient, "
-    "FSDP2 leaves None",
-    "nontensor_activations[compiled]": f"{_NEW}: compiled with block reuse, activations in list/tuple/dict/namedtuple "
-    "between blocks break the graph inside invoke_subgraph",
-    "reset_sharded_param_in_lazy_init": f"{_NEW}: a meta model whose root parameter is replaced after the calls fails "
-    "in backward ('Cannot copy out of meta tensor')",
-    "invalid_meta_device_init": f"{_NEW}: a forward with parameters left on meta raises 'Tensor on device meta is not "
-    "on the expected device cpu!' without naming them (FSDP2 names them)",
+    "reset_sharded_param_in_lazy_init": f"{_DOC}: a parameter replaced by a new nn.Parameter after the calls is not "
+    "adopted; the forward refuses it, naming it, while its shard is on meta",
     "gradient_accumulation_partial_sync": f"{_DOC}: set_requires_gradient_sync on part of the model is refused",
 }
 

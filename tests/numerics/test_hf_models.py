@@ -32,7 +32,9 @@ def _check(results: list[list[HFResult]], param_tol: float = PARAM_TOL) -> None:
             # One gather per unit forward, one gradient reduction (all-to-all on gloo) per unit backward, and a
             # re-gather for every unit but the (position) embedding: an embedding's backward needs no weight.
             n = len(UNITS[r.name])
-            assert r.reports == [("fw", {"all_gather": n}), ("bw", {"all_gather": n - 1, "all_to_all": n})], r.reports
+            # (Inductor lowers a shared block body as a graph of its own, holding no collective: left out)
+            reports = [report for report in r.reports if report[1]]
+            assert reports == [("fw", {"all_gather": n}), ("bw", {"all_gather": n - 1, "all_to_all": n})], r.reports
             assert r.tied == (r.name == "gpt2")  # GPT-2's head stays tied to its embedding (one root parameter)
 
 
@@ -50,6 +52,9 @@ def test_llama_inductor():
 # model without reuse sums all its uses at once, another fp32 order (measured: gradients 1.3e-8, parameters 1.2e-7
 # after 2 or 3 steps). Every other family's activations pass from one block to the next only: bit for bit.
 REUSE_TOL = {"t5": 1e-6}
+# ... and its caches, the keys and values of activations up to about 10 in size, differ by as many ulps (measured
+# 1.2e-6 after 2 steps)
+CACHE_TOL = {"t5": 1e-5}
 # the shared bodies' call counts in the Dynamo graph: one per structure used more than once (a body called once is
 # inlined by Dynamo). Gemma2's sliding and global layers differ in an attribute only, not in the traced graph, which
 # Dynamo installs once.
@@ -73,7 +78,7 @@ def test_families_train_alike_with_and_without_block_reuse():
             assert max(abs(a - b) for a, b in zip(off["losses"], on["losses"])) <= tol, name
             assert len(off["cache"]) == len(on["cache"]) == CACHE_TENSORS.get(name, 4), (name, len(on["cache"]))
             for mine, theirs in zip(on["cache"], off["cache"]):
-                assert mine.shape == theirs.shape and (mine - theirs).abs().max().item() <= tol, name
+                assert mine.shape == theirs.shape and (mine - theirs).abs().max().item() <= CACHE_TOL.get(name, tol), name
             assert off["graphs"] == on["graphs"] == 1, (name, off["graphs"], on["graphs"])
             assert off["body_uses"] == [] and on["body_uses"] == REUSE_BODY_USES.get(name, [2]), (name, on)
             assert off["reuse_warnings"] == on["reuse_warnings"] == [], (name, on["reuse_warnings"])

@@ -353,7 +353,37 @@ def _meta_offload(rank: int, world: int, mode: str) -> dict[str, float]:
     return out
 
 
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x), self.c(self.b(x))
+
+
+def _unreached_in_flat_param(rank: int, world: int, mode: str) -> dict[str, float]:
+    """Issue 32: parameters of one flat parameter (`a`, `b` and `c` in the root's unit; `c` also called on its own)
+    the loss reaches in some steps only: both outputs in the loss, then only `a`'s (compiled: the other output still
+    gets zeros from autograd), with zero_grad(set_to_none=False) before one of them (its zeros must stay as they
+    are). Gradients None where FSDP2's are, values, parameters after SGD with momentum: as FSDP2's."""
+    pair = Pair(_TwoHeads, lambda m, shard: (shard(m.c), shard(m)), mode)
+    torch.manual_seed(42 + rank)
+    for step in range(5):
+        x = torch.randn(4, 16)
+        for run in (pair.run, pair.theirs):
+            first, second = run(x)
+            (first.pow(2).mean() + (second.pow(2).mean() if step < 2 else 0)).backward()
+        pair.compare_grads()
+        for opt in pair.opts:
+            opt.step()
+            opt.zero_grad(set_to_none=step != 2)
+        pair.compare_params()
+    return pair.out
+
+
 CHECKS: dict[str, Callable[[int, int, str], dict[str, float]]] = {
+    "unreached_in_flat_param": _unreached_in_flat_param,
     "frozen_across_groups": _frozen_across_groups,
     "frozen_in_group": _frozen_in_group,
     "assign_torchtune": _assign_torchtune,
