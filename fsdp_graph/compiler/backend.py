@@ -30,6 +30,7 @@ from fsdp_graph.compiler.grad_outputs import watch_gradients
 from fsdp_graph.compiler.options import OWNED_VALUES, inductor_config_patches, patches_key
 from fsdp_graph.compiler.rank_check import STORE, GraphCollectives, RankAgreement, check_first_call
 from fsdp_graph.compiler.region_schema import cached_region_schemas
+from fsdp_graph.compiler.shared_compile import CompileSharing
 from fsdp_graph.compiler.vec_isa import vec_isa_patches
 from fsdp_graph.ir import ops
 from passes.collective_counts import CollectiveSummary
@@ -156,7 +157,9 @@ class FSDPBackend:
     """A torch.compile backend. `reports` lists each lowered graph's collectives; `dynamo_graphs` counts
     the Dynamo graphs compiled (graph breaks and recompiles each add one). With `verify_collectives`, each
     compiled Dynamo graph checks on its first call that every rank compiled the same collectives
-    (`fsdp_graph.compiler.rank_check`), waiting at most `verify_timeout_s` for the other ranks."""
+    (`fsdp_graph.compiler.rank_check`), waiting at most `verify_timeout_s` for the other ranks. With
+    `share_compiles` (Inductor only), the first rank to reach a graph compiles it for the ranks with the same graph
+    (`fsdp_graph.compiler.shared_compile`; `sharing.stats` counts what this rank compiled and loaded)."""
 
     def __init__(
         self,
@@ -167,8 +170,11 @@ class FSDPBackend:
         schedule: ScheduleOptions = ScheduleOptions(),
         verify_collectives: bool = True,
         verify_timeout_s: float = 600.0,
+        share_compiles: bool = True,
     ):
         self.inductor = inductor
+        self.share_compiles = share_compiles
+        self.sharing = CompileSharing()
         self.verify_collectives, self.verify_timeout_s = verify_collectives, verify_timeout_s
         self.agreement = RankAgreement(verify_timeout_s)  # the lists this backend's ranks agreed on, per group
         self.dump_dir = dump_dir
@@ -220,8 +226,9 @@ class FSDPBackend:
         budget = self.schedule.activation_memory_budget
         functorch_patches = {} if budget is None else {"activation_memory_budget": budget}
         verify = self.verify_collectives and dist.is_initialized() and dist.get_world_size() > 1
-        if verify:  # the backward compiles now (not at its first run), so the first forward checks it too
-            functorch_patches["force_non_lazy_backward_lowering"] = True
+        share = self.share_compiles and self.inductor and not dumper.enabled and CompileSharing.applies()
+        if verify or share:  # the backward compiles now (not at its first run): the first forward checks it too,
+            functorch_patches["force_non_lazy_backward_lowering"] = True  # and it is in the files a rank shares
 
         def compile_graph(caches: bool = True):
             with (
@@ -236,9 +243,23 @@ class FSDPBackend:
                 return _compile_eager(gm, example_inputs, reshard, lower)
 
         reads = passes.gathered_reads(gm)  # before AOT autograd, on the graph whose outputs the caller sees
-        if not verify:
+        if not verify and not share:
             return watch_gradients(compile_graph(), reads)
-        compiled = self._compile_verified(compile_graph, dumper.graph_index, STORE.key(uuid, gm, example_inputs))
+        store_key = STORE.key(uuid, gm, example_inputs)
+        index = dumper.graph_index
+
+        def compile_checked():
+            return self._compile_verified(compile_graph, index, store_key) if verify else compile_graph()
+
+        if not share:
+            return watch_gradients(compile_checked(), reads)
+        compiled = self.sharing.compile(
+            store_key,
+            f"Dynamo graph {index}",
+            compile_checked,
+            lambda: STORE.load_json(store_key),
+            lambda lists: STORE.save_json(store_key, lists),
+        )
         return watch_gradients(compiled, reads)
 
     def _compile_verified(self, compile_graph, index: int, store_key: str):
@@ -427,6 +448,7 @@ def make_backend(
     verify_collectives: bool = True,
     verify_timeout_s: float = 600.0,
     compress: Compression | str | None = None,
+    share_compiles: bool = True,
 ) -> FSDPBackend:
     """A new backend. `inductor=False` runs the same passes and executes with eager kernels (fast compile).
     `dump_dir` (or env FSDP_GRAPH_DUMP) writes each stage's graph as code plus a collective summary.
@@ -443,7 +465,10 @@ def make_backend(
     recompile on one rank with the same collectives passes), and every rank raises, naming the graph and the first
     difference, if they differ (instead of hanging); `verify_timeout_s` bounds the wait for the other ranks.
     `compress`: quantized weight gathers and gradient all-to-alls (a `Compression`, or its `Compression.parse` text
-    such as "int8"; None: off, the default), `passes.compress` between bucketing and scheduling."""
+    such as "int8"; None: off, the default), `passes.compress` between bucketing and scheduling.
+    `share_compiles`: with Inductor on several ranks, the first rank to reach a graph compiles it and the ranks with
+    the same graph load its cache entries and kernels instead of compiling (`fsdp_graph.compiler.shared_compile`);
+    they wait for it at most the default process group's timeout."""
     if reduce_scatter not in ("auto", "native"):
         raise ValueError(f"make_backend: reduce_scatter must be 'auto' or 'native', got {reduce_scatter!r}")
     if activation_memory_budget is not None and not 0 < activation_memory_budget <= 1:
@@ -464,6 +489,7 @@ def make_backend(
         schedule=options,
         verify_collectives=verify_collectives,
         verify_timeout_s=verify_timeout_s,
+        share_compiles=share_compiles,
     )
 
 

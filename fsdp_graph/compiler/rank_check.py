@@ -315,7 +315,9 @@ class FingerprintStore:
         import torch._functorch.config as functorch_config
         import torch._inductor.config as inductor_config
 
-        h = hashlib.sha256(f"{torch.__version__}{backend_key}".encode())
+        # The grad mode decides AOT autograd's graphs, the thread count Inductor's C++ kernels (both in torch's keys)
+        grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
+        h = hashlib.sha256(f"{torch.__version__}{backend_key}{grad}{threads}".encode())
         for module in gm.modules():
             if isinstance(module, fx.GraphModule):
                 h.update(module.code.encode())
@@ -352,6 +354,14 @@ class FingerprintStore:
         graphs = [GraphCollectives(name, tuple(lines), tuple(groups)) for name, lines, groups in items]
         self._memory[key] = graphs
         return graphs
+
+    def load_json(self, key: str) -> list | None:
+        """`load` in a JSON-ready form (what another rank's `save_json` takes)."""
+        graphs = self.load(key)
+        return None if graphs is None else [[g.name, list(g.lines), list(g.groups)] for g in graphs]
+
+    def save_json(self, key: str, items: list) -> None:
+        self.save(key, [GraphCollectives(name, tuple(lines), tuple(groups)) for name, lines, groups in items])
 
     def save(self, key: str, graphs: list[GraphCollectives]) -> None:
         if self._memory.get(key) == graphs:
