@@ -8,7 +8,7 @@ from unittest import mock
 import pytest
 
 from fsdp_graph.train.launch import spawn
-from tests.workers.shared_compile import one_compile_per_graph
+from tests.workers.shared_compile import copy_vec_isa_verdict, one_compile_per_graph
 
 
 def _check_one_compiler(phase: list[dict]) -> None:
@@ -31,7 +31,9 @@ def test_one_rank_compiles_each_distinct_graph(world):
     shards (rows 13 and 11 over 2 or 4 ranks), the same code on every rank, and parity with one process. With 4
     ranks, then, each pair of ranks shards a model over its own group: two graphs, one compiler per pair."""
     shared = world == 2
-    with mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="fsdp_graph_share_")}):
+    fresh = tempfile.mkdtemp(prefix="fsdp_graph_share_")
+    copy_vec_isa_verdict(os.environ["TORCHINDUCTOR_CACHE_DIR"], fresh)
+    with mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": fresh}):
         results = spawn(one_compile_per_graph, world, (not shared,))
     phases = list(zip(*results))
     if shared:  # the kernel libraries are in the directory the ranks share: nothing to install

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -69,13 +71,25 @@ def _train(
     return backend, max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
 
 
+def copy_vec_isa_verdict(source: str, target: str) -> None:
+    """The vector-ISA verdict `fsdp_graph.compiler.vec_isa` recorded in the Inductor cache `source`, if any, copied
+    into `target`: a fresh cache directory then skips torch's per-machine probe (seconds of child processes per
+    rank), which these tests are not about."""
+    records = Path(source) / "fsdp_graph"
+    for record in records.glob("vec_isa_*.json") if records.is_dir() else ():
+        (Path(target) / "fsdp_graph").mkdir(parents=True, exist_ok=True)
+        shutil.copy(record, Path(target) / "fsdp_graph" / record.name)
+
+
 def one_compile_per_graph(rank: int, world: int, own_cache: bool) -> list[dict]:
     """Each phase trains a model with uneven shards (OddMLP's 13 and 11 rows) and reports what this rank compiled:
     the world sharding one model (one graph for every rank), then, with 4 ranks, each pair of consecutive ranks
     sharding its own model over its own group (one graph per pair: the groups' names are in the graph).
     `own_cache`: this rank gets an Inductor cache directory of its own, as on a machine of its own."""
     if own_cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"fsdp_graph_rank{rank}_")
+        fresh = tempfile.mkdtemp(prefix=f"fsdp_graph_rank{rank}_")
+        copy_vec_isa_verdict(os.environ["TORCHINDUCTOR_CACHE_DIR"], fresh)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh
     runs = CompilerRuns()
     phases = []
     torch.manual_seed(0)
