@@ -1,13 +1,15 @@
 """Imported by the launcher's fork server (`fsdp_graph.train.launch`, FSDP_GRAPH_START_METHOD=forkserver): compiles
-and runs one tiny function forward and backward, so that every rank forked from the server starts with the compile
+and runs one tiny function, so that every rank forked from the server starts with the compile
 stack's lazily built state (Dynamo's trace rules and variable tables, AOT autograd's decompositions, the FX code
 generators) already built.
 
-Measured on the 2-core test machine: a process's first compile of a sharded 2-layer model took 2.0 s, the next
-ones 0.75 s; after this warm-up the first one takes 0.75 s too. The suite forks several hundred ranks, each
-paying that second once.
+Measured on the 2-core test machine: a process's first compile of a sharded 2-layer model took 1.94 s, 1.58 s
+after this warm-up (the next ones 0.75 s: the rest is the first backward's set-up, which cannot be warmed here).
+The suite forks several hundred ranks. Only CPU builds of torch warm up: a CUDA or ROCm build could initialise its
+driver while compiling, and a process forked after that cannot use the GPU.
 
-The server must stay safe to fork: the warm-up uses AOT autograd with eager kernels only (no Inductor, whose
+The server must stay safe to fork: the warm-up compiles an inference graph with eager kernels only (no autograd,
+whose engine marks a forked child unable to run a backward once it has started, torch 2.11; no Inductor, whose
 compile workers are processes and threads), no process group, and afterwards resets Dynamo (no compiled code or
 guards reach a rank) and its counters, and stops tqdm's monitor thread if the compile stack started one.
 """
@@ -23,7 +25,8 @@ def warm_up() -> None:
         return (x.sin() * 2).relu().sum()
 
     compiled = torch.compile(tiny, backend="aot_eager", fullgraph=True)
-    compiled(torch.randn(8, requires_grad=True)).backward()
+    with torch.no_grad():  # no autograd: its engine, once started, refuses to run in a forked child (torch 2.11)
+        compiled(torch.randn(8))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     _stop_tqdm_monitor()
@@ -40,4 +43,11 @@ def _stop_tqdm_monitor() -> None:
         tqdm.monitor = None
 
 
-warm_up()
+def _cpu_only_torch() -> bool:
+    import torch
+
+    return torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+
+
+if _cpu_only_torch():  # a GPU build could initialise its driver while compiling: no fork is safe after that
+    warm_up()
