@@ -9,6 +9,7 @@ from tests.workers.tensor_parallel import (
     llama_minimum_bytes,
     tp_fsdp2_interop,
     tp_fsdp_parity,
+    tp_fsdp_parity_cases,
 )
 from tests.workers.tensor_parallel_dcp import tp_dcp_phase
 
@@ -17,18 +18,35 @@ def _diff(a, b) -> float:
     return (a - b).abs().max().item()
 
 
-@pytest.mark.parametrize(
-    ("mode", "layout", "optim"),
-    [
-        ("eager", "rows", "sgd_foreach"),
-        ("aot", "rows", "adamw"),
-        ("aot", "flat", "sgd"),
-        ("inductor", "rows", "adamw_foreach"),
-    ],
-)
-def test_tp_colwise_rowwise_inside_fsdp_matches_single_process(mode, layout, optim):
-    results = spawn(tp_fsdp_parity, 4, (mode, False, None, layout, False, False, False, optim))
-    for r in results:
+# The 4-rank parity variants of `tp_fsdp_parity`, run in ONE launch (module fixture `parity`): name -> its arguments.
+PARITY_CASES = {
+    # Non-foreach AdamW on the rows layout's DTensor views (foreach SGD on them: the sequence-parallel case).
+    "eager-rows-adamw": {"mode": "eager", "optim": "adamw"},
+    "aot-flat-sgd": {"mode": "aot", "layout": "flat"},
+    # Inductor x TP: the one full-Inductor case of this file.
+    "inductor-rows-adamw_foreach": {"mode": "inductor", "optim": "adamw_foreach"},
+    "dp_sum": {"mode": "eager", "break_reduce": True},
+    # The 2-norm clip (compiled, FULL_SHARD): the composed case below clips too; HSDP's: test_hsdp_x_tp_on_8_ranks.
+    "clip-eager-inf": {"mode": "eager", "clip_norm_type": float("inf")},
+    "bf16": {"mode": "aot", "mp": True},
+    "composed-clip-2": {"mode": "aot", "composed": True, "clip_norm_type": 2.0},
+    "sequence-parallel": {"mode": "aot", "optim": "sgd_foreach", "sequence_parallel": True},
+}
+
+
+@pytest.fixture(scope="module")
+def parity() -> dict[str, list[dict[str, float]]]:
+    """Each case's per-rank results (see PARITY_CASES)."""
+    per_rank = spawn(tp_fsdp_parity_cases, 4, (list(PARITY_CASES.values()),))
+    return {name: [results[i] for results in per_rank] for i, name in enumerate(PARITY_CASES)}
+
+
+# ("aot", "rows", "adamw") was a case of its own: compiled rows is every other aot case; non-foreach AdamW on the
+# rows views is "eager-rows-adamw"; foreach AdamW compiled is the Inductor case.
+@pytest.mark.parametrize("case", ["eager-rows-adamw", "aot-flat-sgd", "inductor-rows-adamw_foreach"])
+def test_tp_colwise_rowwise_inside_fsdp_matches_single_process(parity, case):
+    layout, mode = PARITY_CASES[case].get("layout", "rows"), PARITY_CASES[case]["mode"]
+    for r in parity[case]:
         # 2 blocks x (q, k, v, o, up, down) x (weight, bias) are tp parameters. With rows the optimizer holds them as
         # DTensors on (dp, tp) with their state-dict specs, and the other 12 (inp, norms, head) as DTensors on the
         # same mesh replicated over tp: local tensors inside the flat shards, full tensors equal to the reference's;
@@ -49,29 +67,27 @@ def test_tp_colwise_rowwise_inside_fsdp_matches_single_process(mode, layout, opt
             assert r["graphs"] == 1.0 and r["checked_graphs"] == 1.0, r  # and the checks' forwards: no recompile
 
 
-def test_tp_parity_fails_without_the_dp_mean():
+def test_tp_parity_fails_without_the_dp_mean(parity):
     """The parity check can fail: the dp gradients summed instead of averaged (divide factor 1) must show."""
-    results = spawn(tp_fsdp_parity, 4, ("eager", True))
-    assert all(r["max_diff"] > 1e-3 for r in results), results
+    assert all(r["max_diff"] > 1e-3 for r in parity["dp_sum"]), parity["dp_sum"]
 
 
-@pytest.mark.parametrize(("mode", "norm_type"), [("aot", 2.0), ("eager", float("inf"))])
-def test_clip_grad_norm_over_dp_and_tp_matches_torch(mode, norm_type):
+@pytest.mark.parametrize("case", ["composed-clip-2", "clip-eager-inf"])
+def test_clip_grad_norm_over_dp_and_tp_matches_torch(parity, case):
     """The norm counts a tp-sharded parameter's pieces once each (summed over tp) and a replicated one once (not tp
-    times), as torch's clip on the unsharded model; the clipped training keeps parity."""
-    results = spawn(tp_fsdp_parity, 4, (mode, False, norm_type))
-    for r in results:
+    times), as torch's clip on the unsharded model; the clipped training keeps parity. (The 2-norm runs compiled,
+    after no_sync microbatches: test_tp_with_no_sync_activation_checkpointing_and_bucketing's case.)"""
+    for r in parity[case]:
         assert r["min_norm"] > 0.05, r  # every step clipped
         assert r["norm_diff"] < 1e-6 and r["max_diff"] < 1e-6, r
 
 
-def test_tp_with_bf16_mixed_precision():
+def test_tp_with_bf16_mixed_precision(parity):
     """MixedPrecision(param_dtype=bf16, reduce_dtype=fp32): the shards are cast before the dp gather, the tp pieces
     enter DTensor as bf16, and the tp all-reduces run in bf16. The reference computes with bf16 copies of its fp32
     parameters; summation orders differ (tp partial sums), hence the bf16 tolerance of the other parity tests
     (measured 1.1e-3 on parameters, 5.9e-3 on momentum buffers)."""
-    results = spawn(tp_fsdp_parity, 4, ("aot", False, None, "rows", True))
-    for r in results:
+    for r in parity["bf16"]:
         assert r["graphs"] == 1.0 and r["sd_placements"] == 1.0, r
         assert r["max_diff"] < 2e-3 and r["osd_diff"] < 1e-2, r
 
@@ -121,26 +137,24 @@ def test_hf_llama_tp_x_fsdp_parity_and_bytes_per_mesh_dimension():
             assert set(sent) == {"units", "dp_all_gather", "dp_all_to_all", "tp_all_reduce"}, sent
 
 
-def test_tp_with_no_sync_activation_checkpointing_and_bucketing():
+def test_tp_with_no_sync_activation_checkpointing_and_bucketing(parity):
     """Compiled, each block under activation checkpointing, units' collectives bucketed, and each step two
     microbatches with the first under no_sync: the same parameters as single-process training, one graph per
     sync mode, the state dicts as without them. Per step (measured 4 gathers, 1 reduction, 30 tp all-reduces;
     unbucketed, one microbatch, no checkpointing: 7, 4 and 12): the dp reduction runs once, bucketed, and not
     under no_sync; the gathers are bucketed; the backward recomputes the checkpointed blocks' tp all-reduces."""
-    results = spawn(tp_fsdp_parity, 4, ("aot", False, None, "rows", False, False, True))
-    for r in results:
+    for r in parity["composed-clip-2"]:  # also clipped (2-norm) after the microbatches: the clip test's asserts
         assert r["max_diff"] < 1e-6 and r["sd_placements"] == 1.0 and r["graphs"] == 2.0, r
         assert r["count_all_to_all"] == 1.0 and r["count_all_gather"] <= 4.0, r
         assert r["count_all_reduce"] > 2 * 12, r
 
 
-def test_sequence_parallel_inside_fsdp_matches_single_process():
+def test_sequence_parallel_inside_fsdp_matches_single_process(parity):
     """torchtitan's sequence-parallel plan (`tp_plan(sequence_parallel=True)`: Rowwise `inp` onto Shard(1), norms
     under SequenceParallel, Colwise from Shard(1), Rowwise back onto Shard(1), the sequence gathered for the head),
     compiled: parity with single-process training on the global batch, one graph. The norms' weights and biases are
     Replicate DTensors whose Partial gradients DTensor all-reduces over tp before our dp reduce-scatter."""
-    results = spawn(tp_fsdp_parity, 4, ("aot", False, None, "rows", False, False, False, "sgd_foreach", True))
-    for r in results:
+    for r in parity["sequence-parallel"]:
         # inp (Rowwise), 2 blocks x (q, k, v, o, up, down, norm1, norm2) x (weight, bias) are tp parameters; the
         # head's views are DTensors on the same mesh too (replicated over tp), so the foreach optimizer steps one list.
         assert r["tp_params"] == 34.0 and r["dtensor_views"] == 36.0 and r["one_mesh"] == 1.0, r

@@ -40,14 +40,9 @@ def test_llama_sharded_and_compiled_matches_single_process():
 
 
 @pytest.mark.oldest_torch
-def test_cli_end_to_end_then_resume_continues_exactly(tmp_path, capfd):
-    ckpt = tmp_path / "ckpt"
-    args = [*FAST, "--steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--keep", "2"]
-    straight = train.main(args)
-    out = capfd.readouterr().out
-    for row in ("loss", "median step time", "tokens/s", "peak memory per rank", "collectives per step", "compile time"):
-        assert f"\n{row} " in out, out
-    assert "10 all_gather, 5 all_to_all" in out  # 4 blocks + root, FULL_SHARD: forward and backward gathers
+def test_cli_end_to_end_then_resume_continues_exactly(capfd, plain_job):
+    """The straight run is `plain_job` (6 steps, checkpoints at 3 and 6, --keep 2, the plot)."""
+    straight, ckpt = plain_job, plain_job["checkpoint_dir"]
     assert straight["steps_run"] == 6 and straight["last_loss"] < straight["first_loss"] - 0.5
     assert len(straight["peak_memory_bytes"]) == 2 and min(straight["peak_memory_bytes"]) > 0
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000003", "step_000006"]
@@ -57,7 +52,12 @@ def test_cli_end_to_end_then_resume_continues_exactly(tmp_path, capfd):
 
     # Resume from the middle checkpoint: same data order, weights and optimizer state, so steps 4-6 repeat the
     # uninterrupted run's losses, and the loss history carries over.
+    capfd.readouterr()
     resumed = train.main([*FAST, "--steps", "6", "--resume", str(ckpt / "step_000003"), "--plot", "none"])
+    out = capfd.readouterr().out
+    for row in ("loss", "median step time", "tokens/s", "peak memory per rank", "collectives per step", "compile time"):
+        assert f"\n{row} " in out, out
+    assert "10 all_gather, 5 all_to_all" in out  # 4 blocks + root, FULL_SHARD: forward and backward gathers
     assert resumed["start_step"] == 3 and resumed["steps_run"] == 3
     assert [s for s, _ in resumed["history"]] == [1, 2, 3, 4, 5, 6]
     for (_, a), (_, b) in zip(resumed["history"], straight["history"]):
@@ -65,37 +65,24 @@ def test_cli_end_to_end_then_resume_continues_exactly(tmp_path, capfd):
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000006"]  # --keep 1 (default): the newest only
 
 
-def test_save_killed_midway_then_a_truncated_shard_resume_from_the_newest_intact_checkpoint(
-    tmp_path, monkeypatch, capfd, plain_job
-):
+def test_save_killed_midway_leaves_the_previous_checkpoint_intact_and_publishes_nothing(tmp_path, monkeypatch):
     """Rank 1 is SIGKILLed while saving step 3 (its shard file written, .metadata not): nothing is published as
     step_000003 (rank 0 removes the partial step_000003.tmp if it gets to before the launcher ends it; the next
-    start does otherwise) and step_000002 keeps the bytes its manifest recorded. Then step_000002's rank-1 shard is
-    truncated: --resume names the file, skips back to step_000001 and says so, and repeats the uninterrupted run's
-    losses exactly."""
+    start does otherwise) and step_000002 keeps the bytes its manifest recorded. (Resuming past a damaged newest
+    checkpoint, a truncated shard among them, repeating the uninterrupted losses: test_train_job_robust.py's
+    preemption test; it was a second launch here.)"""
     ckpt = tmp_path / "ckpt"
     args = [*FAST, "--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--keep", "3"]
     monkeypatch.setenv("FSDP_GRAPH_FAIL_AT_STEP", "1:3:save")
     with pytest.raises(RankFailedError) as info:
         train.main([*args, "--plot", "none"])
     assert info.value.rank == 1 and info.value.signal == "SIGKILL", info.value
-    monkeypatch.delenv("FSDP_GRAPH_FAIL_AT_STEP")
     names = sorted(p.name for p in ckpt.glob("step_*"))
     assert names in (["step_000001", "step_000002"], ["step_000001", "step_000002", "step_000003.tmp"]), names
     assert not (ckpt / "step_000003.tmp" / ".metadata").exists()
     newest = ckpt / "step_000002"
     for name, entry in json.loads((newest / "checksums.json").read_text())["files"].items():
         assert hashlib.sha256((newest / name).read_bytes()).hexdigest() == entry["sha256"], name
-
-    shard = newest / "__1_0.distcp"
-    os.truncate(shard, shard.stat().st_size // 2)
-    capfd.readouterr()
-    resumed = train.main([*args, "--resume", "--plot", "none"])
-    out = capfd.readouterr().out
-    assert f"'{newest}' is damaged: __1_0.distcp: " in out and "bytes expected (truncated" in out, out
-    assert f"resuming from {ckpt / 'step_000001'}, the newest intact checkpoint" in out, out
-    assert resumed["start_step"] == 1 and resumed["steps_run"] == 3
-    assert resumed["history"] == plain_job["history"], (resumed["history"], plain_job["history"])
 
 
 def test_pipeline_parallel_job_trains_and_resumes_exactly(tmp_path, capfd):
@@ -122,7 +109,7 @@ def test_tensor_parallel_job_matches_the_data_parallel_job_and_resumes_exactly(t
     tp = [*FAST, "--tp", "2", "--world", "4", "--steps", "4", "--plot", "none"]
     straight = train.main([*tp, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--keep", "2"])
     assert "4 ranks (gloo, cpu) as dp=2 x tp=2" in capfd.readouterr().out
-    plain = plain_job
+    plain = {"history": plain_job["history"][:4]}
     assert len(straight["history"]) == len(plain["history"]) == 4, (straight["history"], plain["history"])
     assert max(abs(a - b) for (_, a), (_, b) in zip(straight["history"], plain["history"])) < 1e-5, (
         straight["history"],

@@ -162,8 +162,8 @@ def test_preemption_saves_and_the_resume_repeats_the_uninterrupted_losses(tmp_pa
     """SIGUSR1 reaching rank 1 alone in the middle of step 2, and SIGTERM reaching the launcher while the checkpoint
     of step 1 is being written: every rank finishes its step, saves, and the job exits 75 naming the checkpoint
     (before: SIGTERM ended the launcher at once, with no message and no checkpoint). Both save the same state.
-    Then, beside it, a newer checkpoint without .metadata and one without checksums.json whose shard lost 64 bytes,
-    and a truncated history.json: --resume names each skipped checkpoint with its reason (before: the manifest-less
+    Then, beside it, newer checkpoints: one without .metadata, one without checksums.json whose shard lost 64 bytes,
+    one whose rank-1 shard is truncated, and a truncated history.json: --resume names each skipped checkpoint with its reason (before: the manifest-less
     one loaded silently, with corrupted weights; the truncated history stopped the resume), resumes from the
     preemption's checkpoint and repeats the uninterrupted run's losses exactly."""
     one_rank, launcher = tmp_path / "usr1", tmp_path / "term"
@@ -203,13 +203,18 @@ def test_preemption_saves_and_the_resume_repeats_the_uninterrupted_losses(tmp_pa
         flipped = bytes(b ^ 0xFF for b in f.read(64))
         f.seek(4096)
         f.write(flipped)
+    shutil.copytree(saved, launcher / "step_000005")
+    truncated = launcher / "step_000005" / "__1_0.distcp"
+    os.truncate(truncated, truncated.stat().st_size // 2)
     os.truncate(launcher / "history.json", 10)
     resumed = train.main([*args, "--checkpoint-dir", str(launcher), "--resume"])
     out = capfd.readouterr().out
+    assert f"skipping step_000005: '{launcher / 'step_000005'}' is damaged: __1_0.distcp: " in out, out
+    assert "bytes expected (truncated" in out, out
     assert f"skipping step_000004: '{launcher / 'step_000004'}' is damaged: checksums.json: missing" in out, out
     assert f"skipping step_000003: '{launcher / 'step_000003'}' has no .metadata" in out, out
     assert f"resuming from {saved}, the newest intact checkpoint" in out, out
-    assert resumed["start_step"] == 2 and resumed["history"] == plain_job["history"], (resumed, plain_job)
+    assert resumed["start_step"] == 2 and resumed["history"] == plain_job["history"][:4], (resumed, plain_job)
 
 
 def test_ctrl_c_names_the_last_safe_checkpoint_without_a_traceback(tmp_path, monkeypatch, capfd):

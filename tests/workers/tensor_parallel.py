@@ -220,6 +220,16 @@ def tp_fsdp_parity(
     return out
 
 
+def tp_fsdp_parity_cases(rank: int, world: int, cases: list[dict]) -> list[dict[str, float]]:
+    """`tp_fsdp_parity(rank, world, **case)` for each case, in one launch (each launch costs seconds of process
+    start and imports). Dynamo's caches are reset before each case, so each compiles from scratch, as alone."""
+    results = []
+    for case in cases:
+        torch._dynamo.reset()
+        results.append(tp_fsdp_parity(rank, world, **case))
+    return results
+
+
 def tp_fsdp2_interop(rank: int, world: int, direction: str, path: str) -> dict[str, float]:
     """DCP checkpoints between torch's FSDP2 + TP and ours on (dp=2, tp=2): one side (seed 0, trained one step)
     writes with plain `dcp.save`, the other (seed 7) reads with `dcp.load`; max |difference| of the full
