@@ -39,14 +39,24 @@ def _targets(gm: torch.fx.GraphModule) -> list:
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
 
-def test_llama_blocks_share_one_body(fake_pg):
+def test_llama_blocks_share_one_body(fake_pg, monkeypatch):
     """4 blocks: one Dynamo graph calling `subgraph_0` 4 times; every gather is in the outer graph (none in the
     body); the lowered forward issues block k+1's gather before block k's body runs, and the backward re-gathers
-    every block (reshard after forward) as many times as without reuse."""
+    every block (reshard after forward) as many times as without reuse.
+
+    One schema per body while compiling: torch's autograd rule for `invoke_subgraph` asks for the body's schema at
+    every call (a re-trace of the body); our backend computes it once per body (`compiler.region_schema`), so
+    compile time does not grow with it. (Checked on this test's compile, not one of its own.)"""
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+
+    computed = []
+    compute = InvokeSubgraphHOP.gen_schema
+    monkeypatch.setattr(InvokeSubgraphHOP, "gen_schema", lambda self, *a: computed.append(a[1]) or compute(self, *a))
     torch.manual_seed(0)
     tokens = torch.randint(0, CFG.vocab, (2, CFG.seq + 1))
     batch = (tokens[:, :-1], tokens[:, 1:])
     graphs, backend = _compile_step(fsdp_graph.fully_shard(Llama(CFG), reuse_blocks=True), llama_loss, batch)
+    assert computed and len(computed) == len(set(computed)), computed  # once per body (forward and backward's)
     assert len(graphs) == 1
     (gm,) = graphs
     assert body_calls(gm) == ["subgraph_0"] * CFG.layers
@@ -67,49 +77,49 @@ def test_llama_blocks_share_one_body(fake_pg):
     assert counts["bw"].startswith(f"all_gather: {CFG.layers + 1} ")  # every block and the embedding re-gathered
 
 
+# Options combined two by two (each pair on one compile): flat layout with a 1/2 piece kept after forward (and a
+# `no_sync` step first), bf16 gathers with the gathers kept for backward.
 @pytest.mark.parametrize(
-    "options",
+    "options, no_sync_first",
     [
-        {"layout": "flat"},
-        {"mixed_precision": fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
-        {"reshard_after_forward": False},
-        {"reshard_after_forward": 2},
+        ({"layout": "flat", "reshard_after_forward": 2}, True),
+        (
+            {
+                "mixed_precision": fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                "reshard_after_forward": False,
+            },
+            False,
+        ),
     ],
-    ids=["flat", "bf16", "no_reshard", "reshard_2"],
+    ids=["flat_reshard_2_no_sync", "bf16_no_reshard"],
 )
-def test_other_options_keep_their_collectives(fake_pg, options):
+def test_other_options_keep_their_collectives(fake_pg, options, no_sync_first):
     """With the flat layout, bf16 gathers, gathers kept for backward or a 1/2 piece kept: one body for the 3 blocks,
-    and the collectives of the same model without `reuse_blocks` (graphs only; numerics untested)."""
-    cfg = LlamaConfig(dim=32, layers=3, heads=4, kv_heads=2, hidden=48, seq=16, vocab=64)
-    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq + 1))
-    collectives = []
-    for reuse in (False, True):
-        torch.manual_seed(0)
-        model = fsdp_graph.fully_shard(Llama(cfg), reuse_blocks=reuse, **options)
-        (gm,), backend = _compile_step(model, llama_loss, (tokens[:, :-1], tokens[:, 1:]))
-        assert body_calls(gm) == (["subgraph_0"] * cfg.layers if reuse else [])
-        collectives.append([(r.stage, r.collectives.to_text()) for r in backend.reports])
-    assert collectives[0] == collectives[1]
+    and the collectives of the same model without `reuse_blocks` (graphs only; numerics untested).
 
-
-def test_no_sync_then_sync(fake_pg):
-    """A `no_sync` step then a synchronising one (two graphs, gathers with accumulator arguments): each graph
-    calls one body per block, with the collectives of the model without `reuse_blocks`."""
+    With `no_sync_first` (was test_no_sync_then_sync): a `no_sync` step then a synchronising one (two graphs,
+    gathers with accumulator arguments), each graph calling one body per block; the first reduces nothing."""
     cfg = LlamaConfig(dim=32, layers=3, heads=4, kv_heads=2, hidden=48, seq=16, vocab=64)
     tokens = torch.randint(0, cfg.vocab, (2, cfg.seq + 1))
     batch = (tokens[:, :-1], tokens[:, 1:])
     collectives = []
     for reuse in (False, True):
         torch.manual_seed(0)
-        model = fsdp_graph.fully_shard(Llama(cfg), reuse_blocks=reuse)
+        model = fsdp_graph.fully_shard(Llama(cfg), reuse_blocks=reuse, **options)
         compiled, graphs, backend = _compiled(model)
-        with fsdp_graph.no_sync(model):
-            llama_loss(compiled, batch).backward()
+        if no_sync_first:
+            with fsdp_graph.no_sync(model):
+                llama_loss(compiled, batch).backward()
         llama_loss(compiled, batch).backward()
-        assert [body_calls(gm) for gm in graphs] == [["subgraph_0"] * cfg.layers if reuse else []] * 2
+        steps = 2 if no_sync_first else 1
+        assert [body_calls(gm) for gm in graphs] == [["subgraph_0"] * cfg.layers if reuse else []] * steps
         collectives.append([(r.stage, r.collectives.to_text()) for r in backend.reports])
     assert collectives[0] == collectives[1]
-    assert "reduce_scatter" not in collectives[0][1][1] and "reduce_scatter" in collectives[0][3][1]
+    if no_sync_first:
+        assert "reduce_scatter" not in collectives[0][1][1] and "reduce_scatter" in collectives[0][3][1]
+
+
+# test_no_sync_then_sync: merged into test_other_options_keep_their_collectives[flat_reshard_2_no_sync].
 
 
 class Block(nn.Module):
@@ -213,21 +223,7 @@ def test_refuses_units_holding_complex_tensors(fake_pg):
     assert any("blocks.1' holds a complex tensor" in str(w.message) for w in caught), [str(w.message) for w in caught]
 
 
-def test_one_schema_per_body_while_compiling(fake_pg, monkeypatch):
-    """torch's autograd rule for `invoke_subgraph` asks for the body's schema at every call (a re-trace of the body);
-    our backend computes it once per body (`compiler.region_schema`), so compile time does not grow with it."""
-    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
-
-    computed = []
-    compute = InvokeSubgraphHOP.gen_schema
-    monkeypatch.setattr(InvokeSubgraphHOP, "gen_schema", lambda self, *a: computed.append(a[1]) or compute(self, *a))
-    torch.manual_seed(0)
-    tokens = torch.randint(0, CFG.vocab, (2, CFG.seq + 1))
-    graphs, _ = _compile_step(
-        fsdp_graph.fully_shard(Llama(CFG), reuse_blocks=True), llama_loss, (tokens[:, :-1], tokens[:, 1:])
-    )
-    assert body_calls(graphs[0]) == ["subgraph_0"] * CFG.layers
-    assert computed and len(computed) == len(set(computed)), computed  # once per body (forward and backward's)
+# test_one_schema_per_body_while_compiling: merged into test_llama_blocks_share_one_body (same compile).
 
 
 def test_schema_cache_still_refuses_a_body_that_mutates_its_input():

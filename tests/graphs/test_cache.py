@@ -42,14 +42,39 @@ def test_pass_uuid_tracks_options_and_is_stable():
     assert fsdp_graph.make_backend()._cache_key() != fsdp_graph.make_backend(inductor=False)._cache_key()
 
 
-@pytest.mark.parametrize("first", ["passes", "passes.fx_nodes", "passes.cost"])
-def test_import_passes_before_fsdp_graph(first):
-    """`import passes` first used to fail with a circular import (issue 12); so may any module of it imported first."""
+_IMPORT_FIRST_IN_FORKS = """
+import os, sys, traceback
+import torch, torch.distributed, torch.fx  # noqa: F401  (torch's import, the costly part, shared by the forks)
+
+failed = []
+for first in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:  # a process where neither `passes` nor `fsdp_graph` was imported yet
+        try:
+            __import__(first)
+            import passes
+            import fsdp_graph
+
+            fsdp_graph.make_backend()._cache_key()
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+    if os.waitpid(pid, 0)[1] != 0:
+        failed.append(first)
+print("failed:", failed, file=sys.stderr)
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_import_passes_before_fsdp_graph():
+    """`import passes` first used to fail with a circular import (issue 12); so may any module of it imported first.
+    One Python per module imported first, forked from one that imported only torch (one interpreter start, not 3)."""
     import subprocess
     import sys
 
-    code = f"import {first}; import passes; import fsdp_graph; fsdp_graph.make_backend()._cache_key()"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    firsts = ["passes", "passes.fx_nodes", "passes.cost"]
+    done = subprocess.run([sys.executable, "-c", _IMPORT_FIRST_IN_FORKS, *firsts], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
 

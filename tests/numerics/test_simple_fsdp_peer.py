@@ -13,10 +13,11 @@ from tests.workers.simple_fsdp import SMALL, simple_fsdp_losses, single_process_
 STEPS, BATCH = 4, 4
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "inductor"])
-def test_simple_fsdp_peer_matches_single_process(compile):
+# Eager only: the harness's compiled variant differs by one `torch.compile(model, fullgraph=True)` of torchtitan's
+# code (a benchmark reference, not our product; ~34 CPU s under Inductor here); the GPU benchmark run compiles it.
+def test_simple_fsdp_peer_matches_single_process():
     reference = single_process_losses(STEPS, 2 * BATCH)
-    for r in spawn(simple_fsdp_losses, 2, (STEPS, BATCH, compile), timeout_s=900):
+    for r in spawn(simple_fsdp_losses, 2, (STEPS, BATCH, False), timeout_s=900):
         assert r["tied"] and r["dtensors"], r
         assert r["n_params"] == 1 + 9 * SMALL.layers + 1, r  # embedding (= head), 9 per block, final norm
         assert reference[0] - reference[-1] > 0.1, reference  # the comparison is not vacuous
