@@ -208,7 +208,9 @@ def test_children_run_on_cpu(monkeypatch):
     """The measuring code itself, on small models (eager kernels; memory figures are CUDA-only, so not checked)."""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(name, "")  # restored after the test: the train child sets torchrun's variables
-    extra = ["--preset", "tiny", "--backend-mode", "aot", "--batch", "2", "--seq", "32"]
+    # Eager: what the child adds is its glue (torchrun's variables, --cpu-offload, the summary it reads back); the
+    # job compiled is test_train_job.py's, offload compiled test_loop.py::test_cpu_offload_params'.
+    extra = ["--preset", "tiny", "--no-compile", "--batch", "2", "--seq", "32"]
     train = gpu._train_child({"steps": 3, "extra": extra, "offload": True})
     assert train["median_step_s"] > 0 and train["last_loss"] < train["first_loss"], train
     tiny = {"seq": 32, "batch": 1, "repeats": 1, "preset": "tiny", "device": "cpu", "inductor": False}

@@ -60,7 +60,9 @@ def test_gloo_reduce_scatter_as_all_to_all_halves_the_bytes():
             torch.testing.assert_close(ga, gn, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("strategy, world", [("FULL_SHARD", 2), ("HYBRID_SHARD", 4)])
+# ("HYBRID_SHARD", 4): its duplicate shard groups are test_reduce_group.py::test_hybrid_duplicates_each_replica_shard_group_
+# locally's, hybrid numerics test_strategies.py::test_hybrid_shard_world_4's; 4 ranks on 2 cores cost the suite 12 s.
+@pytest.mark.parametrize("strategy, world", [("FULL_SHARD", 2)])
 def test_separate_reduce_group(strategy, world):
     for r in spawn(separate_reduce_group_parity, world, (strategy,)):
         assert r["diff"] < 2e-5, r

@@ -41,7 +41,7 @@ def test_no_shard():
         [
             Case("gpt", "adamw", "NO_SHARD"),
             Case("mlp", "sgd", "NO_SHARD", mode="eager"),
-            Case("conv", "adamw", "NO_SHARD"),
+            # The conv model compiled: test_parity.py's FULL_SHARD and SHARD_GRAD_OP cases.
         ]
     )
     for report in results[0].reports:  # gathers nothing; one all-reduce per unit
@@ -50,14 +50,15 @@ def test_no_shard():
 
 @pytest.mark.oldest_torch
 def test_hybrid_shard_world_4():
-    """The last case: rank 3 alone recompiles for a shorter sequence (the same collectives, on its shard and its
-    replicate group): the rank check passes it without a collective (tests/numerics/test_rank_check.py)."""
+    """The GPT case: rank 3 alone recompiles for a shorter sequence at step 3 (the same collectives, on its shard
+    and its replicate group): the rank check passes it without a collective (tests/numerics/test_rank_check.py).
+    Rank 0 compiles once: its graphs are HYBRID_SHARD's plain ones (a separate plain case compiled the same graphs
+    again, only AdamW instead of SGD outside them)."""
     results = _check(
         [
-            Case("gpt", "adamw", "HYBRID_SHARD"),
+            Case("gpt", "sgd", "HYBRID_SHARD", steps=4, lone_recompile="shorter"),
             Case("mlp", "sgd", "_HYBRID_SHARD_ZERO2"),
             Case("gpt", "sgd", "HYBRID_SHARD", mode="eager"),
-            Case("gpt", "sgd", "HYBRID_SHARD", steps=4, lone_recompile="shorter"),
         ],
         world=4,
     )
@@ -84,7 +85,7 @@ def test_bf16_mixed_precision():
         [
             Case("gpt", "sgd", mp=True),
             Case("gpt", "sgd", mp=True, mode="eager"),
-            Case("gpt", "sgd", "SHARD_GRAD_OP", mp=True),
+            # SHARD_GRAD_OP in bf16, compiled: test_bucket.py's merged case (these tolerances, SGD with momentum).
         ],
         tol=BF16_TOL,
         loss_tol=2 * 2**-5,
@@ -125,7 +126,8 @@ def test_model_shapes():
             Case("gpt", "adamw", wrap="nested"),
             Case("shared", "adamw", wrap="linear"),
             Case("skip", "sgd", wrap="linear"),
-            Case("hf", "adamw"),
+            # Compiled, a dict-returning HF-style model is the dataclass one's easier case (ModelOutput is a dict
+            # subclass); the dict model runs eager below.
             Case("hf_dataclass", "adamw"),
             Case("gpt", "sgd", dynamic=True),
             Case("skip", "sgd", wrap="linear", mode="eager"),
@@ -155,7 +157,8 @@ def test_sync_module_states():
 @pytest.mark.parametrize(
     "strategy, world, mp, rounds",
     [
-        ("FULL_SHARD", 2, False, 3),
+        # ("FULL_SHARD", 2, False, 3): its formula is the bf16 case's (3 rounds, param_bytes 4 instead of 2); fp32
+        # gathers are counted by SHARD_GRAD_OP's and HYBRID_SHARD's cases.
         ("SHARD_GRAD_OP", 2, False, 2),
         ("NO_SHARD", 2, False, 2),
         ("FULL_SHARD", 2, True, 3),

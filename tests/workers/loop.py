@@ -11,14 +11,17 @@ from tests.workers.training import Case, build, full_grads, is_shard_view, max_p
 
 
 def clip_matches_pytorch(rank: int, world: int, strategy: str, mode: str) -> dict[str, float]:
-    """Our clip_grad_norm_ vs torch.nn.utils.clip_grad_norm_ on the full-batch reference, for several norms."""
+    """Our clip_grad_norm_ vs torch.nn.utils.clip_grad_norm_ on the full-batch reference, for several norms (one
+    model compiled once: each norm recomputes the gradients from zero, so the earlier clips leave no trace)."""
     out = {}
+    torch.manual_seed(0)
+    model, loss_fn, make_batch = build("gpt")
+    ref = copy.deepcopy(model)
+    compiled, _ = shard_and_compile(model, Case("gpt", strategy=strategy, mode=mode))
+    full = make_batch(torch.Generator().manual_seed(9), 4 * world)
     for norm_type, max_norm in ((2.0, 0.05), (float("inf"), 0.01), (1.0, 1e6)):
-        torch.manual_seed(0)
-        model, loss_fn, make_batch = build("gpt")
-        ref = copy.deepcopy(model)
-        compiled, _ = shard_and_compile(model, Case("gpt", strategy=strategy, mode=mode))
-        full = make_batch(torch.Generator().manual_seed(9), 4 * world)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
         loss_fn(compiled, tuple(t.chunk(world)[rank] for t in full)).backward()
         loss_fn(ref, full).backward()
         ours = fsdp_graph.clip_grad_norm_(model, max_norm, norm_type)
