@@ -52,3 +52,42 @@ def test_artifacts_for_other_options_or_another_model_or_damaged_are_ignored_in_
         f.write(b"N")
     lines = _warnings_of(path, fsdp_graph.fully_shard(OddMLP()), fsdp_graph.make_backend(), verify_files=False)
     assert len(lines) == 1 and "graph_0.bin differs from checksums.json" in lines[0], lines
+
+
+def test_the_precompiled_header_is_built_only_before_a_kernel_is_compiled(tmp_path, monkeypatch):
+    """`deferred_header`: torch's header precompile (a stand-in keeping its contract: cached per arguments, the
+    build handed to `_worker_compile_cpp`) is not built for a kernel whose library is in the cache, and is built
+    before the first kernel that is compiled; torch's functions are back after the block."""
+    import functools
+    from pathlib import Path
+
+    from torch._inductor import codecache
+
+    from fsdp_graph.compiler.deferred_header import deferred_header
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    built: list[str] = []
+    monkeypatch.setattr(codecache, "_worker_compile_cpp", lambda lock, builders: built.extend(builders))
+
+    @functools.cache
+    def precompile(header: str, command: str) -> str:
+        codecache._worker_compile_cpp(f"{header}.lock", (f"{header}.gch",))
+        return header
+
+    monkeypatch.setattr(codecache, "_precompile_header", precompile)
+
+    def load_kernel(source: str, library_there: bool) -> None:  # as CppCodeCache.load_async: write, then header
+        _, path = codecache.write(source, "main.cpp")
+        if library_there:
+            Path(path).with_suffix(".so").write_bytes(b"")
+        codecache._precompile_header("prefix.h", "g++ -O3")
+
+    with deferred_header():
+        load_kernel("// cached kernel", library_there=True)
+        load_kernel("// another cached kernel", library_there=True)
+        assert built == []
+        load_kernel("// a kernel to compile", library_there=False)
+        assert built == ["prefix.h.gch"]
+        load_kernel("// one more to compile", library_there=False)
+        assert built == ["prefix.h.gch"]
+    assert codecache._precompile_header is precompile and codecache.write.__name__ == "write"
