@@ -304,11 +304,6 @@ class FSDPBackend:
         """Its compiles fill `compiled` (Inductor, not dumping graphs; torch's caches on at compile time)."""
         return self.inductor and not (self.dump_dir or os.environ.get(DUMP_ENV))
 
-    def options_text(self) -> str:
-        """The options that decide what the passes make of a graph (with `passes_hash()`, the backend's part of
-        every compiled graph's cache key)."""
-        return repr(sorted({"inductor": self.inductor, "schedule": repr(self.schedule)}.items()))
-
     @staticmethod
     def passes_hash() -> str:
         """A hash of the passes' code (and the op semantics they rely on)."""
@@ -317,7 +312,8 @@ class FSDPBackend:
     def _cache_key(self) -> str:
         """The passes' code and this backend's options: what every compiled graph's cache key includes."""
         if self._uuid is None:
-            self._uuid = hashlib.sha256(f"{_code_hash()}{self.options_text()}".encode()).hexdigest()
+            options = repr(sorted({"inductor": self.inductor, "schedule": repr(self.schedule)}.items()))
+            self._uuid = hashlib.sha256(f"{_code_hash()}{options}".encode()).hexdigest()
         return self._uuid
 
     def __repr__(self) -> str:

@@ -20,6 +20,7 @@ Kernel libraries are installed only on ranks whose CPU is the one they were buil
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -58,6 +59,12 @@ def model_fingerprint(model: nn.Module) -> str:
     for name, b in model.named_buffers():
         h.update(f"b {name} {tuple(b.shape)} {b.dtype}\n".encode())
     return h.hexdigest()
+
+
+def _options(backend: FSDPBackend) -> dict[str, str]:
+    """The backend's options that decide what its passes make of a graph (as in its cache key), by name."""
+    schedule = {f.name: repr(getattr(backend.schedule, f.name)) for f in dataclasses.fields(backend.schedule)}
+    return {"inductor": repr(backend.inductor), **schedule}
 
 
 def _combined(fingerprints: list[str]) -> str:
@@ -136,7 +143,7 @@ def _encode(backend: FSDPBackend, held: dict[str, _Graph], model: str, world: in
         "format": _FORMAT,
         "torch": torch.__version__,
         "world": world,
-        "options": backend.options_text(),
+        "options": _options(backend),
         "passes": backend.passes_hash(),
         "model": model,
         "graphs": graphs,
@@ -167,8 +174,12 @@ def _mismatch(header: dict, backend: FSDPBackend, found: _Found) -> str | None:
         return f"compiled for {header['world']} ranks, this job has {world} (the graphs' shard sizes differ)"
     if header["passes"] != backend.passes_hash():
         return "compiled by other fsdp_graph passes (the passes' code changed since)"
-    if header["options"] != backend.options_text():
-        return f"compiled with other backend options ({header['options']}; this job: {backend.options_text()})"
+    if header["options"] != (mine := _options(backend)):
+        saved = header["options"]
+        changed = [
+            f"{k}={saved.get(k)} -> {mine.get(k)}" for k in sorted({*saved, *mine}) if saved.get(k) != mine.get(k)
+        ]
+        return f"compiled with other backend options ({', '.join(changed)})"
     if header["model"] != found.model:
         return "compiled for another model (its module classes, or its parameters' names, shapes or dtypes differ)"
     return None
