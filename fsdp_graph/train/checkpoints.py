@@ -261,12 +261,8 @@ def resume(args: argparse.Namespace, model, opt, rank: int, compiled=None) -> tu
         if skipped and rank == 0:
             print(f"--resume: resuming from {path}, the newest intact checkpoint", flush=True)
         if compiled is not None and compiled.restored["graphs"] and rank == 0:
-            restored = compiled.restored
-            print(
-                f"--resume: compiled code from the checkpoint installed ({restored['graphs']} graphs, "
-                f"{restored['kernels']} kernel files)",
-                flush=True,
-            )
+            graphs = compiled.restored["graphs"]
+            print(f"--resume: compiled code from the checkpoint installed ({graphs} graph(s))", flush=True)
         step = step_of(path)
         if step is None:  # a foreign checkpoint not named step_NNNNNN: its weights, the count from 0
             step = 0
