@@ -15,7 +15,7 @@ job's model (`train/job.py`'s `_build`: meta init, fully_shard, torch.compile wi
 A restart's time is rank 0's import of Inductor + the load + the first trained step (forward, backward, optimizer
 step), where all compiling happens; the goal is artifacts <= 1.3x warm (medians). The table also gives torch's cache
 counters, the C++ compiler runs (kernel libraries and precompiled headers) and the seconds the backend spent
-recording its compiles' files (`compiled_files.recording`, outside the compile itself).
+recording its compiles' files (`compiled_files.recording`, outside the compile itself, and the graph's key).
 """
 
 from __future__ import annotations
@@ -56,11 +56,22 @@ class _Builds:
 
 
 def _timed_recording() -> list[float]:
-    """Makes `compiled_files.recording` add its own seconds (the capture, not the compile inside) to the list."""
+    """Makes `compiled_files.recording` add its own seconds (the capture, not the compile inside) to the list, and
+    the graph's key (`rank_check.STORE.key`, which a single rank computes only to record)."""
     from fsdp_graph.compiler import compiled_files
+    from fsdp_graph.compiler.rank_check import STORE
 
     spent = [0.0]
-    recording = compiled_files.recording
+    recording, key = compiled_files.recording, STORE.key
+
+    def timed_key(*args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return key(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - began
+
+    STORE.key = timed_key
 
     @contextlib.contextmanager
     def timed():
