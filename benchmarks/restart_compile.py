@@ -143,7 +143,7 @@ def _rank(rank: int, world: int, argv: list[str], checkpoint: str, kind: str) ->
         out["load_s"] = time.perf_counter() - start
         out["first_step_s"] = step(2)
     out["restart_s"] = out["import_s"] + out["load_s"] + out["first_step_s"]
-    out["cpu_s"] = _cpu_s() - cpu_began - (out.get("save_s", 0.0) + out.get("save_plain_s", 0.0))  # wall, ~CPU
+    out["cpu_s"] = _cpu_s() - cpu_began - (out.get("save_s", 0.0) + out.get("save_plain_s", 0.0))  # not the saves
     out["recording_s"] = recorded_s[0]
     out["restored"] = dict(backend.restored)
     out["aot"] = {k.removeprefix("autograd_cache_"): v for k, v in counters["aot_autograd"].items() if "cache" in k}
