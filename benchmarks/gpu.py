@@ -407,7 +407,7 @@ def _overlap_rank(rank: int, world: int, port: int, params: dict) -> dict:
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
     try:
         targs = train.parse_args([*_TRAIN, "--steps", "4"])
-        _, model, opt, step_model, _ = train._build(targs, world, device)
+        _, model, opt, step_model, _ = train._build(targs, world, device, train._backend(targs))
         tokens = load_tokens()
 
         def step(i: int) -> None:

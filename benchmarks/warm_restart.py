@@ -47,17 +47,15 @@ def _first_step(rank: int, world: int, argv: list[str]) -> dict:
     from fsdp_graph.train import job
 
     args = job.parse_args(argv)
-    backends = []
-    make = job._backend
-    job._backend = lambda parsed: backends.append(make(parsed)) or backends[-1]
-    cfg, _, _, step_model, _ = job._build(args, world, torch.device("cpu"))
+    backend = job._backend(args)
+    cfg, _, _, step_model, _ = job._build(args, world, torch.device("cpu"), backend)
     tokens = torch.randint(0, cfg.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(rank))
     start = time.perf_counter()
     step_model(tokens).float().mean().backward()
     first = time.perf_counter() - start
     timers = compile_times(repr="csv", aggregate=True)
     phases = dict(zip(timers[0], timers[1])) if timers and timers[0] else {}
-    passes = sum(backends[0].pass_seconds.values())
+    passes = sum(backend.pass_seconds.values())
     return {
         "first_step_s": first,
         "import_inductor_s": imported,

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
 import importlib
 import inspect
 import itertools
+import os
 import pkgutil
 import time
 from collections import Counter
@@ -25,7 +27,10 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import passes
 from fsdp_graph import ir
 from fsdp_graph.api.config import Compression
-from fsdp_graph.compiler.dump import GraphDumper, no_caches_when_dumping
+from fsdp_graph.compiler import compiled_files
+from fsdp_graph.compiler.compiled_files import CompiledFiles
+from fsdp_graph.compiler.deferred_header import deferred_header
+from fsdp_graph.compiler.dump import DUMP_ENV, GraphDumper, no_caches_when_dumping
 from fsdp_graph.compiler.grad_outputs import watch_gradients
 from fsdp_graph.compiler.options import OWNED_VALUES, inductor_config_patches, patches_key
 from fsdp_graph.compiler.rank_check import STORE, GraphCollectives, RankAgreement, check_first_call
@@ -159,7 +164,10 @@ class FSDPBackend:
     compiled Dynamo graph checks on its first call that every rank compiled the same collectives
     (`fsdp_graph.compiler.rank_check`), waiting at most `verify_timeout_s` for the other ranks. With
     `share_compiles` (Inductor only), the first rank to reach a graph compiles it for the ranks with the same graph
-    (`fsdp_graph.compiler.shared_compile`; `sharing.stats` counts what this rank compiled and loaded)."""
+    (`fsdp_graph.compiler.shared_compile`; `sharing.stats` counts what this rank compiled and loaded).
+    With Inductor and torch's compile caches on, `compiled` keeps what each compile left in those caches, by graph
+    (`compiled_files.recording`), for `save_checkpoint(compiled=backend)`; `restored` counts the graphs and kernel
+    files `load_checkpoint(compiled=backend)` installed."""
 
     def __init__(
         self,
@@ -175,6 +183,9 @@ class FSDPBackend:
         self.inductor = inductor
         self.share_compiles = share_compiles
         self.sharing = CompileSharing()
+        # graph key -> what its compile left in torch's caches (one dict: the sharing fills it where it applies)
+        self.compiled: dict[str, CompiledFiles] = self.sharing.files
+        self.restored: Counter = Counter()
         self.verify_collectives, self.verify_timeout_s = verify_collectives, verify_timeout_s
         self.agreement = RankAgreement(verify_timeout_s)  # the lists this backend's ranks agreed on, per group
         self.dump_dir = dump_dir
@@ -227,8 +238,9 @@ class FSDPBackend:
         functorch_patches = {} if budget is None else {"activation_memory_budget": budget}
         verify = self.verify_collectives and dist.is_initialized() and dist.get_world_size() > 1
         share = self.share_compiles and self.inductor and not dumper.enabled and CompileSharing.applies()
-        if verify or share:  # the backward compiles now (not at its first run): the first forward checks it too,
-            functorch_patches["force_non_lazy_backward_lowering"] = True  # and it is in the files a rank shares
+        record = self.inductor and not dumper.enabled and compiled_files.caches_on()  # kept in `compiled`
+        if verify or share or record:  # the backward compiles now (not at its first run): the first forward checks
+            functorch_patches["force_non_lazy_backward_lowering"] = True  # it too, and its files are recorded
 
         def compile_graph(caches: bool = True):
             with (
@@ -243,7 +255,7 @@ class FSDPBackend:
                 return _compile_eager(gm, example_inputs, reshard, lower)
 
         reads = passes.gathered_reads(gm)  # before AOT autograd, on the graph whose outputs the caller sees
-        if not verify and not share:
+        if not verify and not share and not record:
             return watch_gradients(compile_graph(), reads)
         store_key = STORE.key(uuid, gm, example_inputs)
         index = dumper.graph_index
@@ -251,15 +263,20 @@ class FSDPBackend:
         def compile_checked():
             return self._compile_verified(compile_graph, index, store_key) if verify else compile_graph()
 
-        if not share:
-            return watch_gradients(compile_checked(), reads)
-        compiled = self.sharing.compile(
-            store_key,
-            f"Dynamo graph {index}",
-            compile_checked,
-            lambda: STORE.load_json(store_key),
-            lambda lists: STORE.save_json(store_key, lists),
-        )
+        if share:  # the sharing records what this rank's compile left in the caches
+            compiled = self.sharing.compile(
+                store_key,
+                f"Dynamo graph {index}",
+                compile_checked,
+                lambda: STORE.load_json(store_key),
+                lambda lists: STORE.save_json(store_key, lists),
+            )
+        elif record:
+            with compiled_files.recording() as files:
+                compiled = compile_checked()
+            self.compiled[store_key] = files
+        else:
+            compiled = compile_checked()
         return watch_gradients(compiled, reads)
 
     def _compile_verified(self, compile_graph, index: int, store_key: str):
@@ -281,6 +298,16 @@ class FSDPBackend:
 
         graphs()  # stores the lists now: a later compile of the same graph may hit the cache before this one runs
         return check_first_call(compiled, graphs, self.agreement)
+
+    @property
+    def keeps_compiled(self) -> bool:
+        """Its compiles fill `compiled` (Inductor, not dumping graphs; torch's caches on at compile time)."""
+        return self.inductor and not (self.dump_dir or os.environ.get(DUMP_ENV))
+
+    @staticmethod
+    def passes_hash() -> str:
+        """A hash of the passes' code (and the op semantics they rely on)."""
+        return _code_hash()
 
     def _cache_key(self) -> str:
         """The passes' code and this backend's options: what every compiled graph's cache key includes."""
@@ -313,7 +340,9 @@ def _compile_inductor(
     }
     if dumping:
         patches["fx_graph_cache"] = False
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+    # A kernel loaded from the cache needs no precompiled header: built only for a compiled one (deferred_header.py)
+    with deferred_header() if _on_cpu(example_inputs) else contextlib.nullcontext():
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
 
 def _on_cpu(example_inputs) -> bool:

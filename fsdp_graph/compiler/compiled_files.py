@@ -10,9 +10,11 @@ A compile through Inductor writes two kinds of files into Inductor's cache direc
 `recording()` captures both for the compile it surrounds: the mega-cache entries of that compile only (torch's
 `CacheArtifactManager.with_fresh_cache`, the entries then recorded again in the caller's, so a user's own
 `save_cache_artifacts()` still sees them), and every kernel library the compile wrote or loaded (its sources go
-through `torch._inductor.codecache.write`; the library sits beside the source). `install()` puts them into this
-process's caches. A kernel library is built with `-march=native`: it is installed only on a machine with the same
-CPU (`machine_id()`), elsewhere torch builds it again.
+through `torch._inductor.codecache.write`; the library sits beside the source), with the vector-ISA verdict the
+compile relied on (`vec_isa.verdict_used`). `install()` puts them into this process's caches. A kernel library is
+built with `-march=native`: it is installed only on a machine with the same CPU (`machine_id()`), elsewhere torch
+builds it again. Installing only fills caches: torch's own cache keys still decide which code runs, so a file that
+does not apply here costs a cache miss, never other code.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from pathlib import Path, PurePosixPath
 
 @dataclass
 class CompiledFiles:
-    """One compile's cache entries (`artifacts`: torch's serialized mega-cache, None if it recorded none) and kernel
-    libraries (`kernels`: path relative to Inductor's cache directory -> bytes), built on `machine`."""
+    """One compile's cache entries (`artifacts`: torch's serialized mega-cache, None if it recorded none) and the files
+    that only apply on the CPU they were made on (`kernels`: path relative to Inductor's cache directory -> bytes:
+    kernel libraries, and the vector-ISA verdict), made on `machine`."""
 
     artifacts: bytes | None = None
     kernels: dict[str, bytes] = field(default_factory=dict)
@@ -58,6 +61,15 @@ def machine_id() -> str:
     except OSError:
         facts.append(platform.processor())
     return hashlib.sha256("\n".join(facts).encode()).hexdigest()[:16]
+
+
+def caches_on() -> bool:
+    """torch's compile caches (AOT autograd's and Inductor's FX graph cache) are on: a compile leaves entries."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    caches = inductor_config.fx_graph_cache and functorch_config.enable_autograd_cache
+    return bool(caches) and not inductor_config.force_disable_caches
 
 
 def _cache_dir() -> Path:
@@ -101,6 +113,13 @@ def recording() -> Iterator[CompiledFiles]:
             files.kernels[relative.as_posix()] = library.read_bytes()
         except (ValueError, OSError):  # outside the cache directory, or never built (an object file, linked)
             continue
+    from fsdp_graph.compiler.vec_isa import verdict_used
+
+    if (verdict := verdict_used()) is not None:
+        try:
+            files.kernels[verdict.relative_to(root).as_posix()] = verdict.read_bytes()
+        except (ValueError, OSError):  # kept elsewhere (a caller's record directory)
+            pass
 
 
 def _record_in_callers_cache(captured: dict) -> None:
@@ -117,8 +136,8 @@ def _record_in_callers_cache(captured: dict) -> None:
 
 def install(files: CompiledFiles) -> int:
     """Puts `files` into this process's caches: the entries through torch's `load_cache_artifacts`, the kernel
-    libraries under Inductor's cache directory where none is yet (only if built on this machine's CPU). Returns
-    the number of libraries written."""
+    libraries (and ISA verdict) under Inductor's cache directory where none is yet (only if made on this machine's
+    CPU). Returns the number of files written there. Raises ValueError for a path outside the cache directory."""
     import torch
 
     if files.artifacts:
@@ -127,17 +146,25 @@ def install(files: CompiledFiles) -> int:
         return 0
     root, written = _cache_dir(), 0
     for relative, data in files.kernels.items():
-        parts = PurePosixPath(relative).parts
-        if PurePosixPath(relative).is_absolute() or ".." in parts or not relative.endswith(".so"):
+        if not machine_file(relative):
             raise ValueError(f"fsdp_graph: a compiled kernel's path {relative!r} is not inside the Inductor cache")
-        target = root.joinpath(*parts)
+        target = root.joinpath(*PurePosixPath(relative).parts)
         if target.exists():
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o755 if relative.endswith(".so") else 0o644)
         os.replace(tmp, target)  # ranks sharing a cache directory may write the same library at once
         written += 1
     return written
+
+
+def machine_file(relative: str) -> bool:
+    """`relative` names a file `install` may write: a kernel library or an ISA verdict inside Inductor's cache."""
+    path = PurePosixPath(relative)
+    if path.is_absolute() or ".." in path.parts or "\\" in relative:
+        return False
+    verdict = path.parent.as_posix() == "fsdp_graph" and path.name.startswith("vec_isa_") and path.suffix == ".json"
+    return path.suffix == ".so" or verdict

@@ -74,13 +74,9 @@ class CompileSharing:
     @staticmethod
     def applies() -> bool:
         """Several real ranks (not the fake group of graph tests) and torch's compile caches on."""
-        import torch._functorch.config as functorch_config
-        import torch._inductor.config as inductor_config
-
         if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
             return False
-        caches = inductor_config.fx_graph_cache and functorch_config.enable_autograd_cache
-        return bool(caches) and not inductor_config.force_disable_caches
+        return compiled_files.caches_on()
 
     def compile(
         self,

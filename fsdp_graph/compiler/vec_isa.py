@@ -12,6 +12,8 @@ version, the C++ compiler and the sets the CPU reports. When torch found every r
 picks the same set it would have probed (the verdict is the same, so the compiled code and the cache key are the
 same on every start). When a set failed, or the user set `cpp.vec_isa_ok`, it returns nothing: torch probes as
 before. The per-feature probes torch runs after picking (avx512 bf16, VNNI) are left to torch.
+`verdict_used()` names the record this process read or wrote: it travels with a compile's files
+(`compiled_files.recording`), so a process that installs them on the same CPU skips the probe too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ import json
 import os
 import tempfile
 from pathlib import Path
+
+_used: list[Path] = []  # the record `vec_isa_patches` last read or wrote in this process
+
+
+def verdict_used() -> Path | None:
+    """The verdict record this process's compiles rely on, if one was read or written."""
+    return _used[-1] if _used else None
 
 
 def vec_isa_patches(record_dir: str | None = None) -> dict[str, bool]:
@@ -47,7 +56,8 @@ def vec_isa_patches(record_dir: str | None = None) -> dict[str, bool]:
         try:
             _write_atomically(record, json.dumps(usable))
         except OSError:  # a read-only cache: every process probes, as without the record, and decides alike
-            pass
+            return {"cpp.vec_isa_ok": True} if usable == reported else {}
+    _used[:] = [record]
     return {"cpp.vec_isa_ok": True} if usable == reported else {}
 
 

@@ -16,6 +16,7 @@ import shutil
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,12 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_graph.runtime.devices import collective_device
 from fsdp_graph.state.checksums import MANIFEST, checksums, files_written, verify, write_manifest
+from fsdp_graph.state.compiled import SUBDIR, checkpoint_files, install_from_checkpoint
 from fsdp_graph.state.optim import load_optim_state_dict, optim_state_dict
 from fsdp_graph.state.save_failure import CheckpointSaveError, diagnose
+
+if TYPE_CHECKING:
+    from fsdp_graph.compiler.backend import FSDPBackend
 
 _DONE = ".metadata"  # DCP's coordinator writes it last: a directory without it is not a checkpoint
 _NAMED = 5  # non-finite entries named in the error
@@ -141,6 +146,7 @@ def save_checkpoint(
     writer: type[dcp.FileSystemWriter] = dcp.FileSystemWriter,
     extra_files: Mapping[str, bytes] | None = None,
     allow_nonfinite: bool = False,
+    compiled: FSDPBackend | None = None,
 ) -> None:
     """Write the sharded model (and optimizer) state to the directory `path` (FSDP2's DCP layout: readable at
     any world size, and by torch's FSDP2), with the size and SHA-256 of every file in `checksums.json`.
@@ -154,8 +160,14 @@ def save_checkpoint(
     - A failed write raises `CheckpointSaveError` on every rank, its message saying why in one line (DCP's own
       `CheckpointException` is a BaseException and names no cause when the disk is full), after `<path>.tmp` was
       removed; the checkpoint previously at `path` is untouched.
-    - `writer`: the DCP writer class (a FileSystemWriter, e.g. a subclass that changes how files are written)."""
+    - `writer`: the DCP writer class (a FileSystemWriter, e.g. a subclass that changes how files are written).
+    - `compiled`: the Inductor backend the model was compiled with; what its compiles left in torch's caches goes
+      into `compiled/` in the checkpoint (`fsdp_graph.state.compiled`), for `load_checkpoint(compiled=...)`."""
     extras = _check_extra_names(extra_files)
+    if compiled is not None:
+        if any(name.split(os.sep)[0] == SUBDIR for name in extras):
+            raise ValueError(f"save_checkpoint: extra_files under '{SUBDIR}/' collide with compiled=; rename them")
+        extras.update(checkpoint_files(compiled, model))
     state = _state(model, optimizer)
     if not allow_nonfinite and (bad := nonfinite_entries(state)):
         raise NonFiniteCheckpointError(path, bad)
@@ -213,6 +225,7 @@ def load_checkpoint(
     *,
     verify_files: bool = True,
     foreign: bool = False,
+    compiled: FSDPBackend | None = None,
 ) -> None:
     """Load a checkpoint written by `save_checkpoint` (or, with `foreign=True`, by torch's FSDP2 with DCP, same
     keys) into `model` (and `optimizer`), at any world size. Collective.
@@ -220,7 +233,12 @@ def load_checkpoint(
     First (`verify_files`) every file is checked against `checksums.json` (sizes and SHA-256); a mismatch, or a
     missing `checksums.json`, raises `DamagedCheckpointError` naming the files, on every rank, before anything is
     loaded. `foreign=True`: a checkpoint without one (torch's DCP writes none) is checked against the sizes its
-    `.metadata` implies, with a warning that its content cannot be."""
+    `.metadata` implies, with a warning that its content cannot be.
+
+    `compiled`: the backend the model is (or will be) compiled with. The compiled artifacts `save_checkpoint(
+    compiled=...)` stored are installed into this process's torch caches, so the first compile loads them instead
+    of compiling, if they were compiled for this torch, world size, model and backend options; else they are
+    ignored with one warning saying why (`fsdp_graph.state.compiled`). Call it before the first compiled step."""
     if not os.path.exists(os.path.join(path, _DONE)):
         raise FileNotFoundError(f"load_checkpoint: no complete checkpoint at '{path}' (missing {_DONE}).")
     if verify_files:
@@ -238,3 +256,5 @@ def load_checkpoint(
     model.load_state_dict(state["model"])
     if optimizer is not None:
         load_optim_state_dict(model, optimizer, state["optim"])
+    if compiled is not None:
+        install_from_checkpoint(path, compiled, model)

@@ -238,15 +238,16 @@ def _resume_candidates(args: argparse.Namespace) -> list[str]:
     return listing[0]
 
 
-def resume(args: argparse.Namespace, model, opt, rank: int) -> tuple[str, int, list] | None:
+def resume(args: argparse.Namespace, model, opt, rank: int, compiled=None) -> tuple[str, int, list] | None:
     """Load the newest checkpoint that is intact; returns (its path, its step, its loss history), or None when
-    there is none yet. One that is incomplete (no .metadata), has no manifest, or is damaged
+    there is none yet. With `compiled` (the job's Inductor backend), the compiled artifacts saved with it are
+    installed, so the first step loads them instead of compiling. One that is incomplete (no .metadata), has no manifest, or is damaged
     (`DamagedCheckpointError`, raised on every rank alike) is named with the reason and the next older one tried;
     an explicit --resume PATH is not replaced by another."""
     skipped = []
     for path in _resume_candidates(args):
         try:
-            fsdp_graph.load_checkpoint(path, model, opt, foreign=args.foreign)
+            fsdp_graph.load_checkpoint(path, model, opt, foreign=args.foreign, compiled=compiled)
         except (fsdp_graph.DamagedCheckpointError, FileNotFoundError) as e:
             if args.resume != "latest":
                 raise
@@ -259,6 +260,9 @@ def resume(args: argparse.Namespace, model, opt, rank: int) -> tuple[str, int, l
             continue
         if skipped and rank == 0:
             print(f"--resume: resuming from {path}, the newest intact checkpoint", flush=True)
+        if compiled is not None and compiled.restored["graphs"] and rank == 0:
+            graphs = compiled.restored["graphs"]
+            print(f"--resume: compiled code from the checkpoint installed ({graphs} graph(s))", flush=True)
         step = step_of(path)
         if step is None:  # a foreign checkpoint not named step_NNNNNN: its weights, the count from 0
             step = 0
@@ -290,9 +294,9 @@ def _history_of(path: str, rank: int) -> list[tuple[int, float]]:
 # ---- save ----
 
 
-def save(args: argparse.Namespace, model, opt, step: int, history, rank: int, stop=None) -> str:
-    """Save the checkpoint of `step` (collective) with its loss history inside, then on rank 0 the run's loss log
-    and keep the newest --keep. Only after a save succeeded is an older checkpoint removed, and a non-finite model
+def save(args: argparse.Namespace, model, opt, step: int, history, rank: int, stop=None, compiled=None) -> str:
+    """Save the checkpoint of `step` (collective) with its loss history inside (and with `compiled`, the job's
+    Inductor backend, its compiled artifacts), then on rank 0 the run's loss log and keep the newest --keep. Only after a save succeeded is an older checkpoint removed, and a non-finite model
     is never saved (save_checkpoint refuses it), so the last finite checkpoint is never rotated out."""
     path = checkpoint_path(args, step)
     how = failure_asked(rank, step)
@@ -301,7 +305,9 @@ def save(args: argparse.Namespace, model, opt, step: int, history, rank: int, st
         writer = _KilledWhileSaving
     elif how == ["termsave"]:
         writer = _terminated_while_saving(stop)
-    fsdp_graph.save_checkpoint(path, model, opt, writer=writer, extra_files={HISTORY: history_bytes(history)})
+    fsdp_graph.save_checkpoint(
+        path, model, opt, writer=writer, extra_files={HISTORY: history_bytes(history)}, compiled=compiled
+    )
     if rank == 0:
         try:
             save_history(os.path.join(args.checkpoint_dir, HISTORY), history)

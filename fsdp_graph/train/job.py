@@ -209,9 +209,9 @@ def _backend(args: argparse.Namespace):
     )
 
 
-def _build(args: argparse.Namespace, world: int, device: torch.device):
-    """The sharded model (built on meta, materialised one unit at a time), its optimizer, the model to call, and
-    this rank's (data-parallel size, data-parallel rank).
+def _build(args: argparse.Namespace, world: int, device: torch.device, backend: fsdp_graph.FSDPBackend | None):
+    """The sharded model (built on meta, materialised one unit at a time), its optimizer, the model to call
+    (compiled with `backend`, None: eager), and this rank's (data-parallel size, data-parallel rank).
 
     With --tp: a (world / tp, tp) mesh ("dp", "tp"); the meta-device model is split by `tp_plan` over tp, then
     fully_shard over dp materialises it a unit at a time, each tp parameter initialised whole and cut to this
@@ -241,7 +241,6 @@ def _build(args: argparse.Namespace, world: int, device: torch.device):
         )
         dp, dp_rank = world, dist.get_rank()
     opt = _optimizer(args, model)
-    backend = _backend(args)
     step_model = torch.compile(model, backend=backend, fullgraph=True) if backend else model
     return cfg, model, opt, step_model, (dp, dp_rank)
 
@@ -263,19 +262,22 @@ def _train(rank: int, world: int, args: argparse.Namespace, stop: fsdp_graph.Sto
 
     device = collective_device()  # the accelerator of an NCCL (or mixed) group, else the CPU
     pipeline = None
+    backend = _backend(args)
+    # Inductor's compiled code travels with the checkpoints: a resume on an empty cache loads it (issue 36)
+    compiled = backend if backend is not None and backend.keeps_compiled else None
     if args.pp > 1:
         if why := check_pipeline_args(args, world):
             raise ValueError(why)
         cfg, pipeline, opt = build_pipeline(
-            args, world, device, _shard_kwargs(args), lambda m: _optimizer(args, m), _backend(args)
+            args, world, device, _shard_kwargs(args), lambda m: _optimizer(args, m), backend
         )
         model = pipeline.model
         dp, dp_rank = pipeline.dp, pipeline.dp_rank  # data-parallel pipelines
     else:
-        cfg, model, opt, step_model, (dp, dp_rank) = _build(args, world, device)
+        cfg, model, opt, step_model, (dp, dp_rank) = _build(args, world, device, backend)
     tokens = load_tokens()
     start, history = 0, []
-    if found := checkpoints.resume(args, model, opt, rank):
+    if found := checkpoints.resume(args, model, opt, rank, compiled):
         _, start, history = found
         history = [(s, v) for s, v in history if s <= start]
     if rank == 0:
@@ -344,7 +346,7 @@ def _train(rank: int, world: int, args: argparse.Namespace, stop: fsdp_graph.Sto
             bar.set_postfix(loss=f"{check.loss:.3f}", tok_s=f"{tokens_per_step / stats.step_s[-1]:,.0f}", refresh=False)
             bar.update()
             if args.checkpoint_dir and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-                checkpoint = checkpoints.save(args, model, opt, step + 1, stats.history, rank, stop)
+                checkpoint = checkpoints.save(args, model, opt, step + 1, stats.history, rank, stop, compiled)
             if check.stop:
                 name = stop.signal_name or f"a signal that reached {check.stop_ranks} of the {world} ranks"
                 stopped = {"signal": name, "step": step + 1, "checkpoint": None}
@@ -357,7 +359,7 @@ def _train(rank: int, world: int, args: argparse.Namespace, stop: fsdp_graph.Sto
         bar.close()
     last = stopped["step"] if stopped else args.steps
     if args.checkpoint_dir and last > start and checkpoint != checkpoints.checkpoint_path(args, last):
-        checkpoint = checkpoints.save(args, model, opt, last, stats.history, rank, stop)
+        checkpoint = checkpoints.save(args, model, opt, last, stats.history, rank, stop, compiled)
     if stopped:
         stopped["checkpoint"] = checkpoint
     mine, memory_what = peak or local_peak_memory(device)

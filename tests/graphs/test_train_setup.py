@@ -55,7 +55,7 @@ def test_train_rank_computes_on_the_mixed_groups_gpu(monkeypatch, fake_pg):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
     monkeypatch.setattr(devices, "_current_index", lambda device_type: 3)
 
-    def build(args, world, device):
+    def build(args, world, device, backend):
         raise _StopError(device)
 
     monkeypatch.setattr(train, "_build", build)

@@ -237,5 +237,5 @@ def test_train_cpu_offload_flag(fake_pg):
 
     for flag, expected in (([], None), (["--cpu-offload"], torch.device("cpu"))):
         args = train.parse_args(["--preset", "tiny", "--no-compile", *flag])
-        _, model, _, _, _ = train._build(args, 4, torch.device("cpu"))
+        _, model, _, _, _ = train._build(args, 4, torch.device("cpu"), train._backend(args))
         assert {s.compute_device for s in model._fsdp_root.flat_params} == {expected}, flag

@@ -1,14 +1,16 @@
 """One compile per job (issue 36): the first rank to reach a graph compiles it, the ranks with the same graph load
-its cache entries and kernel libraries (Inductor, gloo ranks)."""
+its cache entries and kernel libraries (Inductor, gloo ranks); and restarts skip compiling: a checkpoint carries
+them to a job resumed on an empty cache."""
 
 import os
 import tempfile
 from unittest import mock
 
 import pytest
+import torch
 
 from fsdp_graph.train.launch import spawn
-from tests.workers.shared_compile import copy_vec_isa_verdict, one_compile_per_graph
+from tests.workers.shared_compile import one_compile_per_graph, resume_from_compiled
 
 
 def _check_one_compiler(phase: list[dict]) -> None:
@@ -26,15 +28,17 @@ def _check_one_compiler(phase: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_one_rank_compiles_each_distinct_graph(world):
+def test_one_rank_compiles_each_distinct_graph(world, tmp_path):
     """2 ranks sharing one Inductor cache directory (one machine), 4 ranks with one each (a machine each). Uneven
     shards (rows 13 and 11 over 2 or 4 ranks), the same code on every rank, and parity with one process. With 4
-    ranks, then, each pair of ranks shards a model over its own group: two graphs, one compiler per pair."""
+    ranks, then, each pair of ranks shards a model over its own group: two graphs, one compiler per pair.
+    With 2 ranks the run then saves a checkpoint with its compiled artifacts and trains a third step: resumed in
+    fresh processes on an empty cache (a new machine), that step runs no AOT autograd, no Inductor and no C++
+    compiler (not even torch's ISA probes), and gives the same loss and parameters bit for bit."""
     shared = world == 2
-    fresh = tempfile.mkdtemp(prefix="fsdp_graph_share_")
-    copy_vec_isa_verdict(os.environ["TORCHINDUCTOR_CACHE_DIR"], fresh)
-    with mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": fresh}):
-        results = spawn(one_compile_per_graph, world, (not shared,))
+    checkpoint = str(tmp_path / "ckpt") if shared else None
+    with mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="fsdp_graph_share_")}):
+        results = spawn(one_compile_per_graph, world, (not shared, checkpoint))
     phases = list(zip(*results))
     if shared:  # the kernel libraries are in the directory the ranks share: nothing to install
         for p in phases[0]:
@@ -44,3 +48,17 @@ def test_one_rank_compiles_each_distinct_graph(world):
         pairs = phases[1]
         for pair in (0, 1):
             _check_one_compiler([p for p in pairs if p["pair"] == pair])
+    if checkpoint is None:
+        return
+    empty = tmp_path / "empty_cache"
+    with mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": str(empty)}):
+        resumed = spawn(resume_from_compiled, world, (checkpoint,))
+    for before, after in zip(phases[0], resumed):
+        assert (after["inductor"], after["aot"], after["libraries"]) == (0, 0, 0), after
+        assert after["hits"][0] >= 1 and after["hits"][1] >= 2, after  # AOT autograd's entry, forward and backward
+        assert after["restored"]["graphs"] >= 1, after
+        assert after["loss"] == before["loss"]
+        for name, value in before["params"].items():
+            assert torch.equal(after["params"][name], value), name
+    assert sum(r["restored"].get("kernels", 0) for r in resumed) > 0  # by whichever rank got there first
+    assert any(empty.rglob("*.main.so"))

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 import tempfile
-from pathlib import Path
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
+from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_graph
@@ -47,58 +47,89 @@ class CompilerRuns:
         return out
 
 
+def _batches(seed: int, group_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randn(2 * group_size, 7, generator=gen), torch.randn(2 * group_size, 5, generator=gen)
+
+
+def _sharded_step(compiled, opt, batch, rank_in_group: int, group_size: int) -> float:
+    x, y = batch
+    loss = nn.functional.mse_loss(compiled(x.chunk(group_size)[rank_in_group]), y.chunk(group_size)[rank_in_group])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
 def _train(
-    model: nn.Module, mesh, rank_in_group: int, group_size: int, seed: int
-) -> tuple[fsdp_graph.FSDPBackend, float]:
+    model: nn.Module, mesh, rank_in_group: int, group_size: int, seed: int, checkpoint: str | None = None
+) -> tuple[fsdp_graph.FSDPBackend, float, dict]:
     """Two SGD-with-momentum steps of `model` sharded over `mesh` (Inductor), against one process on the group's
-    whole batch: (the backend, the largest parameter difference)."""
+    whole batch: (the backend, the largest parameter difference, {}). With `checkpoint`: then
+    `save_checkpoint(compiled=backend)` there and a third step, whose loss and parameters the dict holds."""
     ref = copy.deepcopy(model)
     fsdp_graph.fully_shard(model, mesh)
     backend = fsdp_graph.make_backend()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref))
-    gen = torch.Generator().manual_seed(seed)
+    batches = _batches(seed, group_size)
     for _ in range(2):
-        x, y = torch.randn(2 * group_size, 7, generator=gen), torch.randn(2 * group_size, 5, generator=gen)
-        nn.functional.mse_loss(
-            compiled(x.chunk(group_size)[rank_in_group]), y.chunk(group_size)[rank_in_group]
-        ).backward()
-        nn.functional.mse_loss(ref(x), y).backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+        batch = next(batches)
+        _sharded_step(compiled, opt, batch, rank_in_group, group_size)
+        nn.functional.mse_loss(ref(batch[0]), batch[1]).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
     full = fsdp_graph.full_state_dict(model)
-    return backend, max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
+    diff = max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
+    if checkpoint is None:
+        return backend, diff, {}
+    fsdp_graph.save_checkpoint(checkpoint, model, opt, compiled=backend)
+    loss = _sharded_step(compiled, opt, next(batches), rank_in_group, group_size)
+    return backend, diff, {"loss": loss, "params": fsdp_graph.full_state_dict(model)}
 
 
-def copy_vec_isa_verdict(source: str, target: str) -> None:
-    """The vector-ISA verdict `fsdp_graph.compiler.vec_isa` recorded in the Inductor cache `source`, if any, copied
-    into `target`: a fresh cache directory then skips torch's per-machine probe (seconds of child processes per
-    rank), which these tests are not about."""
-    records = Path(source) / "fsdp_graph"
-    for record in records.glob("vec_isa_*.json") if records.is_dir() else ():
-        (Path(target) / "fsdp_graph").mkdir(parents=True, exist_ok=True)
-        shutil.copy(record, Path(target) / "fsdp_graph" / record.name)
+def resume_from_compiled(rank: int, world: int, checkpoint: str) -> dict:
+    """The third step of `one_compile_per_graph`'s first phase, in fresh processes: `load_checkpoint(compiled=
+    backend)` then the step; its loss and parameters, and what this process compiled and installed."""
+    runs = CompilerRuns()
+    torch.manual_seed(0)
+    model = fsdp_graph.fully_shard(OddMLP())
+    backend = fsdp_graph.make_backend()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    fsdp_graph.load_checkpoint(checkpoint, model, opt, compiled=backend)
+    batches = _batches(10, world)
+    next(batches), next(batches)
+    loss = _sharded_step(compiled, opt, next(batches), rank, world)
+    hits = counters["aot_autograd"]["autograd_cache_hit"], counters["inductor"]["fxgraph_cache_hit"]
+    return {
+        "loss": loss,
+        "params": fsdp_graph.full_state_dict(model),
+        "hits": hits,
+        "restored": dict(backend.restored),
+        **runs.take(),
+    }
 
 
-def one_compile_per_graph(rank: int, world: int, own_cache: bool) -> list[dict]:
+def one_compile_per_graph(rank: int, world: int, own_cache: bool, checkpoint: str | None = None) -> list[dict]:
     """Each phase trains a model with uneven shards (OddMLP's 13 and 11 rows) and reports what this rank compiled:
     the world sharding one model (one graph for every rank), then, with 4 ranks, each pair of consecutive ranks
     sharding its own model over its own group (one graph per pair: the groups' names are in the graph).
-    `own_cache`: this rank gets an Inductor cache directory of its own, as on a machine of its own."""
+    `own_cache`: this rank gets an Inductor cache directory of its own, as on a machine of its own. `checkpoint`:
+    the first phase then saves a checkpoint with its compiled artifacts there and trains one more step
+    (`resume_from_compiled` repeats that step)."""
     if own_cache:
-        fresh = tempfile.mkdtemp(prefix=f"fsdp_graph_rank{rank}_")
-        copy_vec_isa_verdict(os.environ["TORCHINDUCTOR_CACHE_DIR"], fresh)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"fsdp_graph_rank{rank}_")
     runs = CompilerRuns()
     phases = []
     torch.manual_seed(0)
-    backend, diff = _train(OddMLP(), None, rank, world, 10)
-    phases.append({"max_diff": diff, **runs.take(), **backend.sharing.stats})
+    backend, diff, after = _train(OddMLP(), None, rank, world, 10, checkpoint)
+    phases.append({"max_diff": diff, **runs.take(), **backend.sharing.stats, **after})
     if world == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pair", "dp"))
         pair = mesh["pair"].get_local_rank()
         torch.manual_seed(1)
-        backend, diff = _train(OddMLP(), mesh["dp"], mesh["dp"].get_local_rank(), 2, 20 + pair)
+        backend, diff, _ = _train(OddMLP(), mesh["dp"], mesh["dp"].get_local_rank(), 2, 20 + pair)
         phases.append({"max_diff": diff, "pair": pair, **runs.take(), **backend.sharing.stats})
     return phases
