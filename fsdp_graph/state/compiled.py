@@ -49,8 +49,8 @@ _FORMAT = 1
 
 
 def model_fingerprint(model: nn.Module) -> str:
-    """This rank's model as compiled code depends on it: module classes, parameter and buffer names, global shapes,
-    dtypes and whether they train."""
+    """This rank's model as compiled code depends on it: module classes, parameter and buffer names, shapes (as this
+    rank holds them: every rank's fingerprint goes into the header, in rank order), dtypes and whether they train."""
     h = hashlib.sha256()
     for name, module in model.named_modules():
         h.update(f"m {name} {type(module).__module__}.{type(module).__qualname__}\n".encode())

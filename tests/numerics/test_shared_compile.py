@@ -53,10 +53,11 @@ def test_one_rank_compiles_each_distinct_graph(world, tmp_path):
     empty = tmp_path / "empty_cache"
     with mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": str(empty)}):
         resumed = spawn(resume_from_compiled, world, (checkpoint,))
+    compiled = [(r["inductor"], r["aot"], r["libraries"]) for r in resumed]  # Inductor, AOT autograd, g++ runs
+    assert compiled == [(0, 0, 0)] * world, compiled
     for before, after in zip(phases[0], resumed):
-        assert (after["inductor"], after["aot"], after["libraries"]) == (0, 0, 0), after
         assert after["hits"][0] >= 1 and after["hits"][1] >= 2, after  # AOT autograd's entry, forward and backward
-        assert after["restored"]["graphs"] >= 1, after
+        assert after["restored"].get("graphs", 0) >= 1, after
         assert after["loss"] == before["loss"]
         for name, value in before["params"].items():
             assert torch.equal(after["params"][name], value), name
