@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import hashlib
 import importlib
@@ -14,15 +13,11 @@ import os
 import pkgutil
 import time
 from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 import torch._functorch.config as functorch_config
 import torch.distributed as dist
 import torch.fx as fx
-import torch.nn as nn
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import passes
 from fsdp_graph import ir
@@ -32,32 +27,14 @@ from fsdp_graph.compiler.compiled_files import CompiledFiles
 from fsdp_graph.compiler.deferred_header import deferred_header
 from fsdp_graph.compiler.dump import DUMP_ENV, GraphDumper, no_caches_when_dumping
 from fsdp_graph.compiler.grad_outputs import watch_gradients
+from fsdp_graph.compiler.graph_facts import check_compressible, check_sharded, gloo_groups, piece_rows, user_gloo_groups
 from fsdp_graph.compiler.options import OWNED_VALUES, inductor_config_patches, patches_key
 from fsdp_graph.compiler.rank_check import STORE, GraphCollectives, RankAgreement, check_first_call
 from fsdp_graph.compiler.region_schema import cached_region_schemas
 from fsdp_graph.compiler.shared_compile import CompileSharing
+from fsdp_graph.compiler.stage_passes import DEFAULT_SCHEDULE, GraphReport, LowerPass, ReshardPass, ScheduleOptions
 from fsdp_graph.compiler.vec_isa import vec_isa_patches
 from fsdp_graph.ir import ops
-from passes.collective_counts import CollectiveSummary
-from passes.fx_nodes import bind_args
-
-
-@dataclass
-class GraphReport:
-    """What one lowered graph communicates. `stage` is "fw", "bw" or "inference"; `code` is the graph's
-    Python code after lowering (before Inductor); `graph` a copy of it when the backend keeps graphs;
-    `fingerprint` its collective sequence (`passes.collective_fingerprint`) on the process `groups` it uses."""
-
-    graph_index: int
-    stage: str
-    collectives: CollectiveSummary
-    code: str
-    graph: fx.GraphModule | None = None
-    fingerprint: tuple[str, ...] = ()
-    groups: tuple[str, ...] = ()
-
-    def collectives_to_compare(self) -> GraphCollectives:
-        return GraphCollectives(f"{self.stage} {self.graph_index}", self.fingerprint, self.groups)
 
 
 @functools.cache
@@ -71,91 +48,6 @@ def _code_hash() -> str:
     for module in modules:
         h.update(inspect.getsource(module).encode())
     return h.hexdigest()
-
-
-class _ReshardPass(CustomGraphPass):
-    def __init__(self, uuid: str, dumper: GraphDumper, pass_seconds: Counter):
-        self._uuid, self.dumper, self.pass_seconds = uuid, dumper, pass_seconds
-
-    def __call__(self, graph: fx.Graph) -> None:
-        start = time.perf_counter()
-        passes.tag_reshard(graph)
-        self.pass_seconds["reshard"] += time.perf_counter() - start
-        self.dumper.graph("02_joint_tagged", graph)
-
-    def uuid(self) -> str:
-        return self._uuid
-
-
-@dataclass(frozen=True)
-class ScheduleOptions:
-    """What the forward/backward-graph passes after lowering do (see `make_backend`)."""
-
-    prefetch: bool = True
-    max_inflight_bytes: int | None = None
-    bucket_bytes: int = 0
-    reduce_scatter: str = "auto"  # "auto": all-to-all over gloo groups; "native": always reduce_scatter_tensor
-    activation_memory_budget: float | None = None  # the partitioner's budget (None: torch's default, 1.0)
-    compress: Compression | None = None  # quantized gathers / gradient all-to-alls (`passes.compress`; None: off)
-
-
-class _LowerPass(CustomGraphPass):
-    def __init__(
-        self,
-        uuid: str,
-        dumper: GraphDumper,
-        reports: list[GraphReport],
-        options: ScheduleOptions,
-        keep_graphs: bool = False,
-        all_to_all_groups: frozenset[str] = frozenset(),
-        pass_seconds: Counter | None = None,
-        serial_groups: frozenset[str] = frozenset(),
-        piece_rows: Mapping[str, int] | None = None,
-    ):
-        self.pass_seconds = pass_seconds if pass_seconds is not None else Counter()
-        self._uuid, self.dumper, self.reports, self.keep_graphs = uuid, dumper, reports, keep_graphs
-        self.options, self.all_to_all_groups, self.serial_groups = options, all_to_all_groups, serial_groups
-        self.stage = "fw"
-        self.piece_rows = piece_rows or {}  # `reshard_after_forward=k`: node group -> shards in its input piece
-
-    def __call__(self, graph: fx.Graph) -> None:
-        gm = graph.owning_module
-        timed = self.pass_seconds
-        start = time.perf_counter()
-        passes.cat_flat_grads(gm)
-        compress = self.options.compress
-        # read before lowering: the lowered all-reduce names its group only
-        replica_sizes = _replica_sizes(gm) if compress is not None else {}
-        passes.lower_fsdp_ops(gm)
-        lowered = time.perf_counter()
-        passes.bucket_collectives(gm, self.options.bucket_bytes)
-        if compress is not None:
-            units = None if compress.units is None else frozenset(compress.units)
-            passes.compress_collectives(
-                gm, compress.weights, compress.grads, compress.block_size, units, replica_sizes, self.piece_rows
-            )
-        passes.reduce_scatter_as_all_to_all(gm, self.all_to_all_groups)
-        bucketed = time.perf_counter()
-        passes.schedule_collectives(gm, self.options.prefetch, self.options.max_inflight_bytes, self.serial_groups)
-        passes.check_collectives(gm, self.serial_groups)
-        timed["lower"] += lowered - start
-        timed["bucket+all_to_all"] += bucketed - lowered
-        timed["schedule"] += time.perf_counter() - bucketed
-        summary = passes.collective_summary(gm)
-        # A copy of the graph, sharing the module's tensors: deep-copying a graph's constant tensors (Hugging Face
-        # Llama has some) fails under the fake mode compiling it, and `explain` only reads the nodes' metadata.
-        kept = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if self.keep_graphs else None
-        fingerprint = tuple(passes.collective_fingerprint(gm))
-        groups = tuple(sorted({g for n in gm.graph.nodes if (g := passes.fx_nodes.collective_group(n)) is not None}))
-        index = self.dumper.graph_index
-        self.reports.append(GraphReport(index, self.stage, summary, gm.code.strip(), kept, fingerprint, groups))
-        number = {"fw": "03", "inference": "03", "bw": "04"}[self.stage]
-        self.dumper.graph(f"{number}_{self.stage}_lowered", gm, header=summary.to_text())
-        stage = self.stage
-        self.dumper.text("summary.txt", lambda: f"{stage}: {summary.to_text()}\n")
-
-    def uuid(self) -> str:
-        return self._uuid
 
 
 class FSDPBackend:
@@ -175,7 +67,7 @@ class FSDPBackend:
         inductor: bool = True,
         dump_dir: str | None = None,
         keep_graphs: bool = False,
-        schedule: ScheduleOptions = ScheduleOptions(),
+        schedule: ScheduleOptions = DEFAULT_SCHEDULE,
         verify_collectives: bool = True,
         verify_timeout_s: float = 600.0,
         share_compiles: bool = True,
@@ -203,27 +95,27 @@ class FSDPBackend:
         dumper = GraphDumper(self.dump_dir, next(self._counter))
         self.dynamo_graphs += 1
         dumper.graph("00_dynamo", gm)
-        _check_sharded(gm, example_inputs)
+        check_sharded(gm, example_inputs)
         start = time.perf_counter()
         passes.lift_region_mutations(gm)  # before AOT autograd, which refuses to train a body writing its input
         passes.dedup_unshard(gm)
         self.pass_seconds["dedup"] += time.perf_counter() - start
         dumper.graph("01_dedup", gm)
         if self.schedule.compress is not None:
-            _check_compressible(gm, self.schedule.compress)
-        fsdp_gloo = _gloo_groups(gm)
+            check_compressible(gm, self.schedule.compress)
+        fsdp_gloo = gloo_groups(gm)
         all_to_all = frozenset() if self.schedule.reduce_scatter == "native" else fsdp_gloo
-        gloo = fsdp_gloo | _user_gloo_groups(gm)  # serial too: expert parallelism's all-to-alls, a user's all-reduce
+        gloo = fsdp_gloo | user_gloo_groups(gm)  # serial too: expert parallelism's all-to-alls, a user's all-reduce
         # The process groups' backends decide the lowering, and torch.compile's options what Inductor makes of it:
         # both are part of the compiled code's cache key; so are, under compression (which packs by them), the node
         # groups' piece sizes, which the backward graph does not show.
-        piece_rows = _piece_rows(gm) if self.schedule.compress is not None else {}
+        pieces = piece_rows(gm) if self.schedule.compress is not None else {}
         key = f"{self._cache_key()}{sorted(all_to_all)}{sorted(gloo)}{patches_key(inductor_patches)}"
-        if piece_rows:
-            key += f"{sorted(piece_rows.items())}"
+        if pieces:
+            key += f"{sorted(pieces.items())}"
         uuid = hashlib.sha256(key.encode()).hexdigest()
-        reshard = _ReshardPass(uuid, dumper, self.pass_seconds)
-        lower = _LowerPass(
+        reshard = ReshardPass(uuid, dumper, self.pass_seconds)
+        lower = LowerPass(
             uuid,
             dumper,
             self.reports,
@@ -232,7 +124,7 @@ class FSDPBackend:
             all_to_all,
             self.pass_seconds,
             gloo,
-            piece_rows,
+            pieces,
         )
         budget = self.schedule.activation_memory_budget
         functorch_patches = {} if budget is None else {"activation_memory_budget": budget}
@@ -264,13 +156,16 @@ class FSDPBackend:
             return self._compile_verified(compile_graph, index, store_key) if verify else compile_graph()
 
         if share:  # the sharing records what this rank's compile left in the caches
+            first = len(self.reports)
             compiled = self.sharing.compile(
                 store_key,
                 f"Dynamo graph {index}",
                 compile_checked,
                 lambda: STORE.load_json(store_key),
                 lambda lists: STORE.save_json(store_key, lists),
+                lambda: [r.to_json() for r in self.reports[first:] if r.graph_index == index],
             )
+            self._adopt_reports(store_key, index, first)
         elif record:
             with compiled_files.recording() as files:
                 compiled = compile_checked()
@@ -278,6 +173,14 @@ class FSDPBackend:
         else:
             compiled = compile_checked()
         return watch_gradients(compiled, reads)
+
+    def _adopt_reports(self, store_key: str, index: int, first: int) -> None:
+        """A rank that loaded graph `index` from another rank's compile (and did not compile it itself after all:
+        a cache miss) reports what that rank's passes reported, marked `loaded_from`."""
+        if store_key not in self.sharing.loaded or any(r.graph_index == index for r in self.reports[first:]):
+            return
+        owner, published = self.sharing.loaded[store_key]
+        self.reports.extend(GraphReport.from_json(data, index, owner) for data in published)
 
     def _compile_verified(self, compile_graph, index: int, store_key: str):
         """Compiles, and wraps the result to check the ranks' collectives on its first call. The lists come from
@@ -321,7 +224,7 @@ class FSDPBackend:
 
 
 def _compile_inductor(
-    gm, example_inputs, reshard: _ReshardPass, lower: _LowerPass, dumping: bool, user_patches: dict | None = None
+    gm, example_inputs, reshard: ReshardPass, lower: LowerPass, dumping: bool, user_patches: dict | None = None
 ):
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -350,7 +253,7 @@ def _on_cpu(example_inputs) -> bool:
     return any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in example_inputs)
 
 
-def _compile_eager(gm, example_inputs, reshard: _ReshardPass, lower: _LowerPass):
+def _compile_eager(gm, example_inputs, reshard: ReshardPass, lower: LowerPass):
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -373,95 +276,6 @@ def _compile_eager(gm, example_inputs, reshard: _ReshardPass, lower: _LowerPass)
         inference_compiler=compiler("inference"),
         partition_fn=partition,
     )(gm, example_inputs)
-
-
-def _gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
-    """The process groups of this graph that run on gloo. They reduce by all-to-all (no native reduce-scatter), and
-    they are serial: the schedule never has two collectives in flight on one of them (ProcessGroupGloo's worker
-    threads corrupt the heap when two collectives finish together; docs/design-notes.md)."""
-    names = set()
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in ir.UNSHARD_TARGETS:
-            args = bind_args(node)
-            device = args["compute_device"]
-            if device is None:  # gathers and reductions run where the shard is
-                shard = args["shard"].meta.get("example_value") if isinstance(args["shard"], fx.Node) else None
-                device = shard.device if isinstance(shard, torch.Tensor) else torch.device("cpu")
-            for arg in ("group", "reduce_group", "replicate_group", "piece_group", "post_forward_group"):
-                names.add((args[arg] or "", device))
-    return frozenset(name for name, device in names if name and ops.is_gloo_group(name, device))
-
-
-def _user_gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
-    """The gloo process groups of the model's own functional collectives in this graph (torchtitan's token
-    dispatch and combine all-to-alls on its "ep" mesh): serial like fully_shard's, so the schedule and
-    `check_collectives` keep one collective in flight on each (the backward's all-to-alls run on the same groups)."""
-    packets = {op.overloadpacket for op in ir.COLLECTIVES}
-    names = set()
-    for node in gm.graph.nodes:
-        target = node.target
-        # Dynamo records a traced functional collective as its overload packet; its group name is the last argument
-        packet = target if isinstance(target, torch._ops.OpOverloadPacket) else getattr(target, "overloadpacket", None)
-        if node.op != "call_function" or packet not in packets or not node.args:
-            continue
-        group = node.kwargs.get("group_name", node.args[-1])
-        if not isinstance(group, str):
-            continue
-        source = node.args[0].meta.get("example_value") if isinstance(node.args[0], fx.Node) else None
-        device = source.device if isinstance(source, torch.Tensor) else torch.device("cpu")
-        if ops.is_gloo_group(group, device):
-            names.add(group)
-    return frozenset(names)
-
-
-def _piece_rows(gm: fx.GraphModule) -> dict[str, int]:
-    """{node group: world / k} of the `reshard_after_forward=k` gathers in `gm` (before the reshard pass splits them):
-    the node group gathers pieces of world / k shards."""
-    rows = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in ir.UNSHARD_TARGETS:
-            a = bind_args(node)
-            if a["post_forward_world"] > 1:
-                rows[a["post_forward_group"]] = a["world"] // a["post_forward_world"]
-    return rows
-
-
-def _replica_sizes(gm: fx.GraphModule) -> dict[str, int]:
-    """{replicate group: its size} of the gradient reductions in `gm` (HYBRID_SHARD's replicas, NO_SHARD's world)."""
-    sizes = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in ir.REDUCE_GRAD_TARGETS:
-            a = bind_args(node)
-            if a["replicate_world"] > 1:
-                sizes[a["replicate_group"]] = a["replicate_world"]
-    return sizes
-
-
-def _check_compressible(gm: fx.GraphModule, compress: Compression) -> None:
-    """Refuses a `units` list naming no unit of this graph, before compiling."""
-    names = {bind_args(n)["unit"] for n in gm.graph.nodes if n.op == "call_function" and n.target in ir.UNSHARD_TARGETS}
-    if compress.units is not None and names and not names & set(compress.units):
-        raise ValueError(
-            f"make_backend(compress=Compression(units={compress.units!r})): no such unit in this model; its units "
-            f"are {sorted(names)} ('' is the root)"
-        )
-
-
-def _check_sharded(gm: fx.GraphModule, example_inputs) -> None:
-    if any(n.op == "call_function" and n.target in ir.UNSHARD_TARGETS for n in gm.graph.nodes):
-        return
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    unsharded = []
-    for node, value in zip(placeholders, example_inputs):
-        if isinstance(value, nn.Parameter):
-            grapharg = node.meta.get("grapharg")
-            unsharded.append(grapharg.source.name if grapharg is not None else node.target)
-    if unsharded:
-        names = ", ".join(str(n) for n in unsharded[:5]) + (" ..." if len(unsharded) > 5 else "")
-        raise RuntimeError(
-            f"fsdp_backend: the compiled model uses parameters that fully_shard never sharded ({names}). "
-            "Call fsdp_graph.fully_shard(model) before torch.compile(model, backend=fsdp_backend)."
-        )
 
 
 def make_backend(

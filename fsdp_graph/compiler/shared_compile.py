@@ -70,6 +70,7 @@ class CompileSharing:
         self.timeout_s, self.stale_s, self.heartbeat_s = timeout_s, stale_s, heartbeat_s
         self.stats: Counter = Counter()
         self.files: dict[str, CompiledFiles] = {}  # key -> what this rank's compile of it left in the caches
+        self.loaded: dict[str, tuple[int, list]] = {}  # key -> (the rank that compiled it, its published reports)
 
     @staticmethod
     def applies() -> bool:
@@ -85,27 +86,30 @@ class CompileSharing:
         compile_fn: Callable[[], Any],
         lists: Callable[[], list | None],
         install_lists: Callable[[list], None],
+        reports: Callable[[], list] = list,
     ) -> Any:
         """`compile_fn()`, on the first rank to reach `key`; other ranks wait for its files, install them (and the
         collective lists, through `install_lists`) and then run `compile_fn()`, which the caches serve.
-        `lists()` gives the compiled graph's collective lists in `rank_check`'s JSON form (None: not made)."""
+        `lists()` gives the compiled graph's collective lists in `rank_check`'s JSON form (None: not made);
+        `reports()` what the compiling rank's passes reported of it (JSON), kept in `loaded[key]` on the others."""
         store = _default_store()
         base = f"{_scope()}/{key}"
         rank = dist.get_rank()
         owner = int(store.compare_set(f"{base}/owner", "", str(rank)).decode())
         if owner == rank:
-            return self._compile_for_all(store, base, key, compile_fn, lists)
-        files, published_lists = self._wait_for(store, base, owner, name)
+            return self._compile_for_all(store, base, key, compile_fn, lists, reports)
+        files, published = self._wait_for(store, base, owner, name)
         self.stats["kernels"] += compiled_files.install(files)
-        if published_lists is not None:
-            install_lists(published_lists)
+        if published.get("lists") is not None:
+            install_lists(published["lists"])
+        self.loaded[key] = (owner, published.get("reports", []))
         self.stats["loaded"] += 1
         with compiled_files.recording() as mine:
             compiled = compile_fn()
         self.files[key] = mine
         return compiled
 
-    def _compile_for_all(self, store: dist.Store, base: str, key: str, compile_fn, lists) -> Any:
+    def _compile_for_all(self, store: dist.Store, base: str, key: str, compile_fn, lists, reports) -> Any:
         stop = threading.Event()
         beat = threading.Thread(target=_heartbeat, args=(store, f"{base}/alive", stop, self.heartbeat_s), daemon=True)
         beat.start()
@@ -130,12 +134,13 @@ class CompileSharing:
             "kernels": kernels,
             "artifacts": files.artifacts is not None,
             "lists": lists(),
+            "reports": reports(),
         }
         store.set(f"{base}/meta", json.dumps(meta))  # last: what the waiting ranks wait for
         self.stats["compiled"] += 1
         return compiled
 
-    def _wait_for(self, store: dist.Store, base: str, owner: int, name: str) -> tuple[CompiledFiles, list | None]:
+    def _wait_for(self, store: dist.Store, base: str, owner: int, name: str) -> tuple[CompiledFiles, dict]:
         timeout_s = self.timeout_s if self.timeout_s is not None else job_timeout_s()
         start = time.monotonic()
         last_beat, last_change, next_beat_check, pause = -1, start, start, _FIRST_POLL_S
@@ -173,7 +178,7 @@ class CompileSharing:
         if "error" in meta:
             raise SharedCompileError(f"fsdp_graph: {who} failed: {meta['error']}")
         if meta["torch"] != torch.__version__:
-            return CompiledFiles(), None  # another torch: nothing it compiled applies here
+            return CompiledFiles(), {}  # another torch: nothing it compiled applies here
         mine = compiled_files.machine_id()
         kernels = {}
         if meta["machine"] == mine:  # libraries this rank has are not fetched
@@ -182,7 +187,7 @@ class CompileSharing:
                 if not (root / relative).exists():
                     kernels[relative] = store.get(f"{base}/kernel/{index}")
         artifacts = store.get(f"{base}/artifacts") if meta["artifacts"] else None
-        return CompiledFiles(artifacts, kernels, meta["machine"]), meta["lists"]
+        return CompiledFiles(artifacts, kernels, meta["machine"]), meta
 
 
 def _heartbeat(store: dist.Store, key: str, stop: threading.Event, every_s: float) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 
-from fsdp_graph.compiler.backend import GraphReport
+from fsdp_graph.compiler.stage_passes import GraphReport
 from fsdp_graph.runtime.unit import FlatParamState
 from passes.cost import iter_collectives
 from passes.fx_nodes import bind_args

@@ -17,7 +17,7 @@ The rest of the code only uses the interface both share: `slots`, `numel`, `shar
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -36,10 +36,17 @@ class ParamSlot:
     shape: torch.Size
     offset: int
     dim: int = 0
+    # Derived once here, not per read: Dynamo traces every read of them in each compiled forward (one per parameter
+    # per compile), where an attribute costs one instruction and the arithmetic dozens.
+    numel: int = field(init=False, repr=False, compare=False)
+    slice_numel: int = field(init=False, repr=False, compare=False)  # one slice along `dim`
 
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", self.shape.numel())
+        rest = list(self.shape)
+        if rest:
+            del rest[self.dim]
+        object.__setattr__(self, "slice_numel", torch.Size(rest).numel())
 
 
 NamedShape = tuple[tuple[str, ...], torch.Size] | tuple[tuple[str, ...], torch.Size, int]
@@ -69,6 +76,9 @@ class FlatParamLayout:
     world: int
     rank: int
     kind: ClassVar[str] = "flat"
+    numel: int = field(init=False, repr=False, compare=False)
+    padded_numel: int = field(init=False, repr=False, compare=False)
+    shard_numel: int = field(init=False, repr=False, compare=False)
 
     @staticmethod
     def build(named_shapes: list[NamedShape], world: int, rank: int) -> FlatParamLayout:
@@ -81,17 +91,10 @@ class FlatParamLayout:
                 )
         return FlatParamLayout(_slots(named_shapes, lambda slot: slot.numel), world, rank)
 
-    @property
-    def numel(self) -> int:
-        return sum(s.numel for s in self.slots)
-
-    @property
-    def padded_numel(self) -> int:
-        return self.numel + (-self.numel) % self.world
-
-    @property
-    def shard_numel(self) -> int:
-        return self.padded_numel // self.world
+    def __post_init__(self) -> None:
+        numel = sum(s.numel for s in self.slots)
+        padded = numel + (-numel) % self.world
+        _derive(self, numel=numel, padded_numel=padded, shard_numel=padded // self.world)
 
     @property
     def shard_start(self) -> int:
@@ -168,6 +171,9 @@ class RowShardLayout:
     world: int
     rank: int
     kind: ClassVar[str] = "rows"
+    numel: int = field(init=False, repr=False, compare=False)
+    padded_numel: int = field(init=False, repr=False, compare=False)
+    shard_numel: int = field(init=False, repr=False, compare=False)
 
     @staticmethod
     def build(named_shapes: list[NamedShape], world: int, rank: int) -> RowShardLayout:
@@ -184,26 +190,18 @@ class RowShardLayout:
                     f"a placement must name one of its dims (Shard(0) to Shard({len(shape) - 1}), or negative)."
                 )
         return RowShardLayout(
-            _slots(named_shapes, lambda slot: -(-slot.shape[slot.dim] // world) * _others(slot)), world, rank
+            _slots(named_shapes, lambda slot: -(-slot.shape[slot.dim] // world) * slot.slice_numel), world, rank
         )
 
-    @property
-    def numel(self) -> int:
-        return sum(s.numel for s in self.slots)
-
-    @property
-    def shard_numel(self) -> int:
-        return sum(self.block_numel(s) for s in self.slots)
-
-    @property
-    def padded_numel(self) -> int:
-        return self.world * self.shard_numel
+    def __post_init__(self) -> None:
+        shard = sum(self.block_numel(s) for s in self.slots)
+        _derive(self, numel=sum(s.numel for s in self.slots), padded_numel=self.world * shard, shard_numel=shard)
 
     def block_rows(self, slot: ParamSlot) -> int:
         return -(-slot.shape[slot.dim] // self.world)
 
     def block_numel(self, slot: ParamSlot) -> int:
-        return self.block_rows(slot) * _others(slot)
+        return self.block_rows(slot) * slot.slice_numel
 
     def local_rows(self, slot: ParamSlot, rank: int | None = None) -> int:
         rows = self.block_rows(slot)
@@ -211,7 +209,7 @@ class RowShardLayout:
 
     def local_range(self, slot: ParamSlot) -> tuple[int, int]:
         """`[start, end)` of this rank's rows of `slot` inside its shard (the block's padding excluded)."""
-        return slot.offset, slot.offset + self.local_rows(slot) * _others(slot)
+        return slot.offset, slot.offset + self.local_rows(slot) * slot.slice_numel
 
     def local_shape(self, slot: ParamSlot, rank: int | None = None) -> torch.Size:
         return _with_dim(slot, self.local_rows(slot, rank))
@@ -260,11 +258,10 @@ class RowShardLayout:
         return _slot_at(self.slots, position % max(self.shard_numel, 1), self.block_numel)
 
 
-def _others(slot: ParamSlot) -> int:
-    """The number of elements in one slice of `slot` along its shard dim."""
-    shape = list(slot.shape)
-    del shape[slot.dim]
-    return torch.Size(shape).numel()
+def _derive(layout: object, **values: int) -> None:
+    """Set a frozen layout's derived sizes, computed once (see `ParamSlot.numel`)."""
+    for name, value in values.items():
+        object.__setattr__(layout, name, value)
 
 
 def _with_dim(slot: ParamSlot, size: int) -> torch.Size:

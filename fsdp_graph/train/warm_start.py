@@ -8,6 +8,8 @@ after this warm-up (the next ones 0.75 s: the rest is the first backward's set-u
 The suite forks several hundred ranks. Only CPU builds of torch warm up: a CUDA or ROCm build could initialise its
 driver while compiling, and a process forked after that cannot use the GPU.
 
+It also indexes the sources Dynamo names functions from (`_index_traced_sources`).
+
 The server must stay safe to fork: the warm-up compiles an inference graph with eager kernels only (no autograd,
 whose engine marks a forked child unable to run a backward once it has started, torch 2.11; no Inductor, whose
 compile workers are processes and threads), no process group, and afterwards resets Dynamo (no compiled code or
@@ -30,6 +32,28 @@ def warm_up() -> None:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     _stop_tqdm_monitor()
+    _index_traced_sources()
+
+
+def _index_traced_sources() -> None:
+    """Dynamo names the function behind each graph node it records by tokenizing that function's whole source file,
+    once per file and process (`torch._dynamo.funcname_cache`; 0.1-0.3 s a rank for torch.nn's and fsdp_graph's
+    files). Here once, for the files every compile traces through."""
+    import glob
+    import os
+
+    import torch.nn
+
+    try:
+        from torch._dynamo.funcname_cache import get_funcname
+    except ImportError:  # another torch: each rank indexes what it traces, as before
+        return
+    nn_dir = os.path.dirname(torch.nn.__file__)
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sources = [os.path.join(nn_dir, "functional.py"), *glob.glob(os.path.join(nn_dir, "modules", "*.py"))]
+    sources += glob.glob(os.path.join(package_dir, "runtime", "*.py"))
+    for source in sources:
+        get_funcname(source, 1)
 
 
 def _stop_tqdm_monitor() -> None:

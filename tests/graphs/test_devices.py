@@ -95,7 +95,7 @@ def _mixed_nccl(monkeypatch) -> None:
 
 def test_mixed_group_runs_cpu_tensors_on_gloo(monkeypatch, fake_pg):
     """gloo's rules (all-to-all reductions, one collective in flight) hold for a mixed group's CPU collectives."""
-    from fsdp_graph.compiler.backend import _gloo_groups
+    from fsdp_graph.compiler.graph_facts import gloo_groups as _gloo_groups
     from fsdp_graph.ir import ops
     from tests.graphs.capture import dynamo_graph
 
@@ -163,7 +163,7 @@ def test_the_models_own_gloo_collectives_are_serial():
     sizes) on a gloo group: that group is serial in the schedule and `check_collectives` too (issue 35)."""
     from torch.distributed._functional_collectives import all_to_all_single
 
-    from fsdp_graph.compiler.backend import _user_gloo_groups
+    from fsdp_graph.compiler.graph_facts import user_gloo_groups as _user_gloo_groups
     from tests.graphs.capture import dynamo_graph
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

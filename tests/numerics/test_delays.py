@@ -13,15 +13,10 @@ BUCKET_BYTES = 70_000  # merges the root unit with the first block (2 forward ga
 
 def test_parity_under_delays_on_each_rank_eager_kernels_and_inductor():
     cases = [("aot", BUCKET_BYTES), ("inductor", BUCKET_BYTES)]
-    results = spawn(delayed_parity_cases, 2, (cases,))
-    for index, (mode, _) in enumerate(cases):
-        # bucketed: 3 units, 2 gathers. Under Inductor one rank compiles the graph for both (one compile per job); the
-        # other loads it, runs none of the passes and so has no report of its own.
-        reported = [rank_results[index]["forward_collectives"] for rank_results in results]
-        assert {"all_gather": 2} in reported and all(r in ({"all_gather": 2}, {}) for r in reported), (mode, reported)
-        assert mode == "inductor" or reported.count({}) == 0, (mode, reported)
-    for rank_results in results:
+    for rank_results in spawn(delayed_parity_cases, 2, (cases,)):
         for (mode, _), r in zip(cases, rank_results):
+            # bucketed: 3 units, 2 gathers (under Inductor, the rank that loaded the other's compile reports its report)
+            assert r["forward_collectives"] == {"all_gather": 2}, (mode, r)
             assert set(r["fired"]) == set(POINTS) and min(r["fired"].values()) >= 1, (mode, r)  # every delay ran
             assert r["dynamo_graphs"] == 1, (mode, r)
             assert r["loss_diff"] < TOL and r["param_diff"] < TOL, (mode, r)

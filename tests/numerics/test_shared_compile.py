@@ -25,6 +25,10 @@ def _check_one_compiler(phase: list[dict]) -> None:
         if p is not owner:
             assert (p["inductor"], p["aot"], p["libraries"], p.get("loaded")) == (0, 0, 0, 1), p
             assert p.get("kernels", 0) > 0 or p.get("shared_dir"), p
+        # every rank reports the graph's collectives: a loading rank the compiling rank's report, marked so
+        assert [r[:3] for r in p["reports"]] == [r[:3] for r in owner["reports"]], (p, owner)
+        assert [r[3] for r in p["reports"]] == [p is not owner] * len(owner["reports"]), p
+    assert [r[0] for r in owner["reports"]] == ["fw", "bw"], owner
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -112,6 +112,10 @@ def resume_from_compiled(rank: int, world: int, checkpoint: str) -> dict:
     }
 
 
+def _reports(backend) -> list[tuple]:
+    return [(r.stage, dict(r.collectives.counts), r.fingerprint, r.loaded_from is not None) for r in backend.reports]
+
+
 def one_compile_per_graph(rank: int, world: int, own_cache: bool, checkpoint: str | None = None) -> list[dict]:
     """Each phase trains a model with uneven shards (OddMLP's 13 and 11 rows) and reports what this rank compiled:
     the world sharding one model (one graph for every rank), then, with 4 ranks, each pair of consecutive ranks
@@ -125,11 +129,13 @@ def one_compile_per_graph(rank: int, world: int, own_cache: bool, checkpoint: st
     phases = []
     torch.manual_seed(0)
     backend, diff, after = _train(OddMLP(), None, rank, world, 10, checkpoint)
-    phases.append({"max_diff": diff, **runs.take(), **backend.sharing.stats, **after})
+    phases.append({"max_diff": diff, **runs.take(), **backend.sharing.stats, **after, "reports": _reports(backend)})
     if world == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pair", "dp"))
         pair = mesh["pair"].get_local_rank()
         torch.manual_seed(1)
         backend, diff, _ = _train(OddMLP(), mesh["dp"], mesh["dp"].get_local_rank(), 2, 20 + pair)
-        phases.append({"max_diff": diff, "pair": pair, **runs.take(), **backend.sharing.stats})
+        phases.append(
+            {"max_diff": diff, "pair": pair, **runs.take(), **backend.sharing.stats, "reports": _reports(backend)}
+        )
     return phases
