@@ -53,17 +53,18 @@ def test_a_live_compiling_rank_is_waited_for_until_the_jobs_timeout():
 
 
 def test_published_files_are_fetched():
-    """The waiting rank takes the entries, the lists and the kernel libraries it lacks."""
+    """The waiting rank takes the entries, the lists, the reports and the kernel libraries it lacks."""
     from fsdp_graph.compiler.compiled_files import machine_id
 
     store = dist.HashStore()
     store.set(f"{BASE}/artifacts", b"entries")
     store.set(f"{BASE}/kernel/0", b"library")
     meta = {"torch": torch.__version__, "machine": machine_id(), "kernels": ["zz/cnotthere.main.so"]}
-    store.set(f"{BASE}/meta", json.dumps({**meta, "artifacts": True, "lists": [["fw 0", ["a"], ["0"]]]}))
-    files, lists = CompileSharing(timeout_s=5)._wait_for(store, BASE, 0, "graph 0")
-    assert (files.artifacts, files.kernels, lists) == (
+    published = {"lists": [["fw 0", ["a"], ["0"]]], "reports": [{"stage": "fw"}]}
+    store.set(f"{BASE}/meta", json.dumps({**meta, "artifacts": True, **published}))
+    files, meta = CompileSharing(timeout_s=5)._wait_for(store, BASE, 0, "graph 0")
+    assert (files.artifacts, files.kernels, meta["lists"], meta["reports"]) == (
         b"entries",
         {"zz/cnotthere.main.so": b"library"},
-        [["fw 0", ["a"], ["0"]]],
+        *published.values(),
     )
