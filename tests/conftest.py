@@ -13,6 +13,17 @@ import torch.distributed as dist  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 FAKE_WORLD = 4
+RANKS_GROUP = "ranks"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `-n 2 --dist loadgroup` (the README's command) the multi-rank tests (tests/numerics: two or more rank
+    processes each, both cores busy when they compute) run one after another on one xdist worker, while the other
+    worker runs the single-process tests (tests/graphs) beside them, on the core the ranks leave idle while they wait
+    for each other (a shared compile, a rank check, a collective). Without xdist the mark does nothing."""
+    for item in items:
+        if "numerics" in item.path.parts:
+            item.add_marker(pytest.mark.xdist_group(RANKS_GROUP))
 
 
 @pytest.fixture
