@@ -1,0 +1,73 @@
+"""Issue 36's goal for one compile per job: at 4 gloo ranks, a cold compile's wall time at most 1.15x that of 1 rank.
+
+    python benchmarks/compile_ranks.py [--layers 4] [--worlds 1 4] [--no-share]   # --no-share: every rank compiles
+
+Model and call: `benchmarks/hf_compile.py`'s Hugging Face Llama (hidden 64, built from a config), called as its
+users call it, `fully_shard(model)` and `fsdp_backend` with their defaults (`share_compiles` on). Per world: fresh
+rank processes (`spawn`), one new empty Inductor cache directory for all of them (one node). Each rank times its
+first four steps after a barrier; its cold compile is the first step minus the median of the other three, and the
+world's figure is its slowest rank's. Prints each world's figure and every world / the first. On a machine with
+fewer cores than ranks, the ranks' Dynamo traces (every rank traces before the first one compiles for all) share
+the cores: say the core count with the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def first_steps(rank: int, world: int, layers: int, share: bool) -> list[float]:
+    """Wall seconds of this rank's first four steps, from a barrier of all ranks."""
+    import torch.distributed as dist
+
+    import fsdp_graph
+    from benchmarks.hf_compile import _trainer
+
+    fsdp_graph.fsdp_backend.share_compiles = share  # the backend `_trainer` compiles with
+
+    step = _trainer("ours", layers)
+    dist.barrier()
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def cold_compile(world: int, layers: int, share: bool = True) -> float:
+    """The slowest rank's first step minus its median later step, on a new empty Inductor cache."""
+    from fsdp_graph.train.launch import spawn
+
+    with tempfile.TemporaryDirectory(prefix="fsdp_graph_ranks_") as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        per_rank = spawn(first_steps, world, (layers, share), timeout_s=1800.0)
+    return max(times[0] - statistics.median(times[1:]) for times in per_rank)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--no-share", action="store_true", help="make_backend(share_compiles=False)")
+    args = parser.parse_args()
+    figures = {world: cold_compile(world, args.layers, not args.no_share) for world in args.worlds}
+    first = args.worlds[0]
+    sharing = "every rank compiles" if args.no_share else "one compile per job"
+    print(f"Hugging Face Llama, {args.layers} layers, cold Inductor compile, {sharing}, {os.cpu_count()} cores:")
+    for world, seconds in figures.items():
+        print(f"  {world} rank(s): {seconds:6.1f} s   {seconds / figures[first]:.2f}x of {first} rank(s)")
+    print("issue 36's goal: 4 ranks at most 1.15x of 1 rank")
+
+
+if __name__ == "__main__":
+    main()
