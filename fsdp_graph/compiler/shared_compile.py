@@ -109,7 +109,7 @@ class CompileSharing:
         self.files[key] = mine
         return compiled
 
-    def _compile_for_all(self, store: dist.Store, base: str, key: str, compile_fn, lists, reports=list) -> Any:
+    def _compile_for_all(self, store: dist.Store, base: str, key: str, compile_fn, lists, reports) -> Any:
         stop = threading.Event()
         beat = threading.Thread(target=_heartbeat, args=(store, f"{base}/alive", stop, self.heartbeat_s), daemon=True)
         beat.start()

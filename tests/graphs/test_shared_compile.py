@@ -18,7 +18,7 @@ def test_the_compiling_ranks_error_ends_the_wait_at_once():
     store = dist.HashStore()
     sharing = CompileSharing(timeout_s=60, stale_s=60)
     with pytest.raises(RuntimeError, match="boom"):
-        sharing._compile_for_all(store, BASE, "key", lambda: (_ for _ in ()).throw(RuntimeError("boom")), list)
+        sharing._compile_for_all(store, BASE, "key", lambda: (_ for _ in ()).throw(RuntimeError("boom")), list, list)
     start = time.monotonic()
     with pytest.raises(SharedCompileError, match=r"rank 1, which compiles graph 7 .* failed: RuntimeError: boom"):
         sharing._wait_for(store, BASE, 1, "graph 7")
