@@ -12,6 +12,7 @@ import itertools
 import os
 import pkgutil
 import time
+import warnings
 from collections import Counter
 
 import torch
@@ -78,6 +79,11 @@ class FSDPBackend:
         # graph key -> what its compile left in torch's caches (one dict: the sharing fills it where it applies)
         self.compiled: dict[str, CompiledFiles] = self.sharing.files
         self.restored: Counter = Counter()
+        # torch.compile's `mode=`/`options=` (as `patches_key` text) this backend's compiles ran with, saved in a
+        # checkpoint's compiled header; and, once `load_checkpoint(compiled=self)` installed artifacts, where they came
+        # from and what they were compiled with (torch.compile passes them only when it compiles: checked then)
+        self.compile_options: set[str] = set()
+        self.restored_options: tuple[str, frozenset[str]] | None = None
         self.verify_collectives, self.verify_timeout_s = verify_collectives, verify_timeout_s
         self.agreement = RankAgreement(verify_timeout_s)  # the lists this backend's ranks agreed on, per group
         self.dump_dir = dump_dir
@@ -92,6 +98,7 @@ class FSDPBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs, *, mode: str | None = None, options: dict | None = None):
         """Dynamo calls this with torch.compile's `mode` and `options` (when given) as keyword arguments."""
         inductor_patches = inductor_config_patches(mode, options, self.inductor)
+        self._check_restored_options(patches_key(inductor_patches))
         dumper = GraphDumper(self.dump_dir, next(self._counter))
         self.dynamo_graphs += 1
         dumper.graph("00_dynamo", gm)
@@ -174,6 +181,23 @@ class FSDPBackend:
             compiled = compile_checked()
         return watch_gradients(compiled, reads)
 
+    def _check_restored_options(self, options: str) -> None:
+        """Records the compile's torch.compile options; where installed artifacts were compiled with others, says so
+        in one line (once): torch's cache keys miss them, and the graph compiles."""
+        self.compile_options.add(options)
+        if self.restored_options is None:
+            return
+        where, saved = self.restored_options
+        if saved and options not in saved:
+            self.restored_options = None
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                warnings.warn(
+                    f"load_checkpoint: compiled artifacts in {where} ignored: compiled with torch.compile options "
+                    f"{' | '.join(_described(o) for o in sorted(saved))}, this compile has {_described(options)}; "
+                    "compiling as without them",
+                    stacklevel=2,
+                )
+
     def _adopt_reports(self, store_key: str, index: int, first: int) -> None:
         """A rank that loaded graph `index` from another rank's compile (and did not compile it itself after all:
         a cache miss) reports what that rank's passes reported, marked `loaded_from`."""
@@ -246,6 +270,10 @@ def _compile_inductor(
     # A kernel loaded from the cache needs no precompiled header: built only for a compiled one (deferred_header.py)
     with deferred_header() if _on_cpu(example_inputs) else contextlib.nullcontext():
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+def _described(options: str) -> str:
+    return f"({options})" if options else "(none: no mode, no options)"
 
 
 def _on_cpu(example_inputs) -> bool:

@@ -6,12 +6,14 @@ manifest's checksums cover every file), what the backend's compiles left in torc
 (`FSDPBackend.compiled`, recorded by `compiled_files.recording`): per graph, torch's serialized AOT autograd and FX
 graph cache entries and the collective lists the rank check compares; the kernel libraries once each, under the CPU
 they were built for; and `header.json`, which says what they were compiled for: torch's version, the world size, the
-backend's options and passes, and the model (every rank's parameter and buffer names, shapes and dtypes and module
+backend's options and passes, torch.compile's `mode=` and `options=`, and the model (every rank's parameter and buffer names, shapes and dtypes and module
 classes, hashed).
 
 `load_checkpoint(..., compiled=backend)` compares the header with this job before installing anything: another
 torch, world size, model, backend options or passes, and the artifacts are ignored, rank 0 saying why in one line
-(a warning). Every file is checked against the manifest as it is read (also with `verify_files=False`), and an
+(a warning). torch.compile's `mode=` and `options=` reach the backend only when it compiles, so they are compared
+then: other ones, and the first compile says in one line that the artifacts do not apply (torch's cache keys, which
+hold the options, miss them). Every file is checked against the manifest as it is read (also with `verify_files=False`), and an
 entry torch cannot load is skipped with one line: the compile then runs as without artifacts. Installing only
 fills torch's caches; torch's own cache keys still decide which code runs (its version, configs, the graph, its
 inputs, the C++ compiler), so an artifact that does not apply after all costs a cache miss, never other code.
@@ -145,6 +147,7 @@ def _encode(backend: FSDPBackend, held: dict[str, _Graph], model: str, world: in
         "world": world,
         "options": _options(backend),
         "passes": backend.passes_hash(),
+        "compile_options": sorted(backend.compile_options),
         "model": model,
         "graphs": graphs,
         "kernels": kernels,
@@ -271,6 +274,7 @@ def install_from_checkpoint(path: str, backend: FSDPBackend, model: nn.Module) -
     except (_UnreadableError, ValueError, OSError) as e:
         problems.append(f"kernels: {e}")
     backend.restored.update(installed)
+    backend.restored_options = (where, frozenset(header.get("compile_options", ())))
     built_for = {k["machine"] for k in header["kernels"]}
     elsewhere = [r for r, m in enumerate(found.machines) if built_for and m not in built_for]
     if problems:

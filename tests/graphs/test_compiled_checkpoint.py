@@ -91,3 +91,41 @@ def test_the_precompiled_header_is_built_only_before_a_kernel_is_compiled(tmp_pa
         load_kernel("// one more to compile", library_there=False)
         assert built == ["prefix.h.gch"]
     assert codecache._precompile_header is precompile and codecache.write.__name__ == "write"
+
+
+def test_artifacts_compiled_with_other_torch_compile_options_are_ignored_at_the_compile_in_one_line(
+    tmp_path, one_rank, monkeypatch
+):
+    """torch.compile's `options=` reach the backend only when it compiles: a checkpoint's artifacts compiled with
+    other options install, and the first compile says in one line that they do not apply (torch's cache keys miss
+    them); with the same options nothing is said, and the graph loads instead of compiling."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    path = str(tmp_path / "ckpt")
+    torch.manual_seed(0)
+    saved_options = {"max_fusion_size": 32}
+
+    def compiled_step(backend, options: dict) -> list[str]:
+        model = fsdp_graph.fully_shard(OddMLP())
+        lines = _warnings_of(path, model, backend) if os.path.exists(path) else []
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():  # one graph (inference) to compile: what is checked is the same for training's two
+                torch.compile(model, backend=backend, options=options)(torch.randn(3, 7))
+        if not os.path.exists(path):
+            fsdp_graph.save_checkpoint(path, model, compiled=backend)
+        return lines + [str(w.message) for w in caught if "compiled artifacts" in str(w.message)]
+
+    assert compiled_step(fsdp_graph.make_backend(), saved_options) == []
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "empty"))
+    counters.clear()
+    assert compiled_step(fsdp_graph.make_backend(), saved_options) == []
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 1 and counters["inductor"]["fxgraph_cache_miss"] == 0
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # its headers built: a cheaper miss
+    lines = compiled_step(fsdp_graph.make_backend(), {"max_fusion_size": 16})
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "compiled with torch.compile options (max_fusion_size=32)" in lines[0], lines
+    assert "this compile has (max_fusion_size=16)" in lines[0], lines
