@@ -1,6 +1,7 @@
-"""Read-only cost model of lowered forward/backward graphs: a two-lane step timeline per rank.
+"""Read-only cost model of lowered forward/backward graphs: a step timeline per rank, one compute lane and a
+communication lane per link.
 
-(The peak memory is `passes.memory`'s, which uses this module's collective and unit helpers.) `simulate` replays one graph on a compute lane and a communication lane with a roofline cost per
+(The peak memory is `passes.memory`'s, which uses this module's collective and unit helpers.) `simulate` replays one graph on a compute lane and communication lanes with a roofline cost per
 kernel and an alpha-beta (ring) cost per collective, and returns the step time and the communication the compute
 lane had to wait for (exposed communication). It reads only node targets, arguments and `meta["val"]`
 (FakeTensors; symbolic sizes count at their hints), plus the `fsdp_*` meta keys of `fsdp_graph.ir`.
@@ -211,9 +212,27 @@ def collective_cost(
         payload = sum(value_bytes(fake_value(a)) for a in _input_nodes(node))
     if n <= 1:
         return n, payload, 0.0
-    ranks = (group_ranks or {}).get(name) or tuple(range(n))
-    nodes, per_node = span(ranks, hardware.ranks_per_node)
+    nodes, per_node = _group_span(name, n, hardware, group_ranks)
     return n, payload, collective_seconds(kind, payload, n, hardware, nodes, per_node)
+
+
+def _group_span(
+    name: str | None, n: int, hardware: Hardware, group_ranks: Mapping[str, tuple[int, ...]] | None
+) -> tuple[int, int]:
+    ranks = (group_ranks or {}).get(name) or tuple(range(n))
+    return span(ranks, hardware.ranks_per_node)
+
+
+def collective_link(node: fx.Node, hardware: Hardware, world: int, group_sizes=None, group_ranks=None) -> str:
+    """The link a collective's time is spent on: "network" where its group's ranks sit on more than one node (a
+    ring through several nodes runs at the NICs' rate), else "node" (inside one node; every group, without
+    `hardware.ranks_per_node`)."""
+    args = bind_args(node)
+    name = args.get("group_name")
+    n = args.get("group_size")
+    n = hint(n if n is not None else (group_sizes or {}).get(name, world))
+    nodes, _ = _group_span(name, n, hardware, group_ranks) if n > 1 else (1, 1)
+    return "network" if nodes > 1 else "node"
 
 
 def unit_name(unit: str | None) -> str:
@@ -236,15 +255,21 @@ def simulate(
     group_ranks: Mapping[str, tuple[int, ...]] | None = None,
     attention_window: int | None = None,
 ) -> Simulation:
-    """Replay `gm` in graph order on two lanes. Compute lane: each kernel costs `kernel_cost` (with `fused`, the
-    kernels are Inductor's fusion groups, `passes.fusion`, each charged where its first node runs); views,
-    getitem and collective issues are free. Comm lane, serial: a collective starts
-    when the compute lane reaches it and the lane is free, and lasts `collective_cost`. A wait holds the compute
-    lane until its collective ends: that holding is exposed communication. So a gather issued early overlaps the
-    compute between its issue and its wait, and one issued right before its wait is fully exposed. A compile
-    region's call runs its body's kernels (`kernel_cost`)."""
+    """Replay `gm` in graph order on a compute lane and a communication lane per link. Compute lane: each kernel
+    costs `kernel_cost` (with `fused`, the kernels are Inductor's fusion groups, `passes.fusion`, each charged
+    where its first node runs); views, getitem and collective issues are free. Comm lanes, each serial: a
+    collective starts when the compute lane reaches it and its link's lane is free, and lasts `collective_cost`.
+    The links are `collective_link`'s: the network between nodes and the links inside one. NCCL runs each process
+    group's collectives on a stream of its own, so collectives on different links (tensor parallelism's
+    all-reduces inside a node beside FSDP's gathers across nodes; HSDP's replica all-reduce beside its shard
+    group's reduce-scatter) overlap; collectives on one link share its bandwidth, which one after another models.
+    Without `hardware.ranks_per_node` there is one link. A wait holds the compute lane until its collective ends:
+    that holding is exposed communication. So a gather issued early overlaps the compute between its issue and its
+    wait, and one issued right before its wait is fully exposed. A compile region's call runs its body's kernels
+    (`kernel_cost`)."""
     labels = unit_labels(gm)
-    clock = comm_free = start
+    clock = start
+    comm_free: dict[str, float] = {}
     ends: dict[fx.Node, float] = {}
     lanes: dict[str, list[Event]] = {"compute": [], "comm": []}
     node_times: list[tuple[float, float]] = []
@@ -258,10 +283,11 @@ def simulate(
         elif (kind := collective_kind(node)) is not None:
             owner = node.meta.get(META_UNIT)
             _, _, seconds = collective_cost(node, hardware, world, group_sizes, group_ranks)
-            comm_start = max(clock, comm_free)
-            comm_free = ends[node] = comm_start + seconds
+            link = collective_link(node, hardware, world, group_sizes, group_ranks)
+            comm_start = max(clock, comm_free.get(link, start))
+            comm_free[link] = ends[node] = comm_start + seconds
             comm += seconds
-            lanes["comm"].append(Event("comm", kind, comm_start, comm_free, _label(kind, owner), owner))
+            lanes["comm"].append(Event("comm", kind, comm_start, ends[node], _label(kind, owner), owner))
         elif node.target == WAIT:
             collective = _collective_of_wait(node)
             done = ends.get(collective, clock)
@@ -285,7 +311,7 @@ def simulate(
                     bars.append(Event("compute", "compute", clock, clock + seconds, label, unit))
             clock += seconds
         node_times.append((begin, clock))
-    end = max(clock, comm_free)
+    end = max([clock, *comm_free.values()])
     return Simulation(lanes["compute"] + lanes["comm"], node_times, start, end, compute, comm, exposed, flops)
 
 

@@ -18,6 +18,7 @@ into the layout's figures:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fsdp_graph.planning.profiles import Profile, ProfileKey
@@ -102,7 +103,8 @@ def model_flops_per_token(cfg: LlamaConfig, seq: int) -> float:
 def throughput_bound(cfg: LlamaConfig, seq: int, layout: Layout, hardware: Hardware, bf16: bool = True) -> float:
     """Tokens per second per GPU no plan of this layout beats: the step is at least its matmul flops at the matmul
     rate (full checkpointing runs the forward twice, 8/6 of the flops; a pipeline adds its fill and drain), and at
-    least the time of its collectives, which the cost model runs one after another (`comm_lower_bound`)."""
+    least the time of the collectives on its busiest link, whose lane the cost model runs one after another
+    (`comm_lower_bound`)."""
     flops = model_flops_per_token(cfg, seq) * (8 / 6 if layout.checkpoint == "full" else 1.0)
     tokens = layout.dp_shard * layout.dp_replicate * layout.micro_batch * layout.microbatches * seq
     compute = flops * tokens / layout.world / hardware.matmul_rate()
@@ -111,27 +113,45 @@ def throughput_bound(cfg: LlamaConfig, seq: int, layout: Layout, hardware: Hardw
 
 
 def comm_lower_bound(cfg: LlamaConfig, seq: int, layout: Layout, hardware: Hardware, bf16: bool = True) -> float:
-    """Seconds of the collectives one rank runs per step (`passes.hardware.collective_seconds` on the layout's
-    groups: tp innermost, the FSDP group every tp-th rank): per block and micro-batch, FSDP's gathers (two, one
-    without resharding after forward) in the compute dtype and its fp32 reduce-scatter, HSDP's replica all-reduce
-    of the shard, and tensor parallelism's four activation all-reduces (six under full checkpointing, whose
-    recomputed forward runs them again). The embedding and head are left out, so it is a lower bound."""
+    """Seconds of the collectives one rank runs per step on its busiest link (`passes.hardware.collective_seconds`
+    on the layout's groups: tp innermost, the FSDP group every tp-th rank; `passes.cost.simulate` runs each link's
+    collectives one after another, the links beside each other): per block and micro-batch, FSDP's gathers (two,
+    one without resharding after forward) in the compute dtype and its fp32 reduce-scatter, HSDP's replica
+    all-reduce of the shard, and tensor parallelism's four activation all-reduces (six under full checkpointing,
+    whose recomputed forward runs them again). The embedding and head are left out, so it is a lower bound."""
     elem = 2 if bf16 else 4
     block = (cfg.num_params() - cfg.vocab * cfg.dim * (1 if cfg.tied else 2)) / cfg.layers / layout.tp
+    links: dict[str, float] = {}
+
+    def add(ranks: tuple[int, ...], seconds_on: Callable[[int, int], float]) -> None:
+        nodes, per_node = span(ranks, hardware.ranks_per_node)
+        link = "network" if nodes > 1 else "node"
+        links[link] = links.get(link, 0.0) + seconds_on(nodes, per_node)
+
     dp_ranks = tuple(i * layout.tp for i in range(layout.dp_shard))
-    nodes, per_node = span(dp_ranks, hardware.ranks_per_node)
     gathers = 2 if layout.reshard_after_forward else 1
-    fsdp = gathers * collective_seconds("all_gather", block * elem, layout.dp_shard, hardware, nodes, per_node)
-    fsdp += collective_seconds("reduce_scatter", block * 4, layout.dp_shard, hardware, nodes, per_node)
+    shard = layout.dp_shard
+
+    add(
+        dp_ranks,
+        lambda nodes, per: gathers * collective_seconds("all_gather", block * elem, shard, hardware, nodes, per),
+    )
+    add(dp_ranks, lambda nodes, per: collective_seconds("reduce_scatter", block * 4, shard, hardware, nodes, per))
     if layout.dp_replicate > 1:
         replicas = layout.dp_replicate
-        fsdp += collective_seconds("all_reduce", block * 4 / layout.dp_shard, replicas, hardware, replicas, 1)
-    tp = 0.0
+        replica_ranks = tuple(i * layout.tp * layout.dp_shard for i in range(replicas))
+        add(
+            replica_ranks,
+            lambda nodes, per: collective_seconds("all_reduce", block * 4 / shard, replicas, hardware, nodes, per),
+        )
     if layout.tp > 1:
         activation = layout.micro_batch * seq * cfg.dim * 2
         count = 6 if layout.checkpoint == "full" else 4
-        tp = count * collective_seconds("all_reduce", activation, layout.tp, hardware)
-    return cfg.layers / layout.pp * layout.microbatches * (fsdp + tp)
+        add(
+            tuple(range(layout.tp)),
+            lambda nodes, per: count * collective_seconds("all_reduce", activation, layout.tp, hardware, nodes, per),
+        )
+    return cfg.layers / layout.pp * layout.microbatches * max(links.values(), default=0.0)
 
 
 def memory_lower_bound(cfg: LlamaConfig, seq: int, layout: Layout, bf16: bool = True) -> float:

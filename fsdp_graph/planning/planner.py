@@ -8,7 +8,7 @@ the search traces only what it must:
 - a layout whose memory lower bound (model state, a gathered block, the activations checkpointing keeps at least)
   exceeds the device is rejected without tracing;
 - layouts are tried best throughput bound first (the step is at least its matmul flops at the matmul rate, and at
-  least its collectives one after another: `layouts.throughput_bound`); once one fits, a layout whose bound is
+  least its busiest link's collectives one after another: `layouts.throughput_bound`); once one fits, a layout whose bound is
   below its throughput cannot beat it and is skipped (so fewer than `top` may be shown);
 - for each setting the largest micro-batch is tried first and smaller ones only when it does not fit;
 - a larger tensor-parallel degree is tried only where every smaller one did not fit at the same setting (more

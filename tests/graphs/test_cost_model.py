@@ -17,7 +17,7 @@ from passes.fusion import fusion_groups
 from passes.hardware import GPUS, Hardware, collective_seconds, span
 from passes.kernels import attention_pair_fraction, node_flops
 from passes.memory import estimate_memory
-from tests.graphs.test_cost import AG, AR, Builder
+from tests.graphs.test_cost import AG, AR, WAIT, Builder
 
 aten = torch.ops.aten
 EFFICIENT = aten._scaled_dot_product_efficient_attention.default
@@ -163,6 +163,39 @@ def test_collectives_by_the_links_they_cross():
     assert seconds == pytest.approx(collective_seconds("all_gather", payload, 4, hw))
     _, payload, seconds = collective_cost(reduced, hw, 32, {"replica": 4}, ranks)
     assert seconds == pytest.approx(collective_seconds("all_reduce", payload, 4, hw, nodes=4, per_node=1))
+
+
+def test_collectives_on_other_links_overlap_and_on_one_link_queue():
+    """`simulate` runs each link's collectives one after another and the links beside each other (NCCL: a stream
+    per process group): a gather inside a node and an all-reduce across nodes, both waited at once, take the longer
+    of the two; two gathers inside one node, their sum; without `ranks_per_node` every group shares one link."""
+    hw = Hardware("two-level", 1e12, 1e12, 100e9, 1e-6, ranks_per_node=8, inter_bytes_per_s=10e9, inter_latency_s=5e-6)
+    ranks = {"shard": (0, 1, 2, 3), "shard_b": (4, 5, 6, 7), "replica": (0, 8, 16, 24)}
+    sizes = {"shard": 4, "shard_b": 4, "replica": 4}
+
+    def both_waited(first_group: str, second_group: str) -> tuple[float, float, float]:
+        b = Builder()
+        flat, other = b.input("flat", 250_000), b.input("other", 1_000_000)
+        first = b("first", AG, flat, 4, first_group)
+        second = b("second", AR, other, "sum", second_group) if second_group == "replica" else None
+        second = second if second is not None else b("second", AG, flat, 4, second_group)
+        done = b("done", aten.add.Tensor, b("w1", WAIT, first), b("w2", WAIT, second))
+        gm = b.done(done)
+        one = collective_cost(first, hw, 32, sizes, ranks)[2]
+        two = collective_cost(second, hw, 32, sizes, ranks)[2]
+        return simulate(gm, hw, 32, group_sizes=sizes, group_ranks=ranks).exposed_comm, one, two
+
+    exposed, gather, all_reduce = both_waited("shard", "replica")
+    assert exposed == pytest.approx(max(gather, all_reduce)) and all_reduce > gather
+    exposed, gather, other_gather = both_waited("shard", "shard_b")
+    assert exposed == pytest.approx(gather + other_gather)
+    flat = Hardware("flat", 1e12, 1e12, 100e9, 1e-6)
+    b = Builder()
+    x, y = b.input("x", 250_000), b.input("y", 1_000_000)
+    first, second = b("first", AG, x, 4, "shard"), b("second", AR, y, "sum", "replica")
+    gm = b.done(b("done", aten.add.Tensor, b("w1", WAIT, first), b("w2", WAIT, second)))
+    costs = [collective_cost(n, flat, 32, sizes, ranks)[2] for n in (first, second)]
+    assert simulate(gm, flat, 32, group_sizes=sizes, group_ranks=ranks).exposed_comm == pytest.approx(sum(costs))
 
 
 def test_gpu_presets_are_two_level():
