@@ -40,8 +40,8 @@ def test_simple_fsdp_availability_is_a_reason_or_none():
 def _compile_measured(cpu16_reuse: float, warm: float, entries: int) -> dict:
     """compile_goals.measure()'s shape, JSON keys as strings; depth figures are (wall s, CPU s)."""
     depth = {
-        compile_goals.REUSE: {"4": [30.0, 28.0], "16": [31.0, cpu16_reuse]},
-        compile_goals.DEFAULT: {"4": [35.0, 34.0], "16": [66.0, 65.0]},
+        compile_goals.DEFAULT: {"4": [30.0, 28.0], "16": [31.0, cpu16_reuse]},
+        compile_goals.NO_REUSE: {"4": [35.0, 34.0], "16": [66.0, 65.0]},
         compile_goals.PLAIN: {"4": [33.0, 32.0], "16": [53.0, 52.0]},
     }
     meta = {
@@ -50,16 +50,22 @@ def _compile_measured(cpu16_reuse: float, warm: float, entries: int) -> dict:
     }
     rank = {"first_step_s": warm - 1.0, "import_inductor_s": 1.0, "aot_cache": {"autograd_cache_hit": 1}}
     cold = {"first_step_s": 40.0, "import_inductor_s": 1.0, "aot_cache": {"autograd_cache_miss": 1}}
-    runs = [[cold, cold], [rank, rank], [rank, rank]]
-    return {"depth": depth, "meta": meta, "warm": {"runs": runs, "aot_cache_entries": entries, "world": 2}}
+    loaded = {**cold, "aot_cache": {}}  # one compile per job: the other rank loads the compiling rank's entries
+    runs = [[loaded, cold], [rank, rank], [rank, rank]]
+    ranks = {"1": 30.0, "4": 36.0, "cores": 2, "layers": 4}
+    restart = {"warm_s": 4.0, "artifacts_s": 5.0, "world": 2}
+    warm_runs = {"runs": runs, "aot_cache_entries": entries, "world": 2}
+    return {"depth": depth, "meta": meta, "ranks": ranks, "restart": restart, "warm": warm_runs}
 
 
 def test_compile_goal_rows():
     """Each goal's value is the ratio (or seconds) from the measured figures, judged against its limit; the ranks
     share the cache only when one rank's entries serve all of them."""
     rows = {goal: (value, limit) for goal, value, limit, _ in compile_goals.rows(_compile_measured(29.4, 4.5, 1))}
-    assert rows["compile, fsdp_graph reuse_blocks: 16 layers / 4 layers <= 1.6"] == (29.4 / 28.0, 1.6)
-    assert rows["compile, fsdp_graph / plain torch.compile at 16 layers <= 1.1"] == (65.0 / 52.0, 1.1)
+    assert rows["compile, fully_shard defaults: 16 layers / 4 layers <= 1.3"] == (29.4 / 28.0, 1.3)
+    assert rows["compile, fully_shard defaults / plain torch.compile at 16 layers <= 0.8"] == (29.4 / 52.0, 0.8)
+    assert rows["cold compile, 4 ranks / 1 rank <= 1.15"] == (36.0 / 30.0, 1.15)
+    assert rows["restart on an empty cache from the artifacts / warm restart <= 1.3"] == (5.0 / 4.0, 1.3)
     assert rows["compile, 70b shapes, reuse_blocks: 80 layers / 8 layers <= 2"] == (11.5 / 5.0, 2.0)
     assert rows["warm restart of the main job (s) <= 5"] == (4.5, 5.0)
     assert rows["ranks not sharing one set of cache entries (0 = they share)"] == (0.0, 0.0)
