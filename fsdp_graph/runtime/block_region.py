@@ -42,7 +42,7 @@ from torch._dynamo.comptime import comptime
 
 from fsdp_graph import compat
 from fsdp_graph.ir import REGION_PARAM_ANNOTATION
-from fsdp_graph.runtime import block_cache
+from fsdp_graph.runtime import block_arguments, block_cache
 from fsdp_graph.runtime.block_output import rebuild_output, refusal, split_output
 from fsdp_graph.runtime.flat_param import ParamSlot
 
@@ -398,8 +398,6 @@ _VERSIONS: list = []  # `_note_versions`, read by `_note_grad_dependence` in the
 _WRITTEN_BEFORE: list = []  # `_note_python_writes`, read by `_refuse_python_writes` in the same body's trace
 _PYTHON_WRITES: dict[int, str] = {}  # `_call_key` -> a Python object its block's forward writes
 _WARNED: set[tuple[str, str]] = set()
-_SCALARS = (bool, int, float, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
-_ARGUMENT_TYPES = (torch.Tensor, nn.Module, *_SCALARS)
 
 
 def _gathering_forward(self: nn.Module, *args, **kwargs):
@@ -413,14 +411,14 @@ def _gathering_forward(self: nn.Module, *args, **kwargs):
     # Arguments that are all tensors, scalars, strings, None and modules (inside tuples, lists and dicts), as in most
     # models' blocks, are told apart at trace time, in one step: traced, the checks below cost Dynamo about 500
     # instructions a block (a third of what it traces per block of a 70B Llama).
-    comptime(lambda ctx: _note_plain_arguments(ctx.get_local("args"), ctx.get_local("kwargs")))
-    if _noted_plain_arguments():
+    comptime(lambda ctx: block_arguments.note_plain_arguments(ctx.get_local("args"), ctx.get_local("kwargs")))
+    if block_arguments.noted_plain_arguments():
         call_args, call_kwargs = args, kwargs
     else:
-        call_args, call_kwargs, why = _with_markers(args, kwargs, layer)
-        refused = _refused_argument(call_args, call_kwargs) if why is None else None
+        call_args, call_kwargs, why = block_arguments.with_markers(args, kwargs, layer)
+        refused = block_arguments.refused_argument(call_args, call_kwargs) if why is None else None
         if why is not None or refused is not None:
-            return _fall_back(self, _argument_reason(why, refused), args, kwargs)
+            return _fall_back(self, block_arguments.argument_reason(why, refused), args, kwargs)
     from fsdp_graph.runtime.unit import unsharded_flat
 
     flats = tuple(unsharded_flat(self, index) for index in range(len(self.__dict__["_fsdp_states"])))
@@ -441,7 +439,9 @@ def _gathering_forward(self: nn.Module, *args, **kwargs):
         return _fall_back(self, _output_reason(why), args, kwargs)
     why = block_cache.refusal(replay)
     if why is not None:
-        return _fall_back(self, _argument_reason(f"a cache its layer uses so: {why}", None), args, kwargs)
+        return _fall_back(
+            self, block_arguments.argument_reason(f"a cache its layer uses so: {why}", None), args, kwargs
+        )
     if replay:
         count = len(out) - 2 * sum(1 for entry in replay if entry[0] == "update")
         block_cache.apply_updates(replay, out[count:], args, kwargs, layer)
@@ -476,26 +476,6 @@ class ReuseBlocksError(torch._dynamo.exc.UserError, ValueError):
         super().__init__(torch._dynamo.exc.UserErrorType.INVALID_INPUT, message)
 
 
-def _with_markers(args: tuple, kwargs: dict, layer: int | None) -> tuple[tuple, dict, str | None]:
-    """`args` and `kwargs` with each transformers cache that is empty for `layer` replaced by its marker; and why
-    one cannot be (the argument named), or None."""
-    reasons: list[str] = []
-
-    def replaced(value, name):
-        kind = block_cache.cache_kind(value)
-        if kind is None:
-            return value
-        refused = block_cache.eligible(value, kind, layer)
-        if refused is not None:
-            reasons.append(f"its argument {name!r} is a {type(value).__qualname__} that {refused}")
-            return value
-        return block_cache.marker(kind)
-
-    new_args = tuple(replaced(value, f"positional argument {i}") for i, value in enumerate(args))
-    new_kwargs = {name: replaced(value, name) for name, value in kwargs.items()}
-    return new_args, new_kwargs, reasons[0] if reasons else None
-
-
 def _give_history(out) -> None:
     """At trace time: a reused body's outputs, as Dynamo stamps them out for a call after the first, are fake
     tensors without autograd history (`torch.empty_strided(..., requires_grad=...)` in torch 2.13's
@@ -528,75 +508,6 @@ def _record(key: int) -> tuple:
     """What `_body` recorded for `key` while tracing it (its output template, its cache calls to replay), read at
     trace time (Dynamo keeps no guard on it: a new trace records it again, for its first body of that key)."""
     return _RECORDS.get(key, (None, ()))
-
-
-_NOTED_PLAIN: list[bool] = [False]
-
-
-def _note_plain_arguments(args, kwargs) -> None:
-    """At trace time (`comptime`): whether every argument, inside tuples, lists and dicts, is a tensor, a symbolic or
-    plain scalar, a string, None or a module (so that neither `_with_markers` nor `_refused_argument` would find
-    anything), told from Dynamo's variables; False wherever a variable is of a kind not known here (the traced
-    checks then decide)."""
-    variables = [variable._i_will_not_complain_if_bc_breaks_VariableTracker() for variable in (args, kwargs)]
-    _NOTED_PLAIN[0] = all(_plain_variable(variable) for variable in variables)
-
-
-def _plain_variable(variable) -> bool:
-    from torch._dynamo.variables import (
-        ConstantVariable,
-        ConstDictVariable,
-        SymNodeVariable,
-        TensorVariable,
-    )
-    from torch._dynamo.variables.lists import BaseListVariable
-    from torch._dynamo.variables.nn_module import NNModuleVariable, UnspecializedNNModuleVariable
-
-    if isinstance(variable, (TensorVariable, SymNodeVariable, NNModuleVariable, UnspecializedNNModuleVariable)):
-        return True
-    if isinstance(variable, ConstantVariable):
-        return isinstance(variable.as_python_constant(), _SCALARS)
-    if type(variable) is ConstDictVariable and variable.python_type() is dict:
-        return all(_plain_variable(item) for item in variable.items.values())
-    if isinstance(variable, BaseListVariable) and variable.python_type() in (tuple, list):
-        return all(_plain_variable(item) for item in variable.items)
-    return False
-
-
-@torch._dynamo.assume_constant_result
-def _noted_plain_arguments() -> bool:
-    return _NOTED_PLAIN[0]
-
-
-def _refused_argument(args: tuple, kwargs: dict) -> tuple[str, str] | None:
-    """(where, type name) of the first argument torch's reuse check would refuse: anything but a tensor, a symbolic
-    or plain scalar, a string, None or a module, inside tuples, lists and dicts (`classify_vt`)."""
-    named = [(f"positional argument {i}", value) for i, value in enumerate(args)] + list(kwargs.items())
-    for name, value in named:
-        pending = [value]
-        while pending:
-            item = pending.pop()
-            if isinstance(item, (tuple, list)):
-                pending.extend(item)
-            elif isinstance(item, dict):
-                pending.extend(item.values())
-            elif not isinstance(item, _ARGUMENT_TYPES):
-                return name, type(item).__name__
-    return None
-
-
-def _argument_reason(why: str | None, refused: tuple[str, str] | None) -> str:
-    if why is not None:
-        return (
-            f"{why}; a transformers DynamicCache or EncoderDecoderCache empty for the layer (training, a prefill) "
-            "shares the body"
-        )
-    name, type_name = refused
-    hint = " (for training: use_cache=False, or model.config.use_cache = False)" if "cache" in name.lower() else ""
-    return (
-        f"its argument {name!r} is a {type_name}, and torch's nested_compile_region reuses a body only for tensors, "
-        f"numbers, strings, None and modules (invoke_subgraph's is_reuse_eligible: 'unsupported input VT types'){hint}"
-    )
 
 
 def _output_reason(why: str) -> str:
