@@ -6,15 +6,15 @@ manifest's checksums cover every file), what the backend's compiles left in torc
 (`FSDPBackend.compiled`, recorded by `compiled_files.recording`): per graph, torch's serialized AOT autograd and FX
 graph cache entries and the collective lists the rank check compares; the kernel libraries once each, under the CPU
 they were built for; and `header.json`, which says what they were compiled for: torch's version, the world size, the
-backend's options and passes, torch.compile's `mode=` and `options=`, and the model (every rank's parameter and buffer names, shapes and dtypes and module
-classes, hashed).
+backend's options and passes, torch.compile's `mode=` and `options=`, and the model (every rank's parameter and
+buffer names, shapes and dtypes and module classes, hashed).
 
 `load_checkpoint(..., compiled=backend)` compares the header with this job before installing anything: another
 torch, world size, model, backend options or passes, and the artifacts are ignored, rank 0 saying why in one line
 (a warning). torch.compile's `mode=` and `options=` reach the backend only when it compiles, so they are compared
-then: other ones, and the first compile says in one line that the artifacts do not apply (torch's cache keys, which
-hold the options, miss them). Every file is checked against the manifest as it is read (also with `verify_files=False`), and an
-entry torch cannot load is skipped with one line: the compile then runs as without artifacts. Installing only
+then: with other ones, the first compile says in one line that the artifacts do not apply (torch's cache keys,
+which hold the options, miss them). Every file is checked against the manifest as it is read (also with
+`verify_files=False`), and an entry torch cannot load is skipped with one line: the compile then runs as without artifacts. Installing only
 fills torch's caches; torch's own cache keys still decide which code runs (its version, configs, the graph, its
 inputs, the C++ compiler), so an artifact that does not apply after all costs a cache miss, never other code.
 Kernel libraries are installed only on ranks whose CPU is the one they were built for (`machine_id`).
