@@ -14,9 +14,10 @@ torch, world size, model, backend options or passes, and the artifacts are ignor
 (a warning). torch.compile's `mode=` and `options=` reach the backend only when it compiles, so they are compared
 then: with other ones, the first compile says in one line that the artifacts do not apply (torch's cache keys,
 which hold the options, miss them). Every file is checked against the manifest as it is read (also with
-`verify_files=False`), and an entry torch cannot load is skipped with one line: the compile then runs as without artifacts. Installing only
-fills torch's caches; torch's own cache keys still decide which code runs (its version, configs, the graph, its
-inputs, the C++ compiler), so an artifact that does not apply after all costs a cache miss, never other code.
+`verify_files=False`), and an entry torch cannot load is skipped with one line: the compile then runs as without
+artifacts. Installing only fills torch's caches; torch's own cache keys still decide which code runs (its version,
+configs, the graph, its inputs, the C++ compiler), so an artifact that does not apply after all costs a cache miss,
+never other code.
 Kernel libraries are installed only on ranks whose CPU is the one they were built for (`machine_id`).
 """
 
