@@ -223,7 +223,13 @@ def _group_span(
     return span(ranks, hardware.ranks_per_node)
 
 
-def collective_link(node: fx.Node, hardware: Hardware, world: int, group_sizes=None, group_ranks=None) -> str:
+def collective_link(
+    node: fx.Node,
+    hardware: Hardware,
+    world: int,
+    group_sizes: Mapping[str, int] | None = None,
+    group_ranks: Mapping[str, tuple[int, ...]] | None = None,
+) -> str:
     """The link a collective's time is spent on: "network" where its group's ranks sit on more than one node (a
     ring through several nodes runs at the NICs' rate), else "node" (inside one node; every group, without
     `hardware.ranks_per_node`)."""
