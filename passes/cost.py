@@ -200,27 +200,30 @@ def collective_cost(
     crosses comes from the group's ranks (`group_ranks[group_name]`) and `hardware.ranks_per_node`; a group whose
     ranks are not given is taken as n consecutive ranks."""
     kind = collective_kind(node)
-    args = bind_args(node)
-    name = args.get("group_name")
-    n = args.get("group_size")
-    if n is None:
-        n = (group_sizes or {}).get(name, world)
-    n = hint(n)
+    n, nodes, per_node = _group(node, hardware, world, group_sizes, group_ranks)
     if kind == "all_gather":
         payload = value_bytes(fake_value(node))
     else:
         payload = sum(value_bytes(fake_value(a)) for a in _input_nodes(node))
     if n <= 1:
         return n, payload, 0.0
-    nodes, per_node = _group_span(name, n, hardware, group_ranks)
     return n, payload, collective_seconds(kind, payload, n, hardware, nodes, per_node)
 
 
-def _group_span(
-    name: str | None, n: int, hardware: Hardware, group_ranks: Mapping[str, tuple[int, ...]] | None
-) -> tuple[int, int]:
+def _group(
+    node: fx.Node,
+    hardware: Hardware,
+    world: int,
+    group_sizes: Mapping[str, int] | None,
+    group_ranks: Mapping[str, tuple[int, ...]] | None,
+) -> tuple[int, int, int]:
+    """(size, nodes, most ranks on one node) of a collective's group (see `collective_cost`)."""
+    args = bind_args(node)
+    name = args.get("group_name")
+    n = args.get("group_size")
+    n = hint(n if n is not None else (group_sizes or {}).get(name, world))
     ranks = (group_ranks or {}).get(name) or tuple(range(n))
-    return span(ranks, hardware.ranks_per_node)
+    return (n, *span(ranks, hardware.ranks_per_node))
 
 
 def collective_link(
@@ -233,12 +236,8 @@ def collective_link(
     """The link a collective's time is spent on: "network" where its group's ranks sit on more than one node (a
     ring through several nodes runs at the NICs' rate), else "node" (inside one node; every group, without
     `hardware.ranks_per_node`)."""
-    args = bind_args(node)
-    name = args.get("group_name")
-    n = args.get("group_size")
-    n = hint(n if n is not None else (group_sizes or {}).get(name, world))
-    nodes, _ = _group_span(name, n, hardware, group_ranks) if n > 1 else (1, 1)
-    return "network" if nodes > 1 else "node"
+    n, nodes, _ = _group(node, hardware, world, group_sizes, group_ranks)
+    return "network" if n > 1 and nodes > 1 else "node"
 
 
 def unit_name(unit: str | None) -> str:
