@@ -120,20 +120,3 @@ def mutated_sources(side_effects) -> set:
         if side_effects.is_modified(variable):
             sources.add(variable.source)
     return sources
-
-
-_TRACES_HASH: list[bool] = []
-
-
-def dynamo_traces_hash() -> bool:
-    """Whether Dynamo traces the builtin `hash` of a tuple of constants (torch 2.13; 2.11 refuses it). Probed once,
-    outside any trace (a trace reads the answer already found; the first probe compiles a one-line function)."""
-    if not _TRACES_HASH:
-        if torch.compiler.is_compiling():
-            raise RuntimeError("compat.dynamo_traces_hash: probe it before tracing (fully_shard does)")
-        try:
-            torch.compile(lambda: hash(("probe", 1)), backend="eager", fullgraph=True)()
-            _TRACES_HASH.append(True)
-        except Exception:  # torch._dynamo.exc.Unsupported, whatever its path in this release
-            _TRACES_HASH.append(False)
-    return _TRACES_HASH[0]

@@ -157,7 +157,6 @@ def make_reusable(unit: nn.Module, strict: bool = False) -> None:
     """Give `unit` (a unit with flat parameters, its class already swapped, no `reuse_refusals` entry) a forward that
     gathers outside a compile region shared by every unit of the same structure. `strict` (reuse_blocks=True): a
     call that cannot run the shared body raises at trace time instead of falling back with a warning."""
-    compat.dynamo_traces_hash()  # probed here, eagerly: the body's keys ask it while traced
     unit.__dict__[BLOCK_KEY] = block_key(unit)
     unit.__dict__[CACHE_LAYER] = block_cache.layer_index(unit)
     unit.__dict__[STRICT] = strict
@@ -201,51 +200,37 @@ def _reuse_key(self: nn.Module, count: int, *flats_and_args, **kwargs) -> int:
     # what the body's trace depends on besides the unit's structure: each argument's kind, a tensor's dtype and
     # static sizes, constants' values (a cache marker among them), the grad mode and the training flag; and, for a
     # body whose outputs' differentiability follows its arguments' (`_note_grad_dependence`), which need a gradient.
-    return _keyed(_call_key(self, *flats_and_args, **kwargs), flats_and_args, kwargs)
+    # `_gathering_forward`, the body's only caller, noted it for this call just before calling it (`_note_call`).
+    return _noted_call()[1]
 
 
-def _keyed(call_key: int, flats_and_args: tuple, kwargs: dict) -> int:
-    """`_reuse_key` from the call's `_call_key`."""
-    if not _grad_dependent(call_key):
-        return call_key
-    return _hashed(call_key, _grads(flats_and_args), _grads(kwargs))
+_NOTED_CALL: list = [(0, 0, None)]
 
 
-def _call_key(self: nn.Module, *flats_and_args, **kwargs) -> int:
-    if torch.compiler.is_compiling():
-        # The arguments' pattern is read at trace time from their example values: computed by the traced code, a
-        # tensor's size would be specialized (every new sequence length a recompile under dynamic shapes)
-        comptime(lambda ctx: _note_pattern(ctx.get_local("flats_and_args"), ctx.get_local("kwargs")))
-        pattern = _noted_pattern()
-    else:
-        pattern = hash((_pattern(flats_and_args), _pattern(kwargs)))
-    return _hashed(self.__dict__[BLOCK_KEY], torch.is_grad_enabled(), self.training, pattern)
+def _note_call(ctx) -> None:
+    """At trace time (`comptime`), once per call of a reused unit, in `_gathering_forward` (whose locals it reads):
+    the call's key (the unit's structure `block`, the grad mode `grad`, the `training` flag, all three read by the
+    traced code so that Dynamo guards on them, and the arguments' pattern, `_pattern` of their example values), the
+    key torch looks its body up by, which adds the arguments' requires_grad for a body whose outputs'
+    differentiability follows them, and the Python write recorded for the call key. Computed here in one step, not
+    traced: traced, they cost Dynamo a tenth of what it traces per block of a 70B Llama, and a tensor's size read by
+    the traced code would be specialized (every new sequence length a recompile under dynamic shapes)."""
+    block, grad, training = _constants(ctx, "block", "grad", "training")
+    arguments = [ctx.get_local(name)._i_will_not_complain_if_bc_breaks_VariableTracker() for name in _CALL_LOCALS]
+    call_key = hash((block, grad, training, tuple(_traced_pattern(variable) for variable in arguments)))
+    key = call_key
+    if call_key in _GRAD_DEPENDENT:
+        key = hash((call_key, tuple(_traced_grads(variable) for variable in arguments)))
+    _NOTED_CALL[0] = (call_key, key, _PYTHON_WRITES.get(call_key))
 
 
-def _hashed(*parts: object) -> int:
-    """`hash(parts)` of constants; where Dynamo cannot trace the builtin `hash` (torch 2.11), computed at trace time."""
-    if compat.dynamo_traces_hash():
-        return hash(parts)
-    return _hashed_at_trace_time(*parts)
-
-
-@torch._dynamo.assume_constant_result
-def _hashed_at_trace_time(*parts: object) -> int:
-    return hash(parts)
-
-
-_NOTED_PATTERN: list[int] = [0]
-
-
-def _note_pattern(args, kwargs) -> None:
-    """At trace time (`comptime`): the hash of the call's pattern, `_pattern` of the arguments' example values."""
-    variables = [variable._i_will_not_complain_if_bc_breaks_VariableTracker() for variable in (args, kwargs)]
-    _NOTED_PATTERN[0] = hash(tuple(_traced_pattern(variable) for variable in variables))
+_CALL_LOCALS = ("flats", "call_args", "call_kwargs")  # `_gathering_forward`'s locals: the body's arguments
 
 
 @torch._dynamo.assume_constant_result
-def _noted_pattern() -> int:
-    return _NOTED_PATTERN[0]
+def _noted_call() -> tuple[int, int, str | None]:
+    """What `_note_call` noted for the call being traced: (call key, reuse key, Python write or None)."""
+    return _NOTED_CALL[0]
 
 
 def _traced_pattern(variable) -> object:
@@ -282,25 +267,23 @@ def _pattern(value: object) -> object:
     return type(value).__name__  # a module, a symbolic number
 
 
-def _grads(value: object) -> object:
-    if isinstance(value, torch.Tensor):
-        return value.requires_grad
-    if isinstance(value, (tuple, list)):
-        return tuple(_grads(item) for item in value)
-    if isinstance(value, dict):
-        return tuple((name, _grads(item)) for name, item in value.items())
+def _traced_grads(variable) -> object:
+    """Which tensors of a traced value need a gradient, at trace time: containers item by item, else None."""
+    from torch._dynamo.variables import ConstDictVariable, TensorVariable
+    from torch._dynamo.variables.lists import BaseListVariable
+
+    if isinstance(variable, TensorVariable):
+        return variable.requires_grad
+    if isinstance(variable, BaseListVariable):
+        return tuple(_traced_grads(item) for item in variable.items)
+    if isinstance(variable, ConstDictVariable):
+        return tuple(_traced_grads(value) for value in variable.items.values())
     return None
-
-
-@torch._dynamo.assume_constant_result
-def _grad_dependent(call_key: int) -> bool:
-    return call_key in _GRAD_DEPENDENT
 
 
 def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
     flats, args = flats_and_args[:count], flats_and_args[count:]
-    key = _reuse_key(self, count, *flats_and_args, **kwargs)  # noqa: F841 (comptime reads it by name)
-    call_key = _call_key(self, *flats_and_args, **kwargs)  # noqa: F841 (comptime reads it by name)
+    call_key, key, _ = _noted_call()  # noqa: F841 (comptime reads them by name)
     comptime(lambda ctx: _note_versions(ctx.get_local("flats_and_args")))
     args, kwargs, caches = block_cache.stand_ins(args, kwargs)  # a marker becomes a fresh empty transformers cache
     comptime(_note_python_writes)
@@ -351,11 +334,6 @@ def _described(source) -> str:
         return f"the Python attribute {source.member!r}"
     name = source.name if isinstance(source.name, str) else source.name()  # a method before torch 2.13
     return f"a Python object it did not create ({name})"
-
-
-@torch._dynamo.assume_constant_result
-def _python_write(call_key: int) -> str | None:
-    return _PYTHON_WRITES.get(call_key)
 
 
 def _note_versions(arguments) -> None:
@@ -421,26 +399,25 @@ def _gathering_forward(self: nn.Module, *args, **kwargs):
             return _fall_back(self, block_arguments.argument_reason(why, refused), args, kwargs)
     from fsdp_graph.runtime.unit import unsharded_flat
 
-    flats = tuple(unsharded_flat(self, index) for index in range(len(self.__dict__["_fsdp_states"])))
-    # The flats unpacked, not one tuple argument: with only tensors, ints and modules as arguments Dynamo
-    # fingerprints a call without pytree-flattening it (`build_fingerprint_fast`), about 0.07 s a call.
-    call_key = _call_key(self, *flats, *call_args, **call_kwargs)
-    written = _python_write(call_key)
+    flats: tuple = ()
+    for index in range(len(self.__dict__["_fsdp_states"])):
+        flats += (unsharded_flat(self, index),)
+    grad, training, block = torch.is_grad_enabled(), self.training, self.__dict__[BLOCK_KEY]  # noqa: F841 (see below)
+    comptime(_note_call)
+    _, key, written = _noted_call()  # `key`: torch's key for the body, taken before the call changes it
     if written is not None:
         reason = f"its forward writes {written}, which a shared body would write for the first block only"
         return _fall_back(self, reason, args, kwargs)
-    # the key torch looks the body up by, taken before the call: tracing a new body can change the next call's key
-    key = _keyed(call_key, (*flats, *call_args), call_kwargs)
+    # The flats unpacked, not one tuple argument: with only tensors, ints and modules as arguments Dynamo
+    # fingerprints a call without pytree-flattening it (`build_fingerprint_fast`), about 0.07 s a call.
     out = _block_body(self, len(flats), *flats, *call_args, **call_kwargs)
     comptime(lambda ctx: _give_history(ctx.get_local("out")))
-    template, replay = _record(key)
-    why = refusal(template)
-    if why is not None:
-        return _fall_back(self, _output_reason(why), args, kwargs)
-    why = block_cache.refusal(replay)
-    if why is not None:
+    template, replay, output_refused, cache_refused = _record(key)
+    if output_refused is not None:
+        return _fall_back(self, _output_reason(output_refused), args, kwargs)
+    if cache_refused is not None:
         return _fall_back(
-            self, block_arguments.argument_reason(f"a cache its layer uses so: {why}", None), args, kwargs
+            self, block_arguments.argument_reason(f"a cache its layer uses so: {cache_refused}", None), args, kwargs
         )
     if replay:
         count = len(out) - 2 * sum(1 for entry in replay if entry[0] == "update")
@@ -505,9 +482,11 @@ def _raise(message: str) -> None:
 
 @torch._dynamo.assume_constant_result
 def _record(key: int) -> tuple:
-    """What `_body` recorded for `key` while tracing it (its output template, its cache calls to replay), read at
-    trace time (Dynamo keeps no guard on it: a new trace records it again, for its first body of that key)."""
-    return _RECORDS.get(key, (None, ()))
+    """What `_body` recorded for `key` while tracing it (its output template, its cache calls to replay), and why
+    each cannot be rebuilt or replayed (None where it can), read at trace time (Dynamo keeps no guard on it: a new
+    trace records it again, for its first body of that key)."""
+    template, replay = _RECORDS.get(key, (None, ()))
+    return template, replay, refusal(template), block_cache.refusal(replay)
 
 
 def _output_reason(why: str) -> str:

@@ -486,8 +486,20 @@ def install_forward_hooks(module: nn.Module, root: RootState) -> None:
     """`enter_forward`/`exit_forward` around eager forwards of `module`. The hooks touch no tensor, so under
     torch.compile they add no graph."""
     own_states: list[FlatParamState] = module.__dict__.get("_fsdp_states", [])
-    module.register_forward_pre_hook(lambda module, args: enter_forward(root, args))
-    module.register_forward_hook(lambda module, args, output: exit_forward(root, own_states), always_call=True)
+
+    # Compiled, the hooks test for it themselves: each call Dynamo inlines costs it a frame, per unit.
+    def pre_forward(module: nn.Module, args: tuple) -> None:
+        if not torch.compiler.is_compiling():
+            enter_forward(root, args)
+
+    def post_forward(module: nn.Module, args: tuple, output: object) -> None:
+        if torch.compiler.is_compiling():
+            _compiled_exit(root, own_states)
+        else:
+            exit_forward(root, own_states)
+
+    module.register_forward_pre_hook(pre_forward)
+    module.register_forward_hook(post_forward, always_call=True)
 
 
 def is_sharded(module: nn.Module) -> bool:

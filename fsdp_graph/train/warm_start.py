@@ -8,8 +8,7 @@ after this warm-up (the next ones 0.75 s: the rest is the first backward's set-u
 The suite forks several hundred ranks. Only CPU builds of torch warm up: a CUDA or ROCm build could initialise its
 driver while compiling, and a process forked after that cannot use the GPU.
 
-It also indexes the sources Dynamo names functions from (`_index_traced_sources`) and probes what this torch's Dynamo
-traces (`compat.dynamo_traces_hash`).
+It also indexes the sources Dynamo names functions from (`_index_traced_sources`).
 
 The server must stay safe to fork: the warm-up compiles an inference graph with eager kernels only (no autograd,
 whose engine marks a forked child unable to run a backward once it has started, torch 2.11; no Inductor, whose
@@ -30,9 +29,6 @@ def warm_up() -> None:
     compiled = torch.compile(tiny, backend="aot_eager", fullgraph=True)
     with torch.no_grad():  # no autograd: its engine, once started, refuses to run in a forked child (torch 2.11)
         compiled(torch.randn(8))
-    from fsdp_graph import compat
-
-    compat.dynamo_traces_hash()  # probed with a compile of its own (eager backend), once here rather than per rank
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     _stop_tqdm_monitor()
