@@ -28,5 +28,7 @@ for _module in (
 ):
     try:
         importlib.import_module(_module)
-    except ImportError:  # another torch version may name them otherwise: then the ranks import what they use
+    # Another torch may name them otherwise, transformers may be absent or refuse this torch: then the ranks import
+    # what they use, and meet any such error there, in the test that needs the module.
+    except Exception:
         pass
