@@ -2,7 +2,7 @@
 
 A unit's compiled forward gathers its flat parameters first, outside any region, then calls `_block_body`, a
 `torch.compiler.nested_compile_region`, with the gathered flats as explicit arguments. Inside, the unit's
-properties read their parameters from those arguments (`region_flat`), so the body holds no gather and no
+properties read their parameters from those arguments (`REGION_FLATS`), so the body holds no gather and no
 unit-specific constant, and Dynamo traces it once and stamps the same `subgraph_0` out for every block with the
 same `block_key`; AOT autograd and Inductor then compile its forward and backward once. The gathers and the
 gradient reductions stay in the outer graph, where the dedup, reshard, lowering and schedule passes see them as
@@ -59,12 +59,6 @@ _UNKEYED = frozenset({"training", BLOCK_KEY, CACHE_LAYER, STRICT})
 # not depend on the index, and its updates are replayed outside with the caller's own index (`block_cache`): an
 # update at another index refuses the body, so the traced layer's index is never baked into another layer's call.
 _CACHE_INDEX = frozenset({"layer_idx"})
-
-
-def region_flat(unit: nn.Module, index: int) -> torch.Tensor | None:
-    """The gathered flat parameter `index` of `unit` while its reused body runs under torch.compile (else None)."""
-    flats = unit.__dict__.get(REGION_FLATS)
-    return None if flats is None else flats[index]
 
 
 def region_param(

@@ -233,8 +233,10 @@ class RowShardLayout:
     def param_of(self, flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
         """The copy-out (differentiable; its backward is the copy-in that lays a gradient out for the
         reduce-scatter): every rank's block of `slot`, joined along its shard dim, the padding dropped."""
-        rows, world = self.block_rows(slot), self.world
-        blocks = flat.view(world, self.shard_numel)[:, slot.offset : slot.offset + self.block_numel(slot)]
+        # `block_rows` and `block_numel` written out: Dynamo inlines a call per parameter read in each compile
+        world = self.world
+        rows = -(-slot.shape[slot.dim] // world)
+        blocks = flat.view(world, self.shard_numel)[:, slot.offset : slot.offset + rows * slot.slice_numel]
         if slot.dim == 0:
             full = blocks.reshape(world * rows, *slot.shape[1:])
             return full if world * rows == slot.shape[0] else full[: slot.shape[0]]

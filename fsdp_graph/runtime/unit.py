@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_graph.api.controls import FSDPModule
 from fsdp_graph.ir.ops import UNSHARD_SIGNATURE, gather_pieces, piece_of, reuse_gathered
 from fsdp_graph.runtime import eager_reshard, grad_presence, offload
-from fsdp_graph.runtime.block_region import region_flat, region_param
+from fsdp_graph.runtime.block_region import REGION_FLATS, region_param
 from fsdp_graph.runtime.dtensor_views import hide_views, restore_views, set_local
 from fsdp_graph.runtime.eager_prefetch import ForwardPrefetch
 from fsdp_graph.runtime.exposed import UnshardedParams
@@ -311,19 +311,21 @@ def _unshard_values(shard: torch.Tensor, state: FlatParamState) -> dict:
 def _make_property(name: str) -> property:
     def get(self: nn.Module) -> torch.Tensor:
         spec: ViewSpec = self._fsdp_views[name]
-        flat = region_flat(spec.unit, spec.index)
-        if flat is not None:  # inside a reused block's body (`reuse_blocks`): its gathered flat is an argument
-            state = spec.unit._fsdp_states[spec.index]
+        state: FlatParamState = spec.unit._fsdp_states[spec.index]
+        region_flats = spec.unit.__dict__.get(REGION_FLATS)  # (`region_flat` written out: one frame less per read)
+        if region_flats is not None:  # inside a reused block's body (`reuse_blocks`): its gathered flat is an argument
+            flat = region_flats[spec.index]
             if spec.slot in state.detached_slots:
                 flat = flat.detach()
             return region_param(state.layout.param_of, flat, state.layout.slots[spec.slot])
         flat = unsharded_flat(spec.unit, spec.index)
         if flat is None:
             return self._parameters[name]
-        state: FlatParamState = spec.unit._fsdp_states[spec.index]
         if spec.slot in state.detached_slots:  # frozen after fully_shard: no gradient, as an unsharded frozen one
             flat = flat.detach()
         tp = state.tp[spec.slot] if state.tp else None
+        if tp is None and torch.compiler.is_compiling() and state.root.session is None:
+            return state.layout.param_of(flat, state.layout.slots[spec.slot])  # what `_tracked` would return
         if tp is None:  # (no local name for the result: Dynamo would name the graph's node after it)
             return _tracked(state, spec.slot, flat, state.layout.param_of(flat, state.layout.slots[spec.slot]))
         return tp.wrap(_tracked(state, spec.slot, flat, state.layout.param_of(flat, state.layout.slots[spec.slot])))
