@@ -312,7 +312,7 @@ def _make_property(name: str) -> property:
     def get(self: nn.Module) -> torch.Tensor:
         spec: ViewSpec = self._fsdp_views[name]
         state: FlatParamState = spec.unit._fsdp_states[spec.index]
-        region_flats = spec.unit.__dict__.get(REGION_FLATS)  # (`region_flat` written out: one frame less per read)
+        region_flats = spec.unit.__dict__.get(REGION_FLATS)  # read here, not by a helper: one frame less per read
         if region_flats is not None:  # inside a reused block's body (`reuse_blocks`): its gathered flat is an argument
             flat = region_flats[spec.index]
             if spec.slot in state.detached_slots:
