@@ -324,8 +324,6 @@ def _make_property(name: str) -> property:
         if spec.slot in state.detached_slots:  # frozen after fully_shard: no gradient, as an unsharded frozen one
             flat = flat.detach()
         tp = state.tp[spec.slot] if state.tp else None
-        if tp is None and torch.compiler.is_compiling() and state.root.session is None:
-            return state.layout.param_of(flat, state.layout.slots[spec.slot])  # what `_tracked` would return
         if tp is None:  # (no local name for the result: Dynamo would name the graph's node after it)
             return _tracked(state, spec.slot, flat, state.layout.param_of(flat, state.layout.slots[spec.slot]))
         return tp.wrap(_tracked(state, spec.slot, flat, state.layout.param_of(flat, state.layout.slots[spec.slot])))
