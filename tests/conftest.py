@@ -7,6 +7,10 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="fsdp_g
 # Ranks fork from one server that imported torch once (fsdp_graph.train.launch): each of the suite's ~150
 # multi-rank runs would otherwise spend seconds importing torch in every rank.
 os.environ.setdefault("FSDP_GRAPH_START_METHOD", "forkserver")
+# The ranks' own gloo groups run on one worker thread (fsdp_graph.runtime.gloo.use_gloo_threads). The references
+# (torch's FSDP2, DDP) keep several collectives in flight on them, and on torch's two threads that corrupts the heap:
+# CI lost a run of the eager upstream checks to a SIGSEGV (2026-11-27).
+os.environ.setdefault("FSDP_GRAPH_GLOO_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -23,6 +23,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 SINGLE_THREAD_GLOO = "fsdp_gloo"
 GLOO_BACKENDS = frozenset({"gloo", SINGLE_THREAD_GLOO})
@@ -32,12 +33,46 @@ GLOO_BACKENDS = frozenset({"gloo", SINGLE_THREAD_GLOO})
 _groups: dict[tuple[object, str, tuple[int, ...], timedelta | None], object] = {}
 
 
-def _create_single_thread_gloo(store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
+def _options(threads: int, timeout: timedelta) -> dist.ProcessGroupGloo._Options:
     options = dist.ProcessGroupGloo._Options()
-    options._threads = 1
+    options._threads = threads
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_default_device()]
-    return dist.ProcessGroupGloo(store, rank, size, options)
+    return options
+
+
+def _create_single_thread_gloo(store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
+    return dist.ProcessGroupGloo(store, rank, size, _options(1, timeout))
+
+
+def use_gloo_threads(threads: int) -> None:
+    """From now on, every gloo group this process makes (`init_process_group("gloo")`'s world group, `new_group`'s,
+    a DeviceMesh's) runs its collectives on `threads` worker threads instead of torch's 2, and keeps its backend
+    name "gloo".
+
+    For processes whose own gloo collectives may overlap: torch's FSDP2 and DDP keep several in flight on the
+    user's group, and on two worker threads that corrupts the heap as described above (the test suite runs them as
+    references). torch makes these groups as `ProcessGroupGloo(store, rank, size, timeout=...)` and ignores
+    `pg_options` for gloo, so the class it calls is the one place the count can be chosen while the name stays
+    "gloo", which torch and users' code compare against."""
+    if threads < 1:
+        raise ValueError(f"use_gloo_threads({threads}): a gloo group needs at least one worker thread")
+    c10d = dist.distributed_c10d
+    torch_class = getattr(c10d.ProcessGroupGloo, "_torch_class", c10d.ProcessGroupGloo)
+
+    class ProcessGroupGloo(torch_class):
+        _torch_class = torch_class
+
+        def __init__(self, store, rank: int, size: int, *args, **kwargs) -> None:
+            given = args[0] if args else kwargs.pop("options", None)
+            if isinstance(given, torch_class._Options):
+                given._threads = threads
+                options = given
+            else:
+                options = _options(threads, kwargs.pop("timeout", given or default_pg_timeout))
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = ProcessGroupGloo
 
 
 def _register() -> None:

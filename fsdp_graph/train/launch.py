@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from fsdp_graph.runtime.gloo import use_gloo_threads
 
 _HOST = "127.0.0.1"
 # After the first rank fails, how long its peers get to fail on their own (their errors then follow the root
@@ -65,6 +68,9 @@ def _entry(
         if fd != target:  # under spawn the child inherits the caller's descriptors under the same numbers
             os.dup2(fd, target)
             os.close(fd)
+    # A crash in native code (SIGSEGV, SIGABRT, ...) leaves no Python traceback: every thread's Python stack at that
+    # moment goes to a file the launcher puts in the failure it reports. The file stays open until the process ends.
+    faulthandler.enable(open(os.path.join(out_dir, f"rank{rank}.fault"), "w"), all_threads=True)
     # As torchrun does: ranks sharing a machine split its cores instead of oversubscribing them.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -73,6 +79,9 @@ def _entry(
     # A rank that dies before arriving ends the others through the parent, not through this wait.
     store.set(f"fsdp_graph_launch/ready/{rank}", "1")
     store.wait([f"fsdp_graph_launch/ready/{r}" for r in range(world)])
+    threads = _gloo_threads()
+    if threads is not None:
+        use_gloo_threads(threads)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         result = fn(rank, world, *args)
@@ -151,6 +160,18 @@ def _exit_status(exitcode: int) -> tuple[str, str | None]:
     return f"the process exited with code {exitcode} without a Python traceback.\n", None
 
 
+def _fault_stack(path: str) -> str:
+    """The Python stacks faulthandler wrote when the rank crashed in native code; nothing when it wrote none."""
+    try:
+        with open(path) as f:
+            # Its closing list of loaded extension modules says nothing about where the rank was.
+            stack = "\n".join(line for line in f.read().splitlines() if not line.startswith("Extension modules:"))
+            stack = stack.strip()
+    except OSError:
+        return ""
+    return f"Its Python stacks at the crash (faulthandler):\n{stack}\n" if stack else ""
+
+
 def _failures(
     out_dir: str, world: int, exits: dict[int, tuple[float, int]], states: dict[int, str]
 ) -> tuple[list[tuple[float, int, str]], str | None]:
@@ -168,6 +189,7 @@ def _failures(
             blamed.append((stamp, rank, blames))
         elif rank in exits and exits[rank][1] != 0:
             text, signals[rank] = _exit_status(exits[rank][1])
+            text += _fault_stack(os.path.join(out_dir, f"rank{rank}.fault"))
             vanished.append((exits[rank][0], rank, text))
     failures = sorted(vanished) + sorted(raised)
     accusers = sorted(entry for entry in blamed if entry[2])
@@ -263,6 +285,8 @@ def _forwarding_signals(processes: list):
 
 
 START_METHOD_ENV = "FSDP_GRAPH_START_METHOD"
+# The worker threads of each gloo group a rank makes (`fsdp_graph.runtime.gloo.use_gloo_threads`); unset: torch's 2.
+GLOO_THREADS_ENV = "FSDP_GRAPH_GLOO_THREADS"
 _PRELOAD = ["torch", "fsdp_graph", "fsdp_graph.train.warm_start"]
 
 
@@ -281,6 +305,15 @@ def _start_method(fn: Callable) -> str:
     return method
 
 
+def _gloo_threads() -> int | None:
+    value = os.environ.get(GLOO_THREADS_ENV)
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{GLOO_THREADS_ENV}={value!r}: give the number of worker threads per gloo group (1 or more)")
+    return int(value)
+
+
 def spawn(fn: Callable[..., Any], world: int = 2, args: tuple = (), timeout_s: float = 300.0) -> list[Any]:
     """Run `fn(rank, world, *args)` on `world` gloo ranks on 127.0.0.1 and return each rank's result.
 
@@ -292,7 +325,13 @@ def spawn(fn: Callable[..., Any], world: int = 2, args: tuple = (), timeout_s: f
     SIGTERM and SIGUSR1 sent to this process while the ranks run are passed on to every rank (a scheduler
     signals the launcher before it kills the job: the ranks may finish their step and save, see
     fsdp_graph.StopSignal); Ctrl-C ends every rank at once (ranks ignore SIGINT: the launcher ends them).
+
+    With FSDP_GRAPH_GLOO_THREADS=N set, each rank's gloo groups run on N worker threads instead of torch's 2 (the
+    test suite sets 1: its references keep several collectives in flight on them, which on two threads can
+    corrupt the heap, see fsdp_graph.runtime.gloo). A rank that crashes in native code is reported with the
+    Python stacks faulthandler wrote at the crash.
     """
+    _gloo_threads()  # a malformed value fails here, before any rank starts
     # The parent owns the rendezvous store, bound to a port the OS picks and held for the whole run: no window in
     # which another process could take the port between choosing and binding it.
     store = dist.TCPStore(

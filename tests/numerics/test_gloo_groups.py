@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_graph
-from fsdp_graph.train.launch import spawn
+from fsdp_graph.train.launch import GLOO_THREADS_ENV, spawn
 from tests.workers.models import OddMLP
 
 
@@ -23,7 +23,7 @@ def _groups_of_each_strategy(rank: int, world: int) -> dict[str, object]:
         "NO_SHARD": None,
         "HYBRID_SHARD": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
     }
-    out["mesh_timeouts"] = {_threads(g.group_name)[1] for g in meshes["HYBRID_SHARD"].get_all_groups()}
+    out["mesh_groups"] = {_threads(g.group_name) for g in meshes["HYBRID_SHARD"].get_all_groups()}
     for name, mesh in meshes.items():
         names = set()
         for i in range(2):  # sharding a second model reuses the shard groups of the first
@@ -40,17 +40,20 @@ def _groups_of_each_strategy(rank: int, world: int) -> dict[str, object]:
     return out
 
 
-def test_graph_collectives_run_on_single_thread_gloo_groups():
+def test_graph_collectives_run_on_single_thread_gloo_groups(monkeypatch):
     """Each copy has one worker thread and keeps the timeout of the group it copies (spawn's 77 s for the world
-    group here, not new_group's 30 minutes: a hung peer must end the run as soon as the user asked)."""
+    group here, not new_group's 30 minutes: a hung peer must end the run as soon as the user asked). The ranks'
+    own groups get the launcher's FSDP_GRAPH_GLOO_THREADS (3 here; the suite runs with 1), and keep it."""
     one = (1, 77.0)
+    monkeypatch.setenv(GLOO_THREADS_ENV, "3")
     results = spawn(_groups_of_each_strategy, 4, timeout_s=77.0)
     for rank, r in enumerate(results):
-        assert r["world_threads"] == (2, 77.0), r  # the user's own group is left as it is
+        assert r["world_threads"] == (3, 77.0), r  # the user's own group is left as it is
         assert r["FULL_SHARD"] == [([0, 1, 2, 3], one), ([0, 1, 2, 3], one)], r  # shard group + reduce duplicate
         assert r["NO_SHARD"] == [([0, 1, 2, 3], one)], r
         row = [0, 1] if rank < 2 else [2, 3]
         column = [rank % 2, rank % 2 + 2]
-        (mesh_timeout,) = r["mesh_timeouts"]  # DeviceMesh's groups carry their own
+        ((mesh_threads, mesh_timeout),) = r["mesh_groups"]  # DeviceMesh's groups carry their own timeout
+        assert mesh_threads == 3, r
         mesh_one = (1, mesh_timeout)
         assert sorted(r["HYBRID_SHARD"]) == sorted([(row, mesh_one), (row, mesh_one), (column, mesh_one)]), r

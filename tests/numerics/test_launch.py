@@ -1,5 +1,6 @@
 """The launcher every multi-rank test relies on: a failing rank ends the run with its own error, no hang."""
 
+import ctypes
 import sys
 import time
 
@@ -13,6 +14,16 @@ def _fails_on_rank_1(rank: int, world: int) -> None:
     if rank == 1:
         raise ValueError("boom on rank 1")
     dist.barrier()  # rank 0 would wait here forever if the failure did not end it
+
+
+def _read_address_zero() -> None:
+    ctypes.string_at(0)
+
+
+def _crashes_on_rank_1(rank: int, world: int) -> None:
+    if rank == 1:
+        _read_address_zero()
+    dist.barrier()
 
 
 def _returns_rank(rank: int, world: int) -> int:
@@ -46,3 +57,13 @@ def test_failure_on_one_rank_ends_all_with_its_traceback():
         spawn(_fails_on_rank_1, 2, timeout_s=60)
     assert info.value.rank == 1
     assert time.monotonic() - start < 30
+
+
+def test_a_native_crash_is_reported_with_the_ranks_python_stack():
+    """A SIGSEGV leaves no traceback; faulthandler's stack of the crashing rank says where it happened."""
+    with pytest.raises(RankFailedError, match="^rank 1 failed first:\nthe process was killed by SIGSEGV") as info:
+        spawn(_crashes_on_rank_1, 2, timeout_s=60)
+    assert info.value.signal == "SIGSEGV", info.value
+    message = str(info.value)
+    stacks = message[message.index("Its Python stacks at the crash (faulthandler):") :]
+    assert "_read_address_zero" in stacks and "_crashes_on_rank_1" in stacks, message
