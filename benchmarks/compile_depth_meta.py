@@ -77,7 +77,9 @@ def measure_torch(preset_name: str, layers: int, regions: bool) -> dict:
     return {"layers": layers, "wall_s": wall, "cpu_s": cpu, "compile_s": compile_s}
 
 
-def in_fresh_process(preset_name: str, layers: int, world: int, reuse_blocks: bool, torch_mode: str | None) -> dict:
+def in_fresh_process(
+    preset_name: str, layers: int, world: int, reuse_blocks: bool, torch_mode: str | None = None
+) -> dict:
     """`measure` (or `measure_torch`) in a new Python process (nothing compiled or imported before it)."""
     command = [sys.executable, __file__, "--child", "--preset", preset_name, "--world", str(world)]
     command += ["--layers", str(layers), str(layers)] + (["--reuse-blocks"] if reuse_blocks else [])
