@@ -7,7 +7,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from fsdp_graph.train.launch import START_METHOD_ENV, RankFailedError, spawn
+from fsdp_graph.train.launch import GLOO_THREADS_ENV, START_METHOD_ENV, RankFailedError, spawn
 
 
 def _fails_on_rank_1(rank: int, world: int) -> None:
@@ -67,3 +67,10 @@ def test_a_native_crash_is_reported_with_the_ranks_python_stack():
     message = str(info.value)
     stacks = message[message.index("Its Python stacks at the crash (faulthandler):") :]
     assert "_read_address_zero" in stacks and "_crashes_on_rank_1" in stacks, message
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_a_malformed_gloo_thread_count_fails_before_any_rank_starts(monkeypatch, value):
+    monkeypatch.setenv(GLOO_THREADS_ENV, value)
+    with pytest.raises(ValueError, match=f"^{GLOO_THREADS_ENV}='{value}': give the number of worker threads"):
+        spawn(_returns_rank, 2)
