@@ -106,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     results = [
         in_fresh_process(args.preset, layers, args.world, args.reuse_blocks, args.torch) for layers in args.layers
     ]
-    label = f"{args.preset}, world {args.world}, reuse_blocks={args.reuse_blocks}"
     if args.torch:
         label = f"{args.preset}, plain torch.compile (aot_eager){', nested_compile_region' * (args.torch == 'regions')}"
+    else:
+        label = f"{args.preset}, world {args.world}, reuse_blocks={args.reuse_blocks}"
     whole = "the first step" if args.torch else "all of explain()"
     for r in results:
         print(

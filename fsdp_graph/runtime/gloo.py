@@ -63,14 +63,8 @@ def use_gloo_threads(threads: int) -> None:
     class ProcessGroupGloo(torch_class):
         _torch_class = torch_class
 
-        def __init__(self, store, rank: int, size: int, *args, **kwargs) -> None:
-            given = args[0] if args else kwargs.pop("options", None)
-            if isinstance(given, torch_class._Options):
-                given._threads = threads
-                options = given
-            else:
-                options = _options(threads, kwargs.pop("timeout", given or default_pg_timeout))
-            super().__init__(store, rank, size, options)
+        def __init__(self, store, rank: int, size: int, timeout: timedelta = default_pg_timeout) -> None:
+            super().__init__(store, rank, size, _options(threads, timeout))
 
     c10d.ProcessGroupGloo = ProcessGroupGloo
 
