@@ -18,8 +18,10 @@ only torch, numpy, tqdm and matplotlib, from a plain checkout (`PYTHONPATH=.`).
    says why a fake group and not a (1, 1) mesh on NCCL).
 6. compress: the same FULL_SHARD run against `compress=weights=int8,grads=int8` (the job's `--compress`): step
    time (the cost of quantizing), memory, and the bytes each collective sends.
+7. job1b: section 1's two runs at the `1b` preset (4 x 2048 tokens a step), where the GPU's compute and not the
+   host's launch overhead sets the step time; adds the allocator's peak reserved memory.
 
-Sections run in the order 1, 3, 5, 6, 2, 4, so a spent budget leaves out the long 1b plan and the overlap picture
+Sections run in the order 1, 7, 3, 5, 6, 2, 4, so a spent budget leaves out the 1b plan and the overlap picture
 first. Each measurement runs in a fresh child process (its own CUDA memory statistics, process group and Dynamo state);
 all share one new Inductor cache. A section that fails or runs past the time budget is reported as such. Without
 CUDA the script exits with status 2 and a message, and writes nothing. The parts that need no GPU live in
@@ -50,6 +52,7 @@ from benchmarks.gpu_report import (  # noqa: E402
     ORDER,
     child_line,
     draw_timeline,
+    gpu_preset,
     headline,
     kernel_intervals,
     length,
@@ -60,6 +63,7 @@ from benchmarks.gpu_report import (  # noqa: E402
 
 _TRAIN = ["--preset", "small", "--mixed-precision", "bf16", "--plot", "none", "--world", "1"]
 _SECTION_CAP_S = {"train": 150.0, "plain": 150.0, "plan": 240.0, "overlap": 150.0}
+_JOB1B = {"steps": 10, "extra": ["--preset", "1b", "--batch", "4", "--seq", "2048"]}  # 8,192 tokens a step
 _HYBRID = {"strategy": "HYBRID_SHARD"}
 _COMPRESSED = {"strategy": "FULL_SHARD", "compress": "weights=int8,grads=int8"}
 
@@ -122,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         ours = child("train", offload=False)
     if "train" in args.only:
         publish("train", _pair(ours=ours, plain=child("plain")))
+    if "job1b" in args.only:
+        publish("job1b", _pair(ours=child("train", cap=200.0, **_JOB1B), plain=child("plain", cap=200.0, **_JOB1B)))
     if "offload" in args.only:
         publish("offload", _pair(off=ours, on=child("train", offload=True)))
     small = _small_params(args.quick)
@@ -211,10 +217,15 @@ def _train_child(params: dict) -> dict:
     _torchrun_env()
     argv = [*_TRAIN, "--steps", str(params["steps"]), *(["--cpu-offload"] if params.get("offload") else [])]
     argv += params.get("extra", [])  # later options win: a CPU smoke run passes a smaller preset
+    targs = train.parse_args(argv)
     summary = train.main(argv)
     return {
         "median_step_s": summary["median_step_s"],
         "peak_bytes": summary["peak_memory_bytes"][0],
+        "reserved_bytes": _reserved(torch.device("cuda" if torch.cuda.is_available() else "cpu")),  # the job's
+        "batch": targs.batch,
+        "seq": targs.seq,
+        "tokens_per_step": targs.batch * targs.seq,
         "compile_s": summary["compile_s"],
         "first_loss": summary["first_loss"],
         "last_loss": summary["last_loss"],
@@ -255,6 +266,10 @@ def _plain_child(params: dict) -> dict:
     return {
         "median_step_s": median,
         "peak_bytes": _peak(device),
+        "reserved_bytes": _reserved(device),
+        "batch": targs.batch,
+        "seq": targs.seq,
+        "tokens_per_step": targs.batch * targs.seq,
         "compile_s": times[0] - median,
         "first_loss": losses[0],
         "last_loss": losses[-1],
@@ -287,6 +302,11 @@ def _peak(device: torch.device) -> int:
         return 0
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device)
+
+
+def _reserved(device: torch.device) -> int:
+    """The caching allocator's peak of reserved segments (0 off CUDA)."""
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
 
 
 def _loss_of(model, loss_fn, inputs):
@@ -325,8 +345,9 @@ def _plan_child(params: dict) -> dict:
             return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
         compress = fsdp_graph.Compression.parse(params["compress"]) if params.get("compress") else None
-        report = fsdp_graph.explain(model, inputs, loss_fn=loss_fn, hardware="nvlink", compress=compress)
-        free_comm = report.with_hardware("nvlink", link_bytes_per_s=1e30, link_latency_s=0.0)
+        hardware = gpu_preset(torch.cuda.get_device_name(device)) if device.type == "cuda" else "nvlink"
+        report = fsdp_graph.explain(model, inputs, loss_fn=loss_fn, hardware=hardware, compress=compress)
+        free_comm = report.with_hardware(hardware, link_bytes_per_s=1e30, link_latency_s=0.0)  # 8 ranks: one node
         backend = fsdp_graph.make_backend(inductor=params.get("inductor", True), compress=compress)
         compiled = torch.compile(_loss_of, backend=backend, fullgraph=True)
         times, peaks, persistent = [], [], None
@@ -347,6 +368,7 @@ def _plan_child(params: dict) -> dict:
     step = statistics.median(times[1:])
     return {
         "strategy": strategy.name,
+        "hardware": hardware,
         "compress": params.get("compress"),
         "sent_bytes": sent,
         "params": cfg.num_params(),

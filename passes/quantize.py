@@ -93,8 +93,22 @@ def pack_rows(x: Any, rows: int, n: int, scheme: str, block_size: int, call: Cal
         code_row = call(_aten.view.dtype, nibbles, torch.uint8)
     else:
         code_row = call(_aten.view.dtype, call(_aten.view.default, codes, [rows, padded]), torch.uint8)
-    scale_row = call(_aten.view.dtype, call(_aten.view.default, scale, [rows, nb]), torch.uint8)
+    scale_row = _bytes_of_float32(call, call(_aten.view.default, scale, [rows, nb]), rows, nb)
     return call(_aten.cat.default, [code_row, scale_row], 1)
+
+
+def _bytes_of_float32(call: Call, words: Any, rows: int, nb: int) -> Any:
+    """(rows, nb) float32 -> (rows, 4 * nb) little-endian bytes, bit for bit: an equal-size bitcast to int32, then
+    shifts and masks. Not `view.dtype(uint8)`: Inductor lowers a bitcast between sizes as an eager fallback, which
+    torch 2.11 builds with stride 0 for a (1, 1) view of a reduction and rejects ('self.stride(-1) must be 1 to view
+    Float as Byte'); this form is pointwise and fuses into the packing kernel."""
+    as_int = call(_aten.view.dtype, words, torch.int32)
+    parts = []
+    for i in range(4):
+        shifted = as_int if i == 0 else call(_aten.bitwise_right_shift.Tensor_Scalar, as_int, 8 * i)
+        byte = call(_prims.convert_element_type.default, call(_aten.bitwise_and.Scalar, shifted, 255), torch.uint8)
+        parts.append(call(_aten.unsqueeze.default, byte, 2))
+    return call(_aten.view.default, call(_aten.cat.default, parts, 2), [rows, 4 * nb])
 
 
 def _float32_of_bytes(call: Call, scale_bytes: Any, rows: int, nb: int) -> Any:

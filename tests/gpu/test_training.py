@@ -71,7 +71,8 @@ def test_world1_nccl_inductor_matches_single_process(nccl_world1):
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     losses, codes = _train_side_by_side(model, compiled, ref, loss_fn, make_batch, device)
     assert any("triton" in code for code in codes), "Inductor generated no Triton kernel"
-    assert [r.stage for r in backend.reports][:2] == ["fw", "bw"], backend.reports  # compiled by our passes
+    # compiled by our passes: the model's forward and backward, and a shared block body's (reuse_blocks) of each
+    assert {r.stage for r in backend.reports} == {"fw", "bw"}, backend.reports
     _assert_parity(losses)
     assert _max_param_diff(model, ref) < 1e-4
 

@@ -221,24 +221,41 @@ def forward(self, primals_1, primals_2):
     view_default_2 = torch.ops.aten.view.default(convert_element_type_default, [1, 8]);  convert_element_type_default = None
     view_dtype = torch.ops.aten.view.dtype(view_default_2, torch.uint8);  view_default_2 = None
     view_default_3 = torch.ops.aten.view.default(clamp_min_default, [1, 2]);  clamp_min_default = None
-    view_dtype_1 = torch.ops.aten.view.dtype(view_default_3, torch.uint8);  view_default_3 = None
-    cat_default = torch.ops.aten.cat.default([view_dtype, view_dtype_1], 1);  view_dtype = view_dtype_1 = None
-    view_default_4 = torch.ops.aten.view.default(cat_default, [-1]);  cat_default = None
-    all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(view_default_4, 4, '0');  view_default_4 = None
+    view_dtype_1 = torch.ops.aten.view.dtype(view_default_3, torch.int32);  view_default_3 = None
+    bitwise_and_scalar = torch.ops.aten.bitwise_and.Scalar(view_dtype_1, 255)
+    convert_element_type_default_1 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar, torch.uint8);  bitwise_and_scalar = None
+    unsqueeze_default = torch.ops.aten.unsqueeze.default(convert_element_type_default_1, 2);  convert_element_type_default_1 = None
+    bitwise_right_shift_tensor_scalar = torch.ops.aten.bitwise_right_shift.Tensor_Scalar(view_dtype_1, 8)
+    bitwise_and_scalar_1 = torch.ops.aten.bitwise_and.Scalar(bitwise_right_shift_tensor_scalar, 255);  bitwise_right_shift_tensor_scalar = None
+    convert_element_type_default_2 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar_1, torch.uint8);  bitwise_and_scalar_1 = None
+    unsqueeze_default_1 = torch.ops.aten.unsqueeze.default(convert_element_type_default_2, 2);  convert_element_type_default_2 = None
+    bitwise_right_shift_tensor_scalar_1 = torch.ops.aten.bitwise_right_shift.Tensor_Scalar(view_dtype_1, 16)
+    bitwise_and_scalar_2 = torch.ops.aten.bitwise_and.Scalar(bitwise_right_shift_tensor_scalar_1, 255);  bitwise_right_shift_tensor_scalar_1 = None
+    convert_element_type_default_3 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar_2, torch.uint8);  bitwise_and_scalar_2 = None
+    unsqueeze_default_2 = torch.ops.aten.unsqueeze.default(convert_element_type_default_3, 2);  convert_element_type_default_3 = None
+    bitwise_right_shift_tensor_scalar_2 = torch.ops.aten.bitwise_right_shift.Tensor_Scalar(view_dtype_1, 24);  view_dtype_1 = None
+    bitwise_and_scalar_3 = torch.ops.aten.bitwise_and.Scalar(bitwise_right_shift_tensor_scalar_2, 255);  bitwise_right_shift_tensor_scalar_2 = None
+    convert_element_type_default_4 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar_3, torch.uint8);  bitwise_and_scalar_3 = None
+    unsqueeze_default_3 = torch.ops.aten.unsqueeze.default(convert_element_type_default_4, 2);  convert_element_type_default_4 = None
+    cat_default = torch.ops.aten.cat.default([unsqueeze_default, unsqueeze_default_1, unsqueeze_default_2, unsqueeze_default_3], 2);  unsqueeze_default = unsqueeze_default_1 = unsqueeze_default_2 = unsqueeze_default_3 = None
+    view_default_4 = torch.ops.aten.view.default(cat_default, [1, 8]);  cat_default = None
+    cat_default_1 = torch.ops.aten.cat.default([view_dtype, view_default_4], 1);  view_dtype = view_default_4 = None
+    view_default_5 = torch.ops.aten.view.default(cat_default_1, [-1]);  cat_default_1 = None
+    all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(view_default_5, 4, '0');  view_default_5 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1);  all_gather_into_tensor_default_1 = None
-    view_default_5 = torch.ops.aten.view.default(wait_tensor_default_1, [4, 16]);  wait_tensor_default_1 = None
-    slice_tensor = torch.ops.aten.slice.Tensor(view_default_5, 1, 0, 8)
-    slice_tensor_1 = torch.ops.aten.slice.Tensor(view_default_5, 1, 8, 16);  view_default_5 = None
+    view_default_6 = torch.ops.aten.view.default(wait_tensor_default_1, [4, 16]);  wait_tensor_default_1 = None
+    slice_tensor = torch.ops.aten.slice.Tensor(view_default_6, 1, 0, 8)
+    slice_tensor_1 = torch.ops.aten.slice.Tensor(view_default_6, 1, 8, 16);  view_default_6 = None
     clone_default = torch.ops.aten.clone.default(slice_tensor_1, memory_format = torch.contiguous_format);  slice_tensor_1 = None
     view_dtype_2 = torch.ops.aten.view.dtype(clone_default, torch.float32);  clone_default = None
-    view_default_6 = torch.ops.aten.view.default(view_dtype_2, [4, 2, 1]);  view_dtype_2 = None
+    view_default_7 = torch.ops.aten.view.default(view_dtype_2, [4, 2, 1]);  view_dtype_2 = None
     view_dtype_3 = torch.ops.aten.view.dtype(slice_tensor, torch.int8);  slice_tensor = None
-    convert_element_type_default_1 = torch.ops.prims.convert_element_type.default(view_dtype_3, torch.float32);  view_dtype_3 = None
-    view_default_7 = torch.ops.aten.view.default(convert_element_type_default_1, [4, 2, 4]);  convert_element_type_default_1 = None
-    mul_tensor = torch.ops.aten.mul.Tensor(view_default_7, view_default_6);  view_default_7 = view_default_6 = None
-    view_default_8 = torch.ops.aten.view.default(mul_tensor, [4, 8]);  mul_tensor = None
-    view_default_9 = torch.ops.aten.view.default(view_default_8, [32]);  view_default_8 = None
-    view = torch.ops.aten.view.default(view_default_9, [4, 8]);  view_default_9 = None
+    convert_element_type_default_5 = torch.ops.prims.convert_element_type.default(view_dtype_3, torch.float32);  view_dtype_3 = None
+    view_default_8 = torch.ops.aten.view.default(convert_element_type_default_5, [4, 2, 4]);  convert_element_type_default_5 = None
+    mul_tensor = torch.ops.aten.mul.Tensor(view_default_8, view_default_7);  view_default_8 = view_default_7 = None
+    view_default_9 = torch.ops.aten.view.default(mul_tensor, [4, 8]);  mul_tensor = None
+    view_default_10 = torch.ops.aten.view.default(view_default_9, [32]);  view_default_9 = None
+    view = torch.ops.aten.view.default(view_default_10, [4, 8]);  view_default_10 = None
     alias = torch.ops.aten.alias.default(view);  view = None
     view_1 = torch.ops.aten.view.default(alias, [4, 8]);  alias = None
     t = torch.ops.aten.t.default(view_1);  view_1 = None
@@ -270,23 +287,40 @@ def forward(self, primals_1, tangents_1):
     view_default_2 = torch.ops.aten.view.default(convert_element_type_default, [4, 8]);  convert_element_type_default = None
     view_dtype = torch.ops.aten.view.dtype(view_default_2, torch.uint8);  view_default_2 = None
     view_default_3 = torch.ops.aten.view.default(clamp_min_default, [4, 2]);  clamp_min_default = None
-    view_dtype_1 = torch.ops.aten.view.dtype(view_default_3, torch.uint8);  view_default_3 = None
-    cat_default = torch.ops.aten.cat.default([view_dtype, view_dtype_1], 1);  view_dtype = view_dtype_1 = None
-    view_default_4 = torch.ops.aten.view.default(cat_default, [-1]);  cat_default = None
-    all_to_all_single_default = torch.ops._c10d_functional.all_to_all_single.default(view_default_4, [16, 16, 16, 16], [16, 16, 16, 16], '0');  view_default_4 = None
+    view_dtype_1 = torch.ops.aten.view.dtype(view_default_3, torch.int32);  view_default_3 = None
+    bitwise_and_scalar = torch.ops.aten.bitwise_and.Scalar(view_dtype_1, 255)
+    convert_element_type_default_1 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar, torch.uint8);  bitwise_and_scalar = None
+    unsqueeze_default = torch.ops.aten.unsqueeze.default(convert_element_type_default_1, 2);  convert_element_type_default_1 = None
+    bitwise_right_shift_tensor_scalar = torch.ops.aten.bitwise_right_shift.Tensor_Scalar(view_dtype_1, 8)
+    bitwise_and_scalar_1 = torch.ops.aten.bitwise_and.Scalar(bitwise_right_shift_tensor_scalar, 255);  bitwise_right_shift_tensor_scalar = None
+    convert_element_type_default_2 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar_1, torch.uint8);  bitwise_and_scalar_1 = None
+    unsqueeze_default_1 = torch.ops.aten.unsqueeze.default(convert_element_type_default_2, 2);  convert_element_type_default_2 = None
+    bitwise_right_shift_tensor_scalar_1 = torch.ops.aten.bitwise_right_shift.Tensor_Scalar(view_dtype_1, 16)
+    bitwise_and_scalar_2 = torch.ops.aten.bitwise_and.Scalar(bitwise_right_shift_tensor_scalar_1, 255);  bitwise_right_shift_tensor_scalar_1 = None
+    convert_element_type_default_3 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar_2, torch.uint8);  bitwise_and_scalar_2 = None
+    unsqueeze_default_2 = torch.ops.aten.unsqueeze.default(convert_element_type_default_3, 2);  convert_element_type_default_3 = None
+    bitwise_right_shift_tensor_scalar_2 = torch.ops.aten.bitwise_right_shift.Tensor_Scalar(view_dtype_1, 24);  view_dtype_1 = None
+    bitwise_and_scalar_3 = torch.ops.aten.bitwise_and.Scalar(bitwise_right_shift_tensor_scalar_2, 255);  bitwise_right_shift_tensor_scalar_2 = None
+    convert_element_type_default_4 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar_3, torch.uint8);  bitwise_and_scalar_3 = None
+    unsqueeze_default_3 = torch.ops.aten.unsqueeze.default(convert_element_type_default_4, 2);  convert_element_type_default_4 = None
+    cat_default = torch.ops.aten.cat.default([unsqueeze_default, unsqueeze_default_1, unsqueeze_default_2, unsqueeze_default_3], 2);  unsqueeze_default = unsqueeze_default_1 = unsqueeze_default_2 = unsqueeze_default_3 = None
+    view_default_4 = torch.ops.aten.view.default(cat_default, [4, 8]);  cat_default = None
+    cat_default_1 = torch.ops.aten.cat.default([view_dtype, view_default_4], 1);  view_dtype = view_default_4 = None
+    view_default_5 = torch.ops.aten.view.default(cat_default_1, [-1]);  cat_default_1 = None
+    all_to_all_single_default = torch.ops._c10d_functional.all_to_all_single.default(view_default_5, [16, 16, 16, 16], [16, 16, 16, 16], '0');  view_default_5 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_default);  all_to_all_single_default = None
-    view_default_5 = torch.ops.aten.view.default(wait_tensor_default_1, [4, 16]);  wait_tensor_default_1 = None
-    slice_tensor = torch.ops.aten.slice.Tensor(view_default_5, 1, 0, 8)
-    slice_tensor_1 = torch.ops.aten.slice.Tensor(view_default_5, 1, 8, 16);  view_default_5 = None
+    view_default_6 = torch.ops.aten.view.default(wait_tensor_default_1, [4, 16]);  wait_tensor_default_1 = None
+    slice_tensor = torch.ops.aten.slice.Tensor(view_default_6, 1, 0, 8)
+    slice_tensor_1 = torch.ops.aten.slice.Tensor(view_default_6, 1, 8, 16);  view_default_6 = None
     clone_default = torch.ops.aten.clone.default(slice_tensor_1, memory_format = torch.contiguous_format);  slice_tensor_1 = None
     view_dtype_2 = torch.ops.aten.view.dtype(clone_default, torch.float32);  clone_default = None
-    view_default_6 = torch.ops.aten.view.default(view_dtype_2, [4, 2, 1]);  view_dtype_2 = None
+    view_default_7 = torch.ops.aten.view.default(view_dtype_2, [4, 2, 1]);  view_dtype_2 = None
     view_dtype_3 = torch.ops.aten.view.dtype(slice_tensor, torch.int8);  slice_tensor = None
-    convert_element_type_default_1 = torch.ops.prims.convert_element_type.default(view_dtype_3, torch.float32);  view_dtype_3 = None
-    view_default_7 = torch.ops.aten.view.default(convert_element_type_default_1, [4, 2, 4]);  convert_element_type_default_1 = None
-    mul_tensor = torch.ops.aten.mul.Tensor(view_default_7, view_default_6);  view_default_7 = view_default_6 = None
-    view_default_8 = torch.ops.aten.view.default(mul_tensor, [4, 8]);  mul_tensor = None
-    sum_dim_int_list = torch.ops.aten.sum.dim_IntList(view_default_8, [0]);  view_default_8 = None
+    convert_element_type_default_5 = torch.ops.prims.convert_element_type.default(view_dtype_3, torch.float32);  view_dtype_3 = None
+    view_default_8 = torch.ops.aten.view.default(convert_element_type_default_5, [4, 2, 4]);  convert_element_type_default_5 = None
+    mul_tensor = torch.ops.aten.mul.Tensor(view_default_8, view_default_7);  view_default_8 = view_default_7 = None
+    view_default_9 = torch.ops.aten.view.default(mul_tensor, [4, 8]);  mul_tensor = None
+    sum_dim_int_list = torch.ops.aten.sum.dim_IntList(view_default_9, [0]);  view_default_9 = None
     div_tensor_1 = torch.ops.aten.div.Tensor(sum_dim_int_list, 2);  sum_dim_int_list = None
     return (None, div_tensor_1)""",
     )
@@ -370,131 +404,182 @@ def forward(self, primals_1, tangents_1):
     view_default_2 = torch.ops.aten.view.default(convert_element_type_default, [2, 4]);  convert_element_type_default = None
     view_dtype = torch.ops.aten.view.dtype(view_default_2, torch.uint8);  view_default_2 = None
     view_default_3 = torch.ops.aten.view.default(clamp_min_default, [2, 1]);  clamp_min_default = None
-    view_dtype_1 = torch.ops.aten.view.dtype(view_default_3, torch.uint8);  view_default_3 = None
-    cat_default = torch.ops.aten.cat.default([view_dtype, view_dtype_1], 1);  view_dtype = view_dtype_1 = None
-    view_default_4 = torch.ops.aten.view.default(cat_default, [-1]);  cat_default = None
-    all_to_all_single_default = torch.ops._c10d_functional.all_to_all_single.default(view_default_4, [8, 8], [8, 8], '3');  view_default_4 = None
+    view_dtype_1 = torch.ops.aten.view.dtype(view_default_3, torch.int32);  view_default_3 = None
+    bitwise_and_scalar = torch.ops.aten.bitwise_and.Scalar(view_dtype_1, 255)
+    convert_element_type_default_1 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar, torch.uint8);  bitwise_and_scalar = None
+    unsqueeze_default = torch.ops.aten.unsqueeze.default(convert_element_type_default_1, 2);  convert_element_type_default_1 = None
+    bitwise_right_shift_tensor_scalar = torch.ops.aten.bitwise_right_shift.Tensor_Scalar(view_dtype_1, 8)
+    bitwise_and_scalar_1 = torch.ops.aten.bitwise_and.Scalar(bitwise_right_shift_tensor_scalar, 255);  bitwise_right_shift_tensor_scalar = None
+    convert_element_type_default_2 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar_1, torch.uint8);  bitwise_and_scalar_1 = None
+    unsqueeze_default_1 = torch.ops.aten.unsqueeze.default(convert_element_type_default_2, 2);  convert_element_type_default_2 = None
+    bitwise_right_shift_tensor_scalar_1 = torch.ops.aten.bitwise_right_shift.Tensor_Scalar(view_dtype_1, 16)
+    bitwise_and_scalar_2 = torch.ops.aten.bitwise_and.Scalar(bitwise_right_shift_tensor_scalar_1, 255);  bitwise_right_shift_tensor_scalar_1 = None
+    convert_element_type_default_3 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar_2, torch.uint8);  bitwise_and_scalar_2 = None
+    unsqueeze_default_2 = torch.ops.aten.unsqueeze.default(convert_element_type_default_3, 2);  convert_element_type_default_3 = None
+    bitwise_right_shift_tensor_scalar_2 = torch.ops.aten.bitwise_right_shift.Tensor_Scalar(view_dtype_1, 24);  view_dtype_1 = None
+    bitwise_and_scalar_3 = torch.ops.aten.bitwise_and.Scalar(bitwise_right_shift_tensor_scalar_2, 255);  bitwise_right_shift_tensor_scalar_2 = None
+    convert_element_type_default_4 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar_3, torch.uint8);  bitwise_and_scalar_3 = None
+    unsqueeze_default_3 = torch.ops.aten.unsqueeze.default(convert_element_type_default_4, 2);  convert_element_type_default_4 = None
+    cat_default = torch.ops.aten.cat.default([unsqueeze_default, unsqueeze_default_1, unsqueeze_default_2, unsqueeze_default_3], 2);  unsqueeze_default = unsqueeze_default_1 = unsqueeze_default_2 = unsqueeze_default_3 = None
+    view_default_4 = torch.ops.aten.view.default(cat_default, [2, 4]);  cat_default = None
+    cat_default_1 = torch.ops.aten.cat.default([view_dtype, view_default_4], 1);  view_dtype = view_default_4 = None
+    view_default_5 = torch.ops.aten.view.default(cat_default_1, [-1]);  cat_default_1 = None
+    all_to_all_single_default = torch.ops._c10d_functional.all_to_all_single.default(view_default_5, [8, 8], [8, 8], '3');  view_default_5 = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_default);  all_to_all_single_default = None
-    view_default_5 = torch.ops.aten.view.default(wait_tensor_default_2, [2, 8]);  wait_tensor_default_2 = None
-    slice_tensor = torch.ops.aten.slice.Tensor(view_default_5, 1, 0, 4)
-    slice_tensor_1 = torch.ops.aten.slice.Tensor(view_default_5, 1, 4, 8);  view_default_5 = None
-    view_default_6 = torch.ops.aten.view.default(slice_tensor_1, [2, 1, 4]);  slice_tensor_1 = None
-    convert_element_type_default_1 = torch.ops.prims.convert_element_type.default(view_default_6, torch.int64);  view_default_6 = None
-    select_int = torch.ops.aten.select.int(convert_element_type_default_1, 2, 0)
-    select_int_1 = torch.ops.aten.select.int(convert_element_type_default_1, 2, 1)
+    view_default_6 = torch.ops.aten.view.default(wait_tensor_default_2, [2, 8]);  wait_tensor_default_2 = None
+    slice_tensor = torch.ops.aten.slice.Tensor(view_default_6, 1, 0, 4)
+    slice_tensor_1 = torch.ops.aten.slice.Tensor(view_default_6, 1, 4, 8);  view_default_6 = None
+    view_default_7 = torch.ops.aten.view.default(slice_tensor_1, [2, 1, 4]);  slice_tensor_1 = None
+    convert_element_type_default_5 = torch.ops.prims.convert_element_type.default(view_default_7, torch.int64);  view_default_7 = None
+    select_int = torch.ops.aten.select.int(convert_element_type_default_5, 2, 0)
+    select_int_1 = torch.ops.aten.select.int(convert_element_type_default_5, 2, 1)
     mul_tensor = torch.ops.aten.mul.Tensor(select_int_1, 256);  select_int_1 = None
     add_tensor = torch.ops.aten.add.Tensor(select_int, mul_tensor);  select_int = mul_tensor = None
-    select_int_2 = torch.ops.aten.select.int(convert_element_type_default_1, 2, 2)
+    select_int_2 = torch.ops.aten.select.int(convert_element_type_default_5, 2, 2)
     mul_tensor_1 = torch.ops.aten.mul.Tensor(select_int_2, 65536);  select_int_2 = None
     add_tensor_1 = torch.ops.aten.add.Tensor(add_tensor, mul_tensor_1);  add_tensor = mul_tensor_1 = None
-    select_int_3 = torch.ops.aten.select.int(convert_element_type_default_1, 2, 3);  convert_element_type_default_1 = None
+    select_int_3 = torch.ops.aten.select.int(convert_element_type_default_5, 2, 3);  convert_element_type_default_5 = None
     mul_tensor_2 = torch.ops.aten.mul.Tensor(select_int_3, 16777216);  select_int_3 = None
     add_tensor_2 = torch.ops.aten.add.Tensor(add_tensor_1, mul_tensor_2);  add_tensor_1 = mul_tensor_2 = None
-    convert_element_type_default_2 = torch.ops.prims.convert_element_type.default(add_tensor_2, torch.int32);  add_tensor_2 = None
-    view_dtype_2 = torch.ops.aten.view.dtype(convert_element_type_default_2, torch.float32);  convert_element_type_default_2 = None
-    view_default_7 = torch.ops.aten.view.default(view_dtype_2, [2, 1, 1]);  view_dtype_2 = None
+    convert_element_type_default_6 = torch.ops.prims.convert_element_type.default(add_tensor_2, torch.int32);  add_tensor_2 = None
+    view_dtype_2 = torch.ops.aten.view.dtype(convert_element_type_default_6, torch.float32);  convert_element_type_default_6 = None
+    view_default_8 = torch.ops.aten.view.default(view_dtype_2, [2, 1, 1]);  view_dtype_2 = None
     view_dtype_3 = torch.ops.aten.view.dtype(slice_tensor, torch.int8);  slice_tensor = None
-    convert_element_type_default_3 = torch.ops.prims.convert_element_type.default(view_dtype_3, torch.float32);  view_dtype_3 = None
-    view_default_8 = torch.ops.aten.view.default(convert_element_type_default_3, [2, 1, 4]);  convert_element_type_default_3 = None
-    mul_tensor_3 = torch.ops.aten.mul.Tensor(view_default_8, view_default_7);  view_default_8 = view_default_7 = None
-    view_default_9 = torch.ops.aten.view.default(mul_tensor_3, [2, 4]);  mul_tensor_3 = None
-    slice_tensor_2 = torch.ops.aten.slice.Tensor(view_default_9, 1, 0, 3);  view_default_9 = None
+    convert_element_type_default_7 = torch.ops.prims.convert_element_type.default(view_dtype_3, torch.float32);  view_dtype_3 = None
+    view_default_9 = torch.ops.aten.view.default(convert_element_type_default_7, [2, 1, 4]);  convert_element_type_default_7 = None
+    mul_tensor_3 = torch.ops.aten.mul.Tensor(view_default_9, view_default_8);  view_default_9 = view_default_8 = None
+    view_default_10 = torch.ops.aten.view.default(mul_tensor_3, [2, 4]);  mul_tensor_3 = None
+    slice_tensor_2 = torch.ops.aten.slice.Tensor(view_default_10, 1, 0, 3);  view_default_10 = None
     clone_default = torch.ops.aten.clone.default(slice_tensor_2, memory_format = torch.contiguous_format);  slice_tensor_2 = None
     sum_dim_int_list = torch.ops.aten.sum.dim_IntList(clone_default, [0]);  clone_default = None
     constant_pad_nd_default_1 = torch.ops.aten.constant_pad_nd.default(sum_dim_int_list, [0, 1], 0.0);  sum_dim_int_list = None
-    view_default_10 = torch.ops.aten.view.default(constant_pad_nd_default_1, [2, 2]);  constant_pad_nd_default_1 = None
-    constant_pad_nd_default_2 = torch.ops.aten.constant_pad_nd.default(view_default_10, [0, 2], 0.0);  view_default_10 = None
-    view_default_11 = torch.ops.aten.view.default(constant_pad_nd_default_2, [2, 1, 4]);  constant_pad_nd_default_2 = None
-    abs_default_1 = torch.ops.aten.abs.default(view_default_11)
+    view_default_11 = torch.ops.aten.view.default(constant_pad_nd_default_1, [2, 2]);  constant_pad_nd_default_1 = None
+    constant_pad_nd_default_2 = torch.ops.aten.constant_pad_nd.default(view_default_11, [0, 2], 0.0);  view_default_11 = None
+    view_default_12 = torch.ops.aten.view.default(constant_pad_nd_default_2, [2, 1, 4]);  constant_pad_nd_default_2 = None
+    abs_default_1 = torch.ops.aten.abs.default(view_default_12)
     amax_default_1 = torch.ops.aten.amax.default(abs_default_1, [2], True);  abs_default_1 = None
     div_tensor_4 = torch.ops.aten.div.Tensor(amax_default_1, 127.0);  amax_default_1 = None
     clamp_min_default_2 = torch.ops.aten.clamp_min.default(div_tensor_4, 1.1754943508222875e-38);  div_tensor_4 = None
-    div_tensor_5 = torch.ops.aten.div.Tensor(view_default_11, clamp_min_default_2);  view_default_11 = None
+    div_tensor_5 = torch.ops.aten.div.Tensor(view_default_12, clamp_min_default_2);  view_default_12 = None
     round_default_1 = torch.ops.aten.round.default(div_tensor_5);  div_tensor_5 = None
     clamp_min_default_3 = torch.ops.aten.clamp_min.default(round_default_1, -127.0);  round_default_1 = None
     clamp_max_default_1 = torch.ops.aten.clamp_max.default(clamp_min_default_3, 127.0);  clamp_min_default_3 = None
-    convert_element_type_default_4 = torch.ops.prims.convert_element_type.default(clamp_max_default_1, torch.int8);  clamp_max_default_1 = None
-    view_default_12 = torch.ops.aten.view.default(convert_element_type_default_4, [2, 4]);  convert_element_type_default_4 = None
-    view_dtype_4 = torch.ops.aten.view.dtype(view_default_12, torch.uint8);  view_default_12 = None
-    view_default_13 = torch.ops.aten.view.default(clamp_min_default_2, [2, 1]);  clamp_min_default_2 = None
-    view_dtype_5 = torch.ops.aten.view.dtype(view_default_13, torch.uint8);  view_default_13 = None
-    cat_default_1 = torch.ops.aten.cat.default([view_dtype_4, view_dtype_5], 1);  view_dtype_4 = view_dtype_5 = None
-    view_default_14 = torch.ops.aten.view.default(cat_default_1, [-1]);  cat_default_1 = None
-    all_to_all_single_default_1 = torch.ops._c10d_functional.all_to_all_single.default(view_default_14, [8, 8], [8, 8], '1');  view_default_14 = None
+    convert_element_type_default_8 = torch.ops.prims.convert_element_type.default(clamp_max_default_1, torch.int8);  clamp_max_default_1 = None
+    view_default_13 = torch.ops.aten.view.default(convert_element_type_default_8, [2, 4]);  convert_element_type_default_8 = None
+    view_dtype_4 = torch.ops.aten.view.dtype(view_default_13, torch.uint8);  view_default_13 = None
+    view_default_14 = torch.ops.aten.view.default(clamp_min_default_2, [2, 1]);  clamp_min_default_2 = None
+    view_dtype_5 = torch.ops.aten.view.dtype(view_default_14, torch.int32);  view_default_14 = None
+    bitwise_and_scalar_4 = torch.ops.aten.bitwise_and.Scalar(view_dtype_5, 255)
+    convert_element_type_default_9 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar_4, torch.uint8);  bitwise_and_scalar_4 = None
+    unsqueeze_default_4 = torch.ops.aten.unsqueeze.default(convert_element_type_default_9, 2);  convert_element_type_default_9 = None
+    bitwise_right_shift_tensor_scalar_3 = torch.ops.aten.bitwise_right_shift.Tensor_Scalar(view_dtype_5, 8)
+    bitwise_and_scalar_5 = torch.ops.aten.bitwise_and.Scalar(bitwise_right_shift_tensor_scalar_3, 255);  bitwise_right_shift_tensor_scalar_3 = None
+    convert_element_type_default_10 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar_5, torch.uint8);  bitwise_and_scalar_5 = None
+    unsqueeze_default_5 = torch.ops.aten.unsqueeze.default(convert_element_type_default_10, 2);  convert_element_type_default_10 = None
+    bitwise_right_shift_tensor_scalar_4 = torch.ops.aten.bitwise_right_shift.Tensor_Scalar(view_dtype_5, 16)
+    bitwise_and_scalar_6 = torch.ops.aten.bitwise_and.Scalar(bitwise_right_shift_tensor_scalar_4, 255);  bitwise_right_shift_tensor_scalar_4 = None
+    convert_element_type_default_11 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar_6, torch.uint8);  bitwise_and_scalar_6 = None
+    unsqueeze_default_6 = torch.ops.aten.unsqueeze.default(convert_element_type_default_11, 2);  convert_element_type_default_11 = None
+    bitwise_right_shift_tensor_scalar_5 = torch.ops.aten.bitwise_right_shift.Tensor_Scalar(view_dtype_5, 24);  view_dtype_5 = None
+    bitwise_and_scalar_7 = torch.ops.aten.bitwise_and.Scalar(bitwise_right_shift_tensor_scalar_5, 255);  bitwise_right_shift_tensor_scalar_5 = None
+    convert_element_type_default_12 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar_7, torch.uint8);  bitwise_and_scalar_7 = None
+    unsqueeze_default_7 = torch.ops.aten.unsqueeze.default(convert_element_type_default_12, 2);  convert_element_type_default_12 = None
+    cat_default_2 = torch.ops.aten.cat.default([unsqueeze_default_4, unsqueeze_default_5, unsqueeze_default_6, unsqueeze_default_7], 2);  unsqueeze_default_4 = unsqueeze_default_5 = unsqueeze_default_6 = unsqueeze_default_7 = None
+    view_default_15 = torch.ops.aten.view.default(cat_default_2, [2, 4]);  cat_default_2 = None
+    cat_default_3 = torch.ops.aten.cat.default([view_dtype_4, view_default_15], 1);  view_dtype_4 = view_default_15 = None
+    view_default_16 = torch.ops.aten.view.default(cat_default_3, [-1]);  cat_default_3 = None
+    all_to_all_single_default_1 = torch.ops._c10d_functional.all_to_all_single.default(view_default_16, [8, 8], [8, 8], '1');  view_default_16 = None
     wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_default_1);  all_to_all_single_default_1 = None
-    view_default_15 = torch.ops.aten.view.default(wait_tensor_default_3, [2, 8]);  wait_tensor_default_3 = None
-    slice_tensor_3 = torch.ops.aten.slice.Tensor(view_default_15, 1, 0, 4)
-    slice_tensor_4 = torch.ops.aten.slice.Tensor(view_default_15, 1, 4, 8);  view_default_15 = None
-    view_default_16 = torch.ops.aten.view.default(slice_tensor_4, [2, 1, 4]);  slice_tensor_4 = None
-    convert_element_type_default_5 = torch.ops.prims.convert_element_type.default(view_default_16, torch.int64);  view_default_16 = None
-    select_int_4 = torch.ops.aten.select.int(convert_element_type_default_5, 2, 0)
-    select_int_5 = torch.ops.aten.select.int(convert_element_type_default_5, 2, 1)
+    view_default_17 = torch.ops.aten.view.default(wait_tensor_default_3, [2, 8]);  wait_tensor_default_3 = None
+    slice_tensor_3 = torch.ops.aten.slice.Tensor(view_default_17, 1, 0, 4)
+    slice_tensor_4 = torch.ops.aten.slice.Tensor(view_default_17, 1, 4, 8);  view_default_17 = None
+    view_default_18 = torch.ops.aten.view.default(slice_tensor_4, [2, 1, 4]);  slice_tensor_4 = None
+    convert_element_type_default_13 = torch.ops.prims.convert_element_type.default(view_default_18, torch.int64);  view_default_18 = None
+    select_int_4 = torch.ops.aten.select.int(convert_element_type_default_13, 2, 0)
+    select_int_5 = torch.ops.aten.select.int(convert_element_type_default_13, 2, 1)
     mul_tensor_4 = torch.ops.aten.mul.Tensor(select_int_5, 256);  select_int_5 = None
     add_tensor_3 = torch.ops.aten.add.Tensor(select_int_4, mul_tensor_4);  select_int_4 = mul_tensor_4 = None
-    select_int_6 = torch.ops.aten.select.int(convert_element_type_default_5, 2, 2)
+    select_int_6 = torch.ops.aten.select.int(convert_element_type_default_13, 2, 2)
     mul_tensor_5 = torch.ops.aten.mul.Tensor(select_int_6, 65536);  select_int_6 = None
     add_tensor_4 = torch.ops.aten.add.Tensor(add_tensor_3, mul_tensor_5);  add_tensor_3 = mul_tensor_5 = None
-    select_int_7 = torch.ops.aten.select.int(convert_element_type_default_5, 2, 3);  convert_element_type_default_5 = None
+    select_int_7 = torch.ops.aten.select.int(convert_element_type_default_13, 2, 3);  convert_element_type_default_13 = None
     mul_tensor_6 = torch.ops.aten.mul.Tensor(select_int_7, 16777216);  select_int_7 = None
     add_tensor_5 = torch.ops.aten.add.Tensor(add_tensor_4, mul_tensor_6);  add_tensor_4 = mul_tensor_6 = None
-    convert_element_type_default_6 = torch.ops.prims.convert_element_type.default(add_tensor_5, torch.int32);  add_tensor_5 = None
-    view_dtype_6 = torch.ops.aten.view.dtype(convert_element_type_default_6, torch.float32);  convert_element_type_default_6 = None
-    view_default_17 = torch.ops.aten.view.default(view_dtype_6, [2, 1, 1]);  view_dtype_6 = None
+    convert_element_type_default_14 = torch.ops.prims.convert_element_type.default(add_tensor_5, torch.int32);  add_tensor_5 = None
+    view_dtype_6 = torch.ops.aten.view.dtype(convert_element_type_default_14, torch.float32);  convert_element_type_default_14 = None
+    view_default_19 = torch.ops.aten.view.default(view_dtype_6, [2, 1, 1]);  view_dtype_6 = None
     view_dtype_7 = torch.ops.aten.view.dtype(slice_tensor_3, torch.int8);  slice_tensor_3 = None
-    convert_element_type_default_7 = torch.ops.prims.convert_element_type.default(view_dtype_7, torch.float32);  view_dtype_7 = None
-    view_default_18 = torch.ops.aten.view.default(convert_element_type_default_7, [2, 1, 4]);  convert_element_type_default_7 = None
-    mul_tensor_7 = torch.ops.aten.mul.Tensor(view_default_18, view_default_17);  view_default_18 = view_default_17 = None
-    view_default_19 = torch.ops.aten.view.default(mul_tensor_7, [2, 4]);  mul_tensor_7 = None
-    slice_tensor_5 = torch.ops.aten.slice.Tensor(view_default_19, 1, 0, 2);  view_default_19 = None
+    convert_element_type_default_15 = torch.ops.prims.convert_element_type.default(view_dtype_7, torch.float32);  view_dtype_7 = None
+    view_default_20 = torch.ops.aten.view.default(convert_element_type_default_15, [2, 1, 4]);  convert_element_type_default_15 = None
+    mul_tensor_7 = torch.ops.aten.mul.Tensor(view_default_20, view_default_19);  view_default_20 = view_default_19 = None
+    view_default_21 = torch.ops.aten.view.default(mul_tensor_7, [2, 4]);  mul_tensor_7 = None
+    slice_tensor_5 = torch.ops.aten.slice.Tensor(view_default_21, 1, 0, 2);  view_default_21 = None
     clone_default_1 = torch.ops.aten.clone.default(slice_tensor_5, memory_format = torch.contiguous_format);  slice_tensor_5 = None
     sum_dim_int_list_1 = torch.ops.aten.sum.dim_IntList(clone_default_1, [0]);  clone_default_1 = None
-    view_default_20 = torch.ops.aten.view.default(sum_dim_int_list_1, [1, 2]);  sum_dim_int_list_1 = None
-    constant_pad_nd_default_3 = torch.ops.aten.constant_pad_nd.default(view_default_20, [0, 2], 0.0);  view_default_20 = None
-    view_default_21 = torch.ops.aten.view.default(constant_pad_nd_default_3, [1, 1, 4]);  constant_pad_nd_default_3 = None
-    abs_default_2 = torch.ops.aten.abs.default(view_default_21)
+    view_default_22 = torch.ops.aten.view.default(sum_dim_int_list_1, [1, 2]);  sum_dim_int_list_1 = None
+    constant_pad_nd_default_3 = torch.ops.aten.constant_pad_nd.default(view_default_22, [0, 2], 0.0);  view_default_22 = None
+    view_default_23 = torch.ops.aten.view.default(constant_pad_nd_default_3, [1, 1, 4]);  constant_pad_nd_default_3 = None
+    abs_default_2 = torch.ops.aten.abs.default(view_default_23)
     amax_default_2 = torch.ops.aten.amax.default(abs_default_2, [2], True);  abs_default_2 = None
     div_tensor_6 = torch.ops.aten.div.Tensor(amax_default_2, 127.0);  amax_default_2 = None
     clamp_min_default_4 = torch.ops.aten.clamp_min.default(div_tensor_6, 1.1754943508222875e-38);  div_tensor_6 = None
-    div_tensor_7 = torch.ops.aten.div.Tensor(view_default_21, clamp_min_default_4);  view_default_21 = None
+    div_tensor_7 = torch.ops.aten.div.Tensor(view_default_23, clamp_min_default_4);  view_default_23 = None
     round_default_2 = torch.ops.aten.round.default(div_tensor_7);  div_tensor_7 = None
     clamp_min_default_5 = torch.ops.aten.clamp_min.default(round_default_2, -127.0);  round_default_2 = None
     clamp_max_default_2 = torch.ops.aten.clamp_max.default(clamp_min_default_5, 127.0);  clamp_min_default_5 = None
-    convert_element_type_default_8 = torch.ops.prims.convert_element_type.default(clamp_max_default_2, torch.int8);  clamp_max_default_2 = None
-    view_default_22 = torch.ops.aten.view.default(convert_element_type_default_8, [1, 4]);  convert_element_type_default_8 = None
-    view_dtype_8 = torch.ops.aten.view.dtype(view_default_22, torch.uint8);  view_default_22 = None
-    view_default_23 = torch.ops.aten.view.default(clamp_min_default_4, [1, 1]);  clamp_min_default_4 = None
-    view_dtype_9 = torch.ops.aten.view.dtype(view_default_23, torch.uint8);  view_default_23 = None
-    cat_default_2 = torch.ops.aten.cat.default([view_dtype_8, view_dtype_9], 1);  view_dtype_8 = view_dtype_9 = None
-    view_default_24 = torch.ops.aten.view.default(cat_default_2, [-1]);  cat_default_2 = None
-    all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(view_default_24, 2, '1');  view_default_24 = None
+    convert_element_type_default_16 = torch.ops.prims.convert_element_type.default(clamp_max_default_2, torch.int8);  clamp_max_default_2 = None
+    view_default_24 = torch.ops.aten.view.default(convert_element_type_default_16, [1, 4]);  convert_element_type_default_16 = None
+    view_dtype_8 = torch.ops.aten.view.dtype(view_default_24, torch.uint8);  view_default_24 = None
+    view_default_25 = torch.ops.aten.view.default(clamp_min_default_4, [1, 1]);  clamp_min_default_4 = None
+    view_dtype_9 = torch.ops.aten.view.dtype(view_default_25, torch.int32);  view_default_25 = None
+    bitwise_and_scalar_8 = torch.ops.aten.bitwise_and.Scalar(view_dtype_9, 255)
+    convert_element_type_default_17 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar_8, torch.uint8);  bitwise_and_scalar_8 = None
+    unsqueeze_default_8 = torch.ops.aten.unsqueeze.default(convert_element_type_default_17, 2);  convert_element_type_default_17 = None
+    bitwise_right_shift_tensor_scalar_6 = torch.ops.aten.bitwise_right_shift.Tensor_Scalar(view_dtype_9, 8)
+    bitwise_and_scalar_9 = torch.ops.aten.bitwise_and.Scalar(bitwise_right_shift_tensor_scalar_6, 255);  bitwise_right_shift_tensor_scalar_6 = None
+    convert_element_type_default_18 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar_9, torch.uint8);  bitwise_and_scalar_9 = None
+    unsqueeze_default_9 = torch.ops.aten.unsqueeze.default(convert_element_type_default_18, 2);  convert_element_type_default_18 = None
+    bitwise_right_shift_tensor_scalar_7 = torch.ops.aten.bitwise_right_shift.Tensor_Scalar(view_dtype_9, 16)
+    bitwise_and_scalar_10 = torch.ops.aten.bitwise_and.Scalar(bitwise_right_shift_tensor_scalar_7, 255);  bitwise_right_shift_tensor_scalar_7 = None
+    convert_element_type_default_19 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar_10, torch.uint8);  bitwise_and_scalar_10 = None
+    unsqueeze_default_10 = torch.ops.aten.unsqueeze.default(convert_element_type_default_19, 2);  convert_element_type_default_19 = None
+    bitwise_right_shift_tensor_scalar_8 = torch.ops.aten.bitwise_right_shift.Tensor_Scalar(view_dtype_9, 24);  view_dtype_9 = None
+    bitwise_and_scalar_11 = torch.ops.aten.bitwise_and.Scalar(bitwise_right_shift_tensor_scalar_8, 255);  bitwise_right_shift_tensor_scalar_8 = None
+    convert_element_type_default_20 = torch.ops.prims.convert_element_type.default(bitwise_and_scalar_11, torch.uint8);  bitwise_and_scalar_11 = None
+    unsqueeze_default_11 = torch.ops.aten.unsqueeze.default(convert_element_type_default_20, 2);  convert_element_type_default_20 = None
+    cat_default_4 = torch.ops.aten.cat.default([unsqueeze_default_8, unsqueeze_default_9, unsqueeze_default_10, unsqueeze_default_11], 2);  unsqueeze_default_8 = unsqueeze_default_9 = unsqueeze_default_10 = unsqueeze_default_11 = None
+    view_default_26 = torch.ops.aten.view.default(cat_default_4, [1, 4]);  cat_default_4 = None
+    cat_default_5 = torch.ops.aten.cat.default([view_dtype_8, view_default_26], 1);  view_dtype_8 = view_default_26 = None
+    view_default_27 = torch.ops.aten.view.default(cat_default_5, [-1]);  cat_default_5 = None
+    all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(view_default_27, 2, '1');  view_default_27 = None
     wait_tensor_default_4 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
-    view_default_25 = torch.ops.aten.view.default(wait_tensor_default_4, [2, 8]);  wait_tensor_default_4 = None
-    slice_tensor_6 = torch.ops.aten.slice.Tensor(view_default_25, 1, 0, 4)
-    slice_tensor_7 = torch.ops.aten.slice.Tensor(view_default_25, 1, 4, 8);  view_default_25 = None
-    view_default_26 = torch.ops.aten.view.default(slice_tensor_7, [2, 1, 4]);  slice_tensor_7 = None
-    convert_element_type_default_9 = torch.ops.prims.convert_element_type.default(view_default_26, torch.int64);  view_default_26 = None
-    select_int_8 = torch.ops.aten.select.int(convert_element_type_default_9, 2, 0)
-    select_int_9 = torch.ops.aten.select.int(convert_element_type_default_9, 2, 1)
+    view_default_28 = torch.ops.aten.view.default(wait_tensor_default_4, [2, 8]);  wait_tensor_default_4 = None
+    slice_tensor_6 = torch.ops.aten.slice.Tensor(view_default_28, 1, 0, 4)
+    slice_tensor_7 = torch.ops.aten.slice.Tensor(view_default_28, 1, 4, 8);  view_default_28 = None
+    view_default_29 = torch.ops.aten.view.default(slice_tensor_7, [2, 1, 4]);  slice_tensor_7 = None
+    convert_element_type_default_21 = torch.ops.prims.convert_element_type.default(view_default_29, torch.int64);  view_default_29 = None
+    select_int_8 = torch.ops.aten.select.int(convert_element_type_default_21, 2, 0)
+    select_int_9 = torch.ops.aten.select.int(convert_element_type_default_21, 2, 1)
     mul_tensor_8 = torch.ops.aten.mul.Tensor(select_int_9, 256);  select_int_9 = None
     add_tensor_6 = torch.ops.aten.add.Tensor(select_int_8, mul_tensor_8);  select_int_8 = mul_tensor_8 = None
-    select_int_10 = torch.ops.aten.select.int(convert_element_type_default_9, 2, 2)
+    select_int_10 = torch.ops.aten.select.int(convert_element_type_default_21, 2, 2)
     mul_tensor_9 = torch.ops.aten.mul.Tensor(select_int_10, 65536);  select_int_10 = None
     add_tensor_7 = torch.ops.aten.add.Tensor(add_tensor_6, mul_tensor_9);  add_tensor_6 = mul_tensor_9 = None
-    select_int_11 = torch.ops.aten.select.int(convert_element_type_default_9, 2, 3);  convert_element_type_default_9 = None
+    select_int_11 = torch.ops.aten.select.int(convert_element_type_default_21, 2, 3);  convert_element_type_default_21 = None
     mul_tensor_10 = torch.ops.aten.mul.Tensor(select_int_11, 16777216);  select_int_11 = None
     add_tensor_8 = torch.ops.aten.add.Tensor(add_tensor_7, mul_tensor_10);  add_tensor_7 = mul_tensor_10 = None
-    convert_element_type_default_10 = torch.ops.prims.convert_element_type.default(add_tensor_8, torch.int32);  add_tensor_8 = None
-    view_dtype_10 = torch.ops.aten.view.dtype(convert_element_type_default_10, torch.float32);  convert_element_type_default_10 = None
-    view_default_27 = torch.ops.aten.view.default(view_dtype_10, [2, 1, 1]);  view_dtype_10 = None
+    convert_element_type_default_22 = torch.ops.prims.convert_element_type.default(add_tensor_8, torch.int32);  add_tensor_8 = None
+    view_dtype_10 = torch.ops.aten.view.dtype(convert_element_type_default_22, torch.float32);  convert_element_type_default_22 = None
+    view_default_30 = torch.ops.aten.view.default(view_dtype_10, [2, 1, 1]);  view_dtype_10 = None
     view_dtype_11 = torch.ops.aten.view.dtype(slice_tensor_6, torch.int8);  slice_tensor_6 = None
-    convert_element_type_default_11 = torch.ops.prims.convert_element_type.default(view_dtype_11, torch.float32);  view_dtype_11 = None
-    view_default_28 = torch.ops.aten.view.default(convert_element_type_default_11, [2, 1, 4]);  convert_element_type_default_11 = None
-    mul_tensor_11 = torch.ops.aten.mul.Tensor(view_default_28, view_default_27);  view_default_28 = view_default_27 = None
-    view_default_29 = torch.ops.aten.view.default(mul_tensor_11, [2, 4]);  mul_tensor_11 = None
-    slice_tensor_8 = torch.ops.aten.slice.Tensor(view_default_29, 1, 0, 2);  view_default_29 = None
+    convert_element_type_default_23 = torch.ops.prims.convert_element_type.default(view_dtype_11, torch.float32);  view_dtype_11 = None
+    view_default_31 = torch.ops.aten.view.default(convert_element_type_default_23, [2, 1, 4]);  convert_element_type_default_23 = None
+    mul_tensor_11 = torch.ops.aten.mul.Tensor(view_default_31, view_default_30);  view_default_31 = view_default_30 = None
+    view_default_32 = torch.ops.aten.view.default(mul_tensor_11, [2, 4]);  mul_tensor_11 = None
+    slice_tensor_8 = torch.ops.aten.slice.Tensor(view_default_32, 1, 0, 2);  view_default_32 = None
     clone_default_2 = torch.ops.aten.clone.default(slice_tensor_8, memory_format = torch.contiguous_format);  slice_tensor_8 = None
-    view_default_30 = torch.ops.aten.view.default(clone_default_2, [4]);  clone_default_2 = None
-    slice_tensor_9 = torch.ops.aten.slice.Tensor(view_default_30, 0, 0, 3);  view_default_30 = None
+    view_default_33 = torch.ops.aten.view.default(clone_default_2, [4]);  clone_default_2 = None
+    slice_tensor_9 = torch.ops.aten.slice.Tensor(view_default_33, 0, 0, 3);  view_default_33 = None
     clone_default_3 = torch.ops.aten.clone.default(slice_tensor_9, memory_format = torch.contiguous_format);  slice_tensor_9 = None
     div_tensor_1 = torch.ops.aten.div.Tensor(clone_default_3, 2);  clone_default_3 = None
     return (None, div_tensor_1)""",

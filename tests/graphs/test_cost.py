@@ -293,6 +293,7 @@ def test_explain_defaults_and_errors(fake_pg):
     fsdp_graph.explain(model, torch.randn(3, 4))  # an earlier plan of another shape must not make this one dynamic
     report = fsdp_graph.explain(model, torch.randn(2, 4))  # no loss_fn: the output's sum
     assert report.hardware.name == "cpu-gloo" and report.executor == "inductor"
+    assert report.with_hardware("h200").hardware.name == "h200"  # plan()'s GPU presets, by name
     # The backward needs blocks.0's weights only for the input's gradient, which nothing asks for: no re-gather.
     assert [(r.unit, r.gathers) for r in report.units] == [("blocks.0", 1), ("blocks.1", 2), ("", 2)]
     eager = fsdp_graph.explain(model, torch.randn(2, 4), inductor=False)

@@ -1,7 +1,27 @@
 """`make_backend(compress=...)` on 2 and 4 gloo ranks against a single-process reference that quantizes the same way."""
 
+import pytest
+import torch
+
 from fsdp_graph.train.launch import spawn
+from passes.quantize import pack_rows, unpack_rows
 from tests.workers.compression import CompressCase, run_cases
+
+
+@pytest.mark.oldest_torch
+def test_inductor_packs_a_shard_smaller_than_one_block():
+    """One row of one block (a norm weight's shard under 8 ranks): torch 2.11's Inductor rejected the bitcast of
+    its (1, 1) scale to bytes (stride 0), first seen on an H200; the packing now compiles and equals eager's bits."""
+
+    def round_trip(x):
+        packed = pack_rows(x * 2, 1, 8, "int8", 256)
+        return packed, unpack_rows(packed, 1, 8, torch.float32, "int8", 256)
+
+    x = torch.randn(1, 8)
+    packed, restored = torch.compile(round_trip, fullgraph=True)(x)
+    expected_packed, expected = round_trip(x)
+    assert torch.equal(packed, expected_packed) and torch.equal(restored, expected)
+    assert (restored - 2 * x).abs().max() <= 2 * x.abs().max() / 127
 
 
 def test_compressed_gathers_and_gradients_match_a_quantizing_reference():

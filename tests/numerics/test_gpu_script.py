@@ -13,6 +13,7 @@ from benchmarks import gpu
 from benchmarks.gpu_report import (
     OUT_DIR_ENV,
     draw_timeline,
+    gpu_preset,
     headline,
     intersection,
     kernel_intervals,
@@ -37,7 +38,7 @@ def test_parse_args_defaults_and_quick(monkeypatch):
     monkeypatch.setenv(OUT_DIR_ENV, "/tmp/device-out")  # the folder the report, JSON and picture go to
     assert parse_args([]).out == "/tmp/device-out/benchmarks-gpu.md"
     assert parse_args(["--out", "r.md"]).out == "r.md"
-    assert full.only == ["train", "plan", "offload", "overlap", "hybrid", "compress"]
+    assert full.only == ["train", "plan", "offload", "overlap", "hybrid", "compress", "job1b"]
     quick = parse_args(["--quick", "--only", "plan", "overlap"])
     assert (quick.steps, quick.plan_seq, quick.budget, quick.only) == (8, 512, 360.0, ["plan", "overlap"])
     assert parse_args(["--quick", "--steps", "5"]).steps == 5
@@ -72,6 +73,15 @@ def test_trace_to_intervals_and_overlap():
     assert kernel_intervals(trace["traceEvents"]) == (comm, compute)  # a bare event list works too
 
 
+def test_gpu_preset_names_the_planner_preset_of_a_device():
+    assert [gpu_preset(n) for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "Tesla T4")] == [
+        "h200",
+        "h100",
+        "a100",
+        "nvlink",
+    ]
+
+
 def test_draw_timeline_writes_a_png(tmp_path):
     path = tmp_path / "timeline.png"
     assert draw_timeline([(0.0, 10.0)], [(5.0, 15.0), (20.0, 30.0)], str(path), "test")
@@ -83,7 +93,8 @@ _META = {"command": "python benchmarks/gpu.py", "date": "2030-01-01", "elapsed_s
 
 
 def _run(step_s: float, peak: int) -> dict:
-    return {"median_step_s": step_s, "peak_bytes": peak, "compile_s": 40.0, "first_loss": 5.5, "last_loss": 3.25}
+    return {"median_step_s": step_s, "peak_bytes": peak, "compile_s": 40.0, "first_loss": 5.5, "last_loss": 3.25,
+            "reserved_bytes": peak + 2**28, "batch": 4, "seq": 2048, "tokens_per_step": 8192}  # fmt: skip
 
 
 def _plan(step_s: float, peak: int, persistent: int, sent: dict | None = None) -> dict:
@@ -108,6 +119,7 @@ def test_render_markdown_reports_ratios_errors_and_missing_sections():
             "off": _plan(0.2, 8000 * mib, 700 * mib, {"all_gather": 200 * mib, "reduce_scatter": 400 * mib}),
             "on": _plan(0.24, 7000 * mib, 700 * mib, {"all_gather": 100 * mib, "all_to_all": 100 * mib}),
         },
+        "job1b": {"ours": _run(0.128, 20000 * mib), "plain": _run(0.1024, 30000 * mib)},
     }  # fmt: skip
     text = render_markdown(results, _META)
     assert "| fsdp_graph (ours) | 50.0 ms | 1.25x | 900 MiB | 0.75x | 40.0 s | 5.500 -> 3.250 |" in text
@@ -119,6 +131,9 @@ def test_render_markdown_reports_ratios_errors_and_missing_sections():
     )
     assert "| uncompressed | 200.0 ms | 1.00x | 8,000 MiB | 200 MiB | 400 MiB | 250.0 ms |" in text
     assert "| int8 weights and gradients | 240.0 ms | 1.20x | 7,000 MiB | 100 MiB | 100 MiB | 250.0 ms |" in text
+
+    assert "| fsdp_graph (ours) | 128.0 ms | 1.25x | 64,000 | 20,000 MiB | 20,256 MiB | 40.0 s |" in text
+    assert "| plain torch.compile | 102.4 ms | 1.00x | 80,000 | 30,000 MiB | 30,256 MiB |" in text
 
     failed = render_markdown({"train": {"error": "Traceback ...\nRuntimeError: boom"}}, _META)
     assert "**Failed**" in failed and "RuntimeError: boom" in failed
@@ -147,6 +162,7 @@ def test_render_markdown_reports_ratios_errors_and_missing_sections():
     )
     assert headline("overlap", results["overlap"]) == "[overlap] world 2: compute hides 75% of 10.0 ms of NCCL kernels"
     assert headline("hybrid", results["hybrid"]).count("against explain()'s") == 2
+    assert headline("job1b", results["job1b"]).startswith("[job1b] step 128.0 ms against plain torch.compile's 102.4 ms")
     assert headline("train", {"error": "Traceback ...\nRuntimeError: boom"}) == "[train] FAILED: RuntimeError: boom"
 
 
@@ -239,3 +255,21 @@ def test_train_cpu_offload_flag(fake_pg):
         args = train.parse_args(["--preset", "tiny", "--no-compile", *flag])
         _, model, _, _, _ = train._build(args, 4, torch.device("cpu"), train._backend(args))
         assert {s.compute_device for s in model._fsdp_root.flat_params} == {expected}, flag
+
+
+def test_main_runs_the_main_job_at_1b_against_plain_compile(tmp_path, monkeypatch):
+    """`--only job1b`: section 1's two children at the 1b preset (10 steps, 4 x 2048 tokens), and their section."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "test GPU")
+    asked = []
+
+    def run_child(kind, params, deadline, cache, cap=None):
+        asked.append((kind, params["steps"], params["extra"]))
+        return _run(0.1, 2**34)
+
+    monkeypatch.setattr(gpu, "_run_child", run_child)
+    out = tmp_path / "benchmarks-gpu.md"
+    assert gpu.main(["--only", "job1b", "--out", str(out)]) == 0
+    extra = ["--preset", "1b", "--batch", "4", "--seq", "2048"]
+    assert asked == [("train", 10, extra), ("plain", 10, extra)]
+    assert "| fsdp_graph (ours) | 100.0 ms | 1.00x | 81,920 | 16,384 MiB | 16,640 MiB |" in out.read_text()
