@@ -286,7 +286,7 @@ _SMALL_RUNS = [
     "0 of a fake group of 8 on this GPU: collectives move no data, so the figures are one rank's memory, compute",
     "and bytes sent (ring algorithms, from the executed collectives' shapes) with communication free. Llama small,",
     "bf16, Inductor, forward + backward (no optimizer); step: median of the timed steps; peak: above the step's",
-    "start; explain(): its plan of the same step with NVLink.",
+    "start; explain(): its plan of the same step, with this GPU's preset and NVLink inside one node.",
 ]
 
 
