@@ -169,13 +169,18 @@ def _train_section(result: dict | None) -> list[str]:
         "| run | median step | vs plain | peak CUDA memory | vs plain | compile | loss first -> last |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, r in (("fsdp_graph (ours)", ours), ("plain torch.compile", plain)):
-        lines.append(
-            f"| {name} | {r['median_step_s'] * 1e3:.1f} ms | {_ratio(r['median_step_s'], plain['median_step_s'])} "
-            f"| {_mib(r['peak_bytes'])} | {_ratio(r['peak_bytes'], plain['peak_bytes'])} | {r['compile_s']:.1f} s "
-            f"| {r['first_loss']:.3f} -> {r['last_loss']:.3f} |"
-        )
-    return lines
+    return lines + _pair_rows(
+        ours, plain, lambda r: f"{_mib(r['peak_bytes'])} | {_ratio(r['peak_bytes'], plain['peak_bytes'])}"
+    )
+
+
+def _pair_rows(ours: dict, plain: dict, middle) -> list[str]:
+    """A row each for ours and plain: the run, its step and ratio to plain's, `middle(run)`'s cells, compile, loss."""
+    return [
+        f"| {name} | {r['median_step_s'] * 1e3:.1f} ms | {_ratio(r['median_step_s'], plain['median_step_s'])} "
+        f"| {middle(r)} | {r['compile_s']:.1f} s | {r['first_loss']:.3f} -> {r['last_loss']:.3f} |"
+        for name, r in (("fsdp_graph (ours)", ours), ("plain torch.compile", plain))
+    ]
 
 
 def _job1b_section(result: dict | None) -> list[str]:
@@ -194,13 +199,11 @@ def _job1b_section(result: dict | None) -> list[str]:
         "| run | median step | vs plain | tokens/s | peak allocated | peak reserved | compile | loss first -> last |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for name, r in (("fsdp_graph (ours)", ours), ("plain torch.compile", plain)):
-        lines.append(
-            f"| {name} | {r['median_step_s'] * 1e3:.1f} ms | {_ratio(r['median_step_s'], plain['median_step_s'])} "
-            f"| {tokens / r['median_step_s']:,.0f} | {_mib(r['peak_bytes'])} | {_mib(r['reserved_bytes'])} "
-            f"| {r['compile_s']:.1f} s | {r['first_loss']:.3f} -> {r['last_loss']:.3f} |"
-        )
-    return lines
+    return lines + _pair_rows(
+        ours,
+        plain,
+        lambda r: f"{tokens / r['median_step_s']:,.0f} | {_mib(r['peak_bytes'])} | {_mib(r['reserved_bytes'])}",
+    )
 
 
 def _plan_section(result: dict | None) -> list[str]:
