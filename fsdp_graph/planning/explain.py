@@ -361,7 +361,7 @@ def explain(
     a `Hardware`.
     `inductor` (a backend option, default True like `make_backend`) picks the executor the memory estimate
     models: Inductor frees each graph input at its last use; the eager-kernel backend holds them until the graph
-    returns. The graphs are the same either way; Inductor's fusion and buffer reuse are not modelled.
+    returns. The graphs are the same either way; Inductor's buffer reuse is not modelled (its fusion is: `fusion`).
     The process group can be the fake one (`dist.init_process_group("fake", ...)`): collectives then move no
     data, and the plan is the one for that world size.
 

@@ -14,7 +14,7 @@ def test_inductor_round_trips_give_the_eager_quantizers_bits():
     - a padded last block (1000 = 15 blocks of 64 + a padded one), which used to get garbage scales under Inductor
       (a sliced uint8 -> float32 bitcast), int8 and int4 (whose codes go through int8);
     - one row of one block (a norm weight's shard under 8 ranks), whose (1, 1) scale torch 2.11's Inductor refused
-      to bitcast to bytes (stride 0; first seen on an H200), now packed as its packed bytes are in eager."""
+      to bitcast to bytes (stride 0; first seen on an H200), now packed to eager's bytes."""
     x = torch.randn(2, 1000) * torch.logspace(-3, 3, 2)[:, None]
     small = torch.randn(1, 8)
 
