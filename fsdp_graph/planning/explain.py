@@ -39,7 +39,6 @@ from passes.cost import (
     unit_name,
 )
 from passes.fx_nodes import bind_args
-from passes.hardware import GPUS
 from passes.memory import MemoryEstimate, estimate_memory
 
 _MIB = 2**20
@@ -356,9 +355,8 @@ def explain(
     it forward and backward once, and puts everything back: gradients, buffers (BatchNorm statistics) and
     `optimizer_in_backward` callbacks (which do not run). The compiled code is dropped afterwards.
 
-    `hardware`: a preset name of `passes.cost.HARDWARE` ("cpu-gloo", "nvlink", "infiniband"), a GPU of
-    `passes.hardware.GPUS` ("a100", "h100", "h100-hbm2e", "h200", "b200": 8 per node, the rates `plan()` uses), or
-    a `Hardware`.
+    `hardware`: a preset name of `passes.hardware.HARDWARE`: "cpu-gloo", "nvlink", "infiniband", or one of its GPUs
+    ("a100", "h100", "h100-hbm2e", "h200", "b200": 8 per node, the rates `plan()` uses); or a `Hardware`.
     `inductor` (a backend option, default True like `make_backend`) picks the executor the memory estimate
     models: Inductor frees each graph input at its last use; the eager-kernel backend holds them until the graph
     returns. The graphs are the same either way; Inductor's buffer reuse is not modelled (its fusion is: `fusion`).
@@ -468,10 +466,9 @@ def _ignores_gradient(bw: fx.GraphModule) -> bool:
 def _hardware(hardware: str | Hardware) -> Hardware:
     if isinstance(hardware, Hardware):
         return hardware
-    presets = {**HARDWARE, **GPUS}
-    if hardware not in presets:
-        raise ValueError(f"unknown hardware {hardware!r}: use one of {sorted(presets)} or a passes.cost.Hardware")
-    return presets[hardware]
+    if hardware not in HARDWARE:
+        raise ValueError(f"unknown hardware {hardware!r}: use one of {sorted(HARDWARE)} or a passes.cost.Hardware")
+    return HARDWARE[hardware]
 
 
 def _simulate(
