@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
 from fsdp_graph.runtime.devices import collective_device
 from fsdp_graph.runtime.dtensor_views import local_of
@@ -18,17 +19,21 @@ from fsdp_graph.runtime.unit import flat_params
 
 def _local_norm_part(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """max |g| for the inf-norm, sum |g|^p otherwise (fp32, so a bf16 gradient does not overflow the sum), on
-    `device`: reduced where the gradients are, then one copy per device they are on."""
+    `device`: reduced where the gradients are, then one copy per device they are on. One `_foreach_norm` per
+    (device, dtype), as torch's own `clip_grad_norm_`: a kernel launch per gradient made the clip of a
+    93-parameter model 4.9 ms of host time on an H200, against torch's 1.6 ms."""
     inf = math.isinf(norm_type)
-    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        if inf and g.numel():
-            by_device[g.device].append(g.detach().abs().max().float())
-        elif not inf:
-            by_device[g.device].append(torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type)
-    parts = [(torch.stack(v).max() if inf else torch.stack(v).sum()).to(device) for v in by_device.values()]
-    if not parts:
+    grads = [g.detach() for g in grads if g.numel() or not inf]
+    if not grads:  # (torch's grouping refuses an empty list)
         return torch.zeros((), dtype=torch.float32, device=device)
+    parts = []
+    for (where, _), ([tensors], _) in _group_tensors_by_device_and_dtype([grads]).items():
+        if _has_foreach_support(tensors, where):
+            norms = torch._foreach_norm(tensors, norm_type, dtype=torch.float32)
+        else:
+            norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in tensors]
+        stacked = torch.stack(norms)
+        parts.append((stacked.max() if inf else stacked.pow(norm_type).sum()).to(device))
     return torch.stack(parts).max() if inf else torch.stack(parts).sum()
 
 

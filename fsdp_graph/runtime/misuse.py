@@ -15,7 +15,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
 
 _REPLACED_BY = "_fsdp_replaced_by"
 _CHECKED = "_fsdp_checked_param_count"
@@ -70,6 +72,14 @@ class ShardedDTensor(_TracksRequiresGrad, DTensor):
 
     __slots__ = ()
     _is_param = True
+
+
+# torch picks its foreach (and fused) kernels by exact type (`type(p) in _foreach_supported_types`), and registers
+# DTensor there itself; without these two lines every optimizer and torch's clip over a sharded model silently ran
+# one kernel launch per tensor on a GPU (the small preset's AdamW step: 10.8 ms of host time on an H200, against
+# 2.3 ms for the same model unsharded). The in-place foreach updates write the flat shard as the per-tensor ones do.
+for _supported in (_optim_foreach_types, _util_foreach_types):
+    _supported.extend(t for t in (ShardedParameter, ShardedDTensor) if t not in _supported)
 
 
 def make_view(

@@ -53,6 +53,7 @@ def test_tp_colwise_rowwise_inside_fsdp_matches_single_process(parity, case):
         # with flat all 36 as plain 1-D slices (no DTensor placement describes them).
         assert r["tp_params"] == 24.0 and r["dtensor_views"] == (36.0 if layout == "rows" else 0.0), r
         assert r["one_mesh"] == (1.0 if layout == "rows" else 0.0), r
+        assert r["foreach_by_default"] == 1.0, r  # the views (DTensors or slices) take torch's foreach kernels
         assert r["aliased"] == 1.0 and r["view_specs"] == 1.0 and r["full_diff"] < 1e-6, r
         assert r["max_diff"] < 1e-6, r
         # Their gradients: DTensors alike (full tensor = the reference's gradient), accumulated in place, zeroed.

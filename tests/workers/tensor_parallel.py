@@ -31,7 +31,7 @@ from tests.workers.tp_checks import (
     _view_checks,
     expected_local,
 )
-from tests.workers.training import BF16, _bf16_reference_loss
+from tests.workers.training import BF16, _bf16_reference_loss, torch_picks_foreach
 
 DIM, HEADS, FFN, BLOCKS = 16, 4, 32, 2
 CLIP = 0.05  # below every step's gradient norm: clipping scales every step
@@ -96,8 +96,7 @@ def tp_plan(sequence_parallel: bool = False) -> dict:
 
 
 def _optimizers(model: nn.Module, ref: nn.Module, optim: str) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
-    """`optim`: "sgd" (momentum, torch's default implementation: one tensor at a time here, since the views are
-    subclasses), "sgd_foreach", "adamw" or "adamw_foreach" (weight decay on); the reference gets the same. AdamW's
+    """`optim`: "sgd" (momentum, torch's default implementation: one tensor at a time on CPU), "sgd_foreach", "adamw" or "adamw_foreach" (weight decay on); the reference gets the same. AdamW's
     eps is 1e-3: k's bias has a zero gradient in exact arithmetic (softmax ignores a shift shared by all keys), and
     with the default 1e-8 AdamW scales its rounding noise, which differs between summation orders, to lr-sized
     updates (measured 4e-3 apart; 6e-8 with eps 1e-3, with moments equal to 3e-8 either way)."""
@@ -216,6 +215,7 @@ def tp_fsdp_parity(
     out.update(_state_dict_checks(model, ref, specs, dp_rank, dp, dp_names, sequence_parallel))
     out.update(_optim_state_dict_checks(model, ref, opt, ref_opt, specs, dp_rank, dp))
     out["tp_params"] = float(sum(spec is not None for spec, _, _ in specs.values()))
+    out["foreach_by_default"] = float(torch_picks_foreach(model.parameters()))
     out["checked_graphs"] = float(backend.dynamo_graphs if backend else 0)
     return out
 

@@ -6,11 +6,14 @@ import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.optim.optimizer import _default_to_fused_or_foreach
+from torch.utils._foreach_utils import _has_foreach_support
 
 import fsdp_graph
 from fsdp_graph import compat
@@ -77,6 +80,7 @@ class CaseResult:
     reports: list = field(default_factory=list)
     dynamo_graphs: int = 0
     max_param_ndim: int = 0  # over model.parameters() after sharding: 1 with the flat layout, the original with rows
+    foreach_by_default: bool = False  # torch_picks_foreach(model.parameters()) after sharding
 
 
 def _mse(model: nn.Module, batch) -> torch.Tensor:
@@ -148,9 +152,24 @@ def build(name: str) -> tuple[nn.Module, Callable, Callable[[torch.Generator, in
 
 
 def make_optimizer(name: str, params) -> torch.optim.Optimizer:
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-    return torch.optim.SGD(params, lr=5e-2, momentum=0.9)
+    """`name`: "sgd" (momentum) or "adamw", each optionally "_foreach" or "_fused" (torch's multi-tensor kernels:
+    on a GPU the default for plain parameters and for ours; on CPU torch's default is one tensor at a time)."""
+    kind, _, kernels = name.partition("_")
+    kwargs = {kernels: True} if kernels else {}
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **kwargs)
+    return torch.optim.SGD(params, lr=5e-2, momentum=0.9, **kwargs)
+
+
+def torch_picks_foreach(params) -> bool:
+    """Whether torch's optimizers default to their foreach kernels for `params` on a device that has them, and
+    torch's `clip_grad_norm_` takes them too. Both decide by exact type; CPU has no foreach kernels of its own, so
+    the optimizer's device check is told that it has."""
+    params = list(params)
+    device = params[0].device
+    with mock.patch("torch.optim.optimizer._get_foreach_kernels_supported_devices", return_value=[device.type]):
+        _, foreach = _default_to_fused_or_foreach(params, differentiable=False)
+    return foreach and _has_foreach_support(params, device)
 
 
 def wrap_policy(name: str):
@@ -306,6 +325,7 @@ def run_case(case: Case, rank: int, world: int, per_rank_batch: int = 4) -> Case
         reports=list(backend.reports) if backend else [],
         dynamo_graphs=backend.dynamo_graphs if backend else 0,
         max_param_ndim=max(p.ndim for p in model.parameters()),
+        foreach_by_default=torch_picks_foreach(model.parameters()),
     )
 
 
