@@ -100,6 +100,19 @@ def mesh_dim_layout(mesh_layout, dim: int):
     return mesh_layout[dim]
 
 
+def side_effect_record(tracer) -> object | None:
+    """Where a Dynamo (sub)tracer recorded its first externally visible side effect (torch 2.13's
+    `SubgraphTracer.side_effect_stack`; None: none yet, or a torch without the record, 2.11, whose
+    nested_compile_region returns a body's intermediates whatever it wrote)."""
+    return getattr(tracer, "side_effect_stack", None)
+
+
+def clear_side_effect_record(tracer) -> None:
+    """Forget the (sub)tracer's record of a side effect (see `side_effect_record`)."""
+    if hasattr(tracer, "side_effect_stack"):
+        tracer.side_effect_stack = None
+
+
 def mutated_sources(side_effects) -> set:
     """The sources of the pre-existing Python objects a Dynamo trace has written so far (attributes as `AttrSource`s,
     lists and dicts by their own source): torch 2.13's `SideEffects.mutated_sources`; derived for torch 2.11, whose

@@ -53,6 +53,7 @@ STRICT = "_fsdp_reuse_strict"  # reuse_blocks=True: a unit that cannot share a b
 
 _PLAIN = (bool, int, float, str, type(None))
 _REUSING_CLASSES: dict[type, type] = {}
+_SIDE_EFFECTS_BEFORE: list = [None]  # the tracer's record of a side effect before `_set_region_flats`' write
 _UNKEYED = frozenset({"training", BLOCK_KEY, CACHE_LAYER, STRICT})
 # transformers' layers keep their index only to address a KV cache (`cache.update(..., self.layer_idx)`, read
 # nowhere else in forward in the families tested). In a shared body the cache is a fresh empty one, whose answers do
@@ -281,9 +282,9 @@ def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
     comptime(lambda ctx: _note_versions(ctx.get_local("flats_and_args")))
     args, kwargs, caches = block_cache.stand_ins(args, kwargs)  # a marker becomes a fresh empty transformers cache
     comptime(_note_python_writes)
-    setattr(self, REGION_FLATS, flats)
+    _set_region_flats(self, flats)
     out = type(self)._fsdp_block_forward(self, *args, **kwargs)
-    setattr(self, REGION_FLATS, None)
+    _set_region_flats(self, None)
     comptime(lambda ctx: _refuse_python_writes(ctx, *_constants(ctx, "call_key")))
     # torch reuses a body only if it returns tensors, none of them an input: return those, and record the rest of
     # the output (T5's None and the position bias a block passes on, a dict, a dataclass) for the caller to rebuild;
@@ -301,6 +302,31 @@ def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
     if refusal(template) is not None or block_cache.refusal(replay) is not None:
         return ()
     return out if template is None else tensors + cache_tensors
+
+
+def _set_region_flats(unit: nn.Module, flats: tuple | None) -> None:
+    """Inside a body: the unit's `REGION_FLATS`, written without counting as the body's side effect. Dynamo (2.13)
+    makes a body with any Python side effect return every intermediate tensor it traced as well (44 extra outputs
+    on a Llama block), each a fake tensor, a graph node and a variable at every stamped-out call: 48 outputs instead
+    of 1 cost the 70B shapes about a third of their time per added layer. This write is set and undone within the
+    body, for the body's own parameter reads, so the tracer's record of side effects is put back as it was; a write of
+    the block's own forward still counts (and `_refuse_python_writes` refuses a sourced one)."""
+    comptime(_note_side_effects)
+    setattr(unit, REGION_FLATS, flats)
+    comptime(_forget_own_side_effect)
+
+
+def _note_side_effects(ctx) -> None:
+    _SIDE_EFFECTS_BEFORE[:] = [compat.side_effect_record(_tracer(ctx))]
+
+
+def _forget_own_side_effect(ctx) -> None:
+    if _SIDE_EFFECTS_BEFORE[0] is None:
+        compat.clear_side_effect_record(_tracer(ctx))
+
+
+def _tracer(ctx):
+    return ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator().output.current_tracer
 
 
 def _note_python_writes(ctx) -> None:

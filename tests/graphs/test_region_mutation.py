@@ -61,17 +61,17 @@ def forward(self, L_x_ : torch.Tensor, L_self_modules_blocks_modules_0_fsdp_flat
     subgraph_0 = self.subgraph_0
     clone = torch.clone(l_self_modules_blocks_modules_0_dict_buffers_seen_)
     invoke_subgraph = torch.ops.higher_order.invoke_subgraph(subgraph_0, 'subgraph_0', l_x_, clone, flat);  subgraph_0 = l_x_ = clone = flat = None
-    getitem = invoke_subgraph[1]
-    copy_ = l_self_modules_blocks_modules_0_dict_buffers_seen_.copy_(getitem);  l_self_modules_blocks_modules_0_dict_buffers_seen_ = getitem = copy_ = None
-    getitem_6 = invoke_subgraph[0];  invoke_subgraph = None
+    getitem_1 = invoke_subgraph[1]
+    copy_ = l_self_modules_blocks_modules_0_dict_buffers_seen_.copy_(getitem_1);  l_self_modules_blocks_modules_0_dict_buffers_seen_ = getitem_1 = copy_ = None
+    getitem = invoke_subgraph[0];  invoke_subgraph = None
     flat_1 = torch.ops.fsdp.unshard(l_self_modules_blocks_modules_1_fsdp_flat_shards_0_, 'blocks.1', '0', 4);  l_self_modules_blocks_modules_1_fsdp_flat_shards_0_ = None
     subgraph_1 = self.subgraph_0
     clone_1 = torch.clone(l_self_modules_blocks_modules_1_dict_buffers_seen_)
-    invoke_subgraph_1 = torch.ops.higher_order.invoke_subgraph(subgraph_1, 'subgraph_0', getitem_6, clone_1, flat_1);  subgraph_1 = getitem_6 = clone_1 = flat_1 = None
-    getitem_8 = invoke_subgraph_1[1]
-    copy__1 = l_self_modules_blocks_modules_1_dict_buffers_seen_.copy_(getitem_8);  l_self_modules_blocks_modules_1_dict_buffers_seen_ = getitem_8 = copy__1 = None
-    getitem_7 = invoke_subgraph_1[0];  invoke_subgraph_1 = None
-    return (getitem_7,)""",
+    invoke_subgraph_1 = torch.ops.higher_order.invoke_subgraph(subgraph_1, 'subgraph_0', getitem, clone_1, flat_1);  subgraph_1 = getitem = clone_1 = flat_1 = None
+    getitem_2 = invoke_subgraph_1[1]
+    copy__1 = l_self_modules_blocks_modules_1_dict_buffers_seen_.copy_(getitem_2);  l_self_modules_blocks_modules_1_dict_buffers_seen_ = getitem_2 = copy__1 = None
+    out = invoke_subgraph_1[0];  invoke_subgraph_1 = None
+    return (out,)""",
     )
     assert_expected_inline(
         code(gm.subgraph_0),
