@@ -307,10 +307,10 @@ def _body(self: nn.Module, count: int, *flats_and_args, **kwargs):
 def _set_region_flats(unit: nn.Module, flats: tuple | None) -> None:
     """Inside a body: the unit's `REGION_FLATS`, written without counting as the body's side effect. Dynamo (2.13)
     makes a body with any Python side effect return every intermediate tensor it traced as well (44 extra outputs
-    on a Llama block), each a fake tensor, a graph node and a variable at every stamped-out call: 48 outputs instead
-    of 1 cost the 70B shapes about a third of their time per added layer. This write is set and undone within the
-    body, for the body's own parameter reads, so the tracer's record of side effects is put back as it was; a write of
-    the block's own forward still counts (and `_refuse_python_writes` refuses a sourced one)."""
+    on a Llama block), each a fake tensor, a graph node and a variable at every stamped-out call: on the 70B shapes
+    an added layer took 183-218 ms with them, 101-147 ms without (docs/measured.md). This write is set and undone
+    within the body, for the body's own parameter reads, so the tracer's record of side effects is put back as it
+    was; a write of the block's own forward still counts (and `_refuse_python_writes` refuses a sourced one)."""
     comptime(_note_side_effects)
     setattr(unit, REGION_FLATS, flats)
     comptime(_forget_own_side_effect)
