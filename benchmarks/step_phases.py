@@ -15,9 +15,9 @@ torch.profiler's CPU activity: its table by self time (`host_<peer>.txt`) and tr
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -100,24 +100,19 @@ def _peer(args: argparse.Namespace, device: torch.device):
 def _child(args: argparse.Namespace) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
+    from benchmarks.gpu import _device, _torchrun_env
     from fsdp_graph.train.corpus import batch_at, load_tokens
 
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    if cuda:
-        torch.cuda.set_device(device)
+    device = _device({"device": "cuda" if cuda else "cpu"})
+    _torchrun_env()
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1, **({"device_id": device} if cuda else {}))
     try:
         forward_backward, clip, check, step = _peer(args, device)
         tokens = load_tokens()
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         times: dict[str, list[float]] = {phase: [] for phase in PHASES}
-        batches = iter(range(10**6))
+        batches = itertools.count()
 
         def batch():
             return tuple(t.to(device) for t in batch_at(tokens, next(batches), 0, args.batch, args.seq))
