@@ -28,7 +28,14 @@ from fsdp_graph.compiler.compiled_files import CompiledFiles
 from fsdp_graph.compiler.deferred_header import deferred_header
 from fsdp_graph.compiler.dump import DUMP_ENV, GraphDumper, no_caches_when_dumping
 from fsdp_graph.compiler.grad_outputs import watch_gradients
-from fsdp_graph.compiler.graph_facts import check_compressible, check_sharded, gloo_groups, piece_rows, user_gloo_groups
+from fsdp_graph.compiler.graph_facts import (
+    check_compressible,
+    check_sharded,
+    dtensor_groups,
+    gloo_groups,
+    piece_rows,
+    user_gloo_groups,
+)
 from fsdp_graph.compiler.options import OWNED_VALUES, inductor_config_patches, patches_key
 from fsdp_graph.compiler.rank_check import STORE, GraphCollectives, RankAgreement, check_first_call
 from fsdp_graph.compiler.region_schema import cached_region_schemas
@@ -118,6 +125,7 @@ class FSDPBackend:
         # groups' piece sizes, which the backward graph does not show.
         pieces = piece_rows(gm) if self.schedule.compress is not None else {}
         key = f"{self._cache_key()}{sorted(all_to_all)}{sorted(gloo)}{patches_key(inductor_patches)}"
+        key += f"{sorted(dtensor_groups(gm, example_inputs))}"
         if pieces:
             key += f"{sorted(pieces.items())}"
         uuid = hashlib.sha256(key.encode()).hexdigest()
@@ -160,7 +168,9 @@ class FSDPBackend:
         index = dumper.graph_index
 
         def compile_checked():
-            return self._compile_verified(compile_graph, index, store_key) if verify else compile_graph()
+            if not verify:
+                return compile_graph()
+            return self._compile_verified(compile_graph, index, store_key, lower.stages_compiled)
 
         if share:  # the sharing records what this rank's compile left in the caches
             first = len(self.reports)
@@ -206,21 +216,33 @@ class FSDPBackend:
         owner, published = self.sharing.loaded[store_key]
         self.reports.extend(GraphReport.from_json(data, index, owner) for data in published)
 
-    def _compile_verified(self, compile_graph, index: int, store_key: str):
+    def _compile_verified(self, compile_graph, index: int, store_key: str, stages_compiled: list[str]):
         """Compiles, and wraps the result to check the ranks' collectives on its first call. The lists come from
-        our passes, or on a compile-cache hit (the passes did not run) from `rank_check.STORE`; a hit with no
-        stored lists compiles again without the caches (once: the lists are then stored)."""
+        our passes, or on a compile-cache hit (the passes did not run) from `rank_check.STORE`. A hit with no stored
+        lists compiles again without the caches (once: the lists are then stored). So does a partial hit: some
+        stage compiled by our passes, another served by an FX graph cache entry that a concurrent process (another
+        job, or a rank) wrote while this one compiled; its lists would lack that stage."""
         stored = STORE.load(store_key)
         first = len(self.reports)
+
+        def lowered() -> list[GraphReport]:
+            return [r for r in self.reports[first:] if r.graph_index == index]
+
+        def complete() -> bool:
+            return set(stages_compiled) <= {r.stage for r in lowered()}
+
+        del stages_compiled[:]
         compiled = compile_graph()
-        if stored is None and not any(r.graph_index == index for r in self.reports[first:]):
+        if stored is None and not (lowered() and complete()):
+            self.reports[first:] = [r for r in self.reports[first:] if r.graph_index != index]
+            del stages_compiled[:]
             compiled = compile_graph(caches=False)
 
         def graphs() -> list[GraphCollectives]:
-            lowered = [r.collectives_to_compare() for r in self.reports[first:] if r.graph_index == index]
-            if lowered:
-                STORE.save(store_key, lowered)
-                return lowered
+            if lowered() and complete():
+                lists = [r.collectives_to_compare() for r in lowered()]
+                STORE.save(store_key, lists)
+                return lists
             return [GraphCollectives(f"{g.stage} {index}", g.lines, g.groups) for g in stored or []]
 
         graphs()  # stores the lists now: a later compile of the same graph may hit the cache before this one runs
@@ -254,6 +276,7 @@ def _compile_inductor(
 
     def inner_compile(graph, inputs, **kwargs):
         lower.stage = "bw" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "fw")
+        lower.stages_compiled.append(lower.stage)
         return compile_fx_inner(graph, inputs, **kwargs)
 
     # Inductor's peak-memory reordering re-sorts the scheduler's nodes and sinks prefetched gathers to their first

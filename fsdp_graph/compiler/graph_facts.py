@@ -53,6 +53,22 @@ def user_gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
     return frozenset(names)
 
 
+def dtensor_groups(gm: fx.GraphModule, example_inputs) -> frozenset[str]:
+    """The process groups, by name, of the meshes of the DTensors the graph takes or makes (tensor parallelism's).
+    Their collectives first appear when AOT autograd traces the graph, as constants of the compiled code: two ranks
+    of one job whose groups are named differently (the tp groups [0, 1] and [2, 3] of a 2 x 2 mesh) can trace the
+    same Dynamo graph, and compiled code, collective lists and a shared compile keyed without these names were
+    handed from one to the other ("Could not resolve the process group registered under the name 3" on a warm
+    cache)."""
+    values = [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.nodes]
+    names = set()
+    for value in [*values, *example_inputs]:
+        mesh = getattr(value, "device_mesh", None)
+        if isinstance(value, torch.Tensor) and mesh is not None:
+            names.update(mesh.get_group(dim).group_name for dim in range(mesh.ndim))
+    return frozenset(names)
+
+
 def piece_rows(gm: fx.GraphModule) -> dict[str, int]:
     """{node group: world / k} of the `reshard_after_forward=k` gathers in `gm` (before the reshard pass splits them):
     the node group gathers pieces of world / k shards."""

@@ -15,8 +15,8 @@ to reach a graph compiles it for every rank, and the others load what it compile
   (`compiled_files.install`) and compiles: torch's AOT autograd and FX graph caches then serve the graph (no
   partitioning, no passes, no Inductor, no C++ compiler). Which code runs is still decided by torch's own cache
   keys: if anything torch keys on differs on this rank, its cache misses and it compiles its own graph.
-- Ranks whose graphs differ (pipeline stages, HYBRID's replicas on differently named groups, a rank recompiling
-  alone) have different keys and compile their own, without waiting.
+- Ranks whose graphs differ (pipeline stages, HYBRID's replicas or tp ranks on differently named groups, a rank
+  recompiling alone) have different keys and compile their own, without waiting.
 
 A waiting rank fails, naming the compiling rank and the graph, when that rank reports a compile error, when its
 heartbeat stops for `stale_s` (its process ended: a launcher usually ends the job first), or after the job's

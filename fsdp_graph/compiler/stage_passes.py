@@ -111,6 +111,9 @@ class LowerPass(CustomGraphPass):
         self._uuid, self.dumper, self.reports, self.keep_graphs = uuid, dumper, reports, keep_graphs
         self.options, self.all_to_all_groups, self.serial_groups = options, all_to_all_groups, serial_groups
         self.stage = "fw"
+        # The stages Inductor compiled, cache hits included (a hit runs no pass): a stage here without a report
+        # came from the FX graph cache, whose entry another process may have written in the middle of this compile
+        self.stages_compiled: list[str] = []
         self.piece_rows = piece_rows or {}  # `reshard_after_forward=k`: node group -> shards in its input piece
 
     def __call__(self, graph: fx.Graph) -> None:

@@ -1,9 +1,12 @@
 """`passes.collective_fingerprint` on a tiny model, and the runtime's first-call check around compiled graphs."""
 
+import shutil
+
 import pytest
 import torch
 import torch.fx as fx
 from expecttest import assert_expected_inline
+from torch._inductor.codecache import FxGraphCache
 
 import fsdp_graph
 from fsdp_graph.compiler import rank_check
@@ -116,9 +119,17 @@ def test_cache_hit_takes_the_lists_from_the_store(fake_pg, monkeypatch, tmp_path
     monkeypatch.setattr(fsdp_graph.compiler.backend, "STORE", rank_check.STORE)
     calls = []
     monkeypatch.setattr(rank_check.RankAgreement, "verify", lambda self, graphs: calls.append(list(graphs)))
+    saved_keys = []
+    save_graph = FxGraphCache._save_graph
+
+    def save_recording_keys(key, *args, **kwargs):
+        saved_keys.append(key)
+        return save_graph(key, *args, **kwargs)
+
+    monkeypatch.setattr(FxGraphCache, "_save_graph", save_recording_keys)
     first = fsdp_graph.make_backend()
     _compile_two_block(first)
-    assert [r.stage for r in first.reports] == ["fw", "bw"]
+    assert [r.stage for r in first.reports] == ["fw", "bw"] and len(saved_keys) == 2
     hit = fsdp_graph.make_backend()
     _compile_two_block(hit)
     assert hit.reports == [] and calls[1] == calls[0]  # served by the cache, checked with the stored lists
@@ -130,6 +141,19 @@ def test_cache_hit_takes_the_lists_from_the_store(fake_pg, monkeypatch, tmp_path
     unstored = fsdp_graph.make_backend()
     _compile_two_block(unstored)
     assert [r.stage for r in unstored.reports] == ["fw", "bw"] and calls[2] == calls[0]
+
+    # A partial hit: the forward compiles (the passes run), the backward is served by an FX graph entry that
+    # another job sharing the cache wrote meanwhile. Its lists lacked the backward: two jobs sharing a cache
+    # directory failed the check ("rank 0 has no graph, rank 2 has graph 'bw 0'")
+    monkeypatch.setattr(rank_check, "STORE", rank_check.FingerprintStore())
+    monkeypatch.setattr(fsdp_graph.compiler.backend, "STORE", rank_check.STORE)
+    for stored in (tmp_path / "fsdp_graph_collectives").iterdir():
+        stored.unlink()
+    shutil.rmtree(tmp_path / "aotautograd")
+    shutil.rmtree(FxGraphCache._get_tmp_dir_for_key(saved_keys[0]))
+    partial = fsdp_graph.make_backend()
+    _compile_two_block(partial)
+    assert [r.stage for r in partial.reports] == ["fw", "bw"] and calls[3] == calls[0]
 
 
 def test_group_shapes_are_the_same_on_every_replica():

@@ -1,5 +1,10 @@
 """Tensor parallel x FSDP (issue 14) on a fake (dp=2, tp=2) world: DTensor's collectives and ours in one graph."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,10 +13,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_graph
 from fsdp_graph.runtime.unit import flat_params
 from tests.workers.tensor_parallel import Block
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _group_sizes(backend, roles: dict | None = None) -> str:
@@ -381,3 +389,48 @@ def test_undescribable_tp_row_blocks_keep_every_view_plain(fake_pg):
     before = [p.detach().clone() for p in params]
     torch.optim.SGD(params, lr=0.5, foreach=True).step()
     assert all(torch.equal(p, b - 0.5) for p, b in zip(params, before))
+
+
+def compile_key_on_rank(rank: int) -> tuple[str, str]:
+    """(the Dynamo graph's code, the key its compiled code and collective lists are kept under) on `rank` of a fake
+    (dp=2, tp=2) world. Once per process: DTensor keeps meshes it has seen (by value, not by group) across process
+    groups, so a second fake rank in the same process would reuse the first one's groups."""
+    from unittest import mock
+
+    from fsdp_graph.compiler import rank_check
+
+    seen = []
+    key = rank_check.FingerprintStore.key
+
+    def recording(backend_key, gm, example_inputs):
+        seen.append((gm.code, key(backend_key, gm, example_inputs)))
+        return seen[-1][1]
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+    try:
+        with mock.patch.object(rank_check.FingerprintStore, "key", staticmethod(recording)):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            mesh, model = _mesh(), Block()
+            plan = {**{n: ColwiseParallel() for n in ("q", "k", "v", "up")}, "o": RowwiseParallel()}
+            parallelize_module(model, mesh["tp"], {**plan, "down": RowwiseParallel()})
+            fsdp_graph.fully_shard(model, mesh["dp"])
+            compiled = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
+            compiled(torch.randn(2, 3, 16, requires_grad=True)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    (only,) = seen
+    return only
+
+
+def test_ranks_with_differently_named_tp_groups_keep_their_compiles_apart():
+    """Ranks 0 and 2 of a 2 x 2 mesh trace the same Dynamo graph, but their tp groups ([0, 1], [2, 3]) have other
+    names, which the compiled code holds as constants: keyed alike, a warm cache handed one rank's collective lists
+    (and compiled code) to the other ("Could not resolve the process group registered under the name 3")."""
+    code_0, key_0 = compile_key_on_rank(0)
+    script = (
+        "import json; from tests.graphs.test_tensor_parallel import compile_key_on_rank as k; print(json.dumps(k(2)))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
+    code_2, key_2 = json.loads(out.stdout.strip().splitlines()[-1])
+    assert code_0 == code_2 and key_0 != key_2
