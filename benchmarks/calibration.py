@@ -8,14 +8,25 @@ Each `Row` is one published figure (tokens per second per GPU, and peak memory p
 source, the configuration it was measured at, and its part: "fit" rows set the one number each GPU preset fits,
 `compute_efficiency` (the sustained fraction of its published matmul and attention rates), "test" rows only check
 it. Errors are reported on the test rows. Every row is planned as `plan()` plans a layout: `explain_by_depth` of
-its Llama at depths 3 and 4 on the meta device with a fake process group of its world size
-(`fsdp_graph.planning.profiles`), then `layouts.evaluate`; the traced figures are re-timed at each efficiency of
-`EFFICIENCIES` and cached in benchmarks/data/calibration.json, so regenerating the table traces nothing.
+its Llama at depths 3 and 4 (4 and 6, whole periods, where every second block is checkpointed) on the meta device
+with a fake process group of its world size (`fsdp_graph.planning.profiles`), then `layouts.evaluate`; the traced
+figures are re-timed at each efficiency of `EFFICIENCIES` and cached in benchmarks/data/calibration.json, so
+regenerating the table traces nothing.
 
 Held back and never read: torchtitan's benchmarks/llama3_h100_202412_torchtitan.md (issue 37 keeps it to judge
-the result). Not used: rows with float8 (not modelled), block-level selective checkpointing of an unpublished
-fraction (fms-fsdp's "Selective AC"), tensor parallelism with sequence parallelism (KempnerForge's TP rows: plan()'s
-TP has none), and a single-GPU row whose memory cannot hold fp32 master weights (KempnerForge's first).
+the result); kept out with it, as its configuration: the Llama 3 8B runs on 8 GPUs in torchtitan's commit messages.
+Not used: rows with float8 (not modelled; torchtitan's Trainy H200 benchmark), block-level selective checkpointing of
+an unpublished fraction (fms-fsdp's "Selective AC"), tensor parallelism with sequence parallelism (KempnerForge's
+TP rows, TT_165's 2D rows: plan()'s TP has none), a single-GPU row whose memory cannot hold fp32 master weights
+(KempnerForge's first), KempnerForge's config validation report (7B at FSDP 4 and 32, 81.0 and 51.3 GB): its
+trainer casts the model to bf16 before sharding, so parameters, gradients and AdamW's moments are bf16, and its
+accumulation turns gradient sync off, which keeps every gradient unsharded in fp32 between micro-batches, neither
+of which plan() models (the same holds for the memory of the three KempnerForge rows kept below), TT_165's FSDP1 runs
+(flat parameters freed through recordStream), its compiled run without buffer reuse (an Inductor option plan()
+does not model) and its two runs at the device's limit (88.2 and 90.3 of 95.0 GiB reserved, where the allocator
+empties its cache and retries), torchtune's README (LoRA, or full finetunes of bf16 parameters on unpacked samples
+of varying length), accelerate's benchmarks/fsdp2 (Qwen2, plots only) and Lightning's FSDP guide (an fp32
+nn.Transformer).
 """
 
 from __future__ import annotations
@@ -42,12 +53,16 @@ XLA_TABLE = ROOT / "benchmarks" / "data" / "xla_sm90_matmul.csv"
 DOC = ROOT / "docs" / "planning.md"
 EFFICIENCIES = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 DEPTHS = (3, 4)
+LAYER_DEPTHS = (4, 6)  # checkpointing every second block: whole periods of two, as plan() samples it
 
 TT_2024 = "https://github.com/pytorch/torchtitan/blob/3faaa1a0dee68ce028400e3dafd1735d152cb4f8/docs/performance.md"
 TT_NET = "https://github.com/pytorch/torchtitan/blob/main/benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
 FMS = "https://github.com/foundation-model-stack/fms-fsdp/blob/ed74fd5/README.md"
 FMS_OLD = "https://github.com/foundation-model-stack/fms-fsdp/blob/0d319983c4b3b7f7b3b5e2c5e7f746746b6f73a9/README.md"
 KF = "https://github.com/KempnerInstitute/KempnerForge/blob/abbbac3/benchmarks/mfu_scaling/mfu_scaling.md"
+# torchtitan's per-parameter FSDP commit (pull request 165); its message is the pull request's description.
+TT_165 = "https://github.com/pytorch/torchtitan/commit/83c879f18763611bda68586c45f0082fd568d646"
+H100_HBM2E_GIB = 95.0396  # the GPU memory TT_165's percentages are of
 
 LLAMA2_7B = LlamaConfig(vocab=32000, dim=4096, layers=32, heads=32, kv_heads=32, hidden=11008, seq=4096, tied=False)
 LLAMA2_13B = LlamaConfig(vocab=32000, dim=5120, layers=40, heads=40, kv_heads=40, hidden=13824, seq=4096, tied=False)
@@ -62,7 +77,9 @@ KF_13B = LlamaConfig(vocab=LLAMA3_VOCAB, dim=5120, layers=40, heads=40, kv_heads
 @dataclass(frozen=True)
 class Row:
     """One published measurement. `layout`'s micro-batch and micro-batches are the source's local batch and
-    gradient accumulation; `nic_gbps`: the network per GPU (Gb/s) the source states (or assumed, `note`)."""
+    gradient accumulation; `nic_gbps`: the network per GPU (Gb/s) the source states (or assumed, `note`);
+    `tokens_per_s` None: a second memory figure of a run whose throughput another row carries;
+    `expandable_segments`: the source ran PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved memory)."""
 
     name: str
     part: str  # "fit" or "test"
@@ -72,13 +89,14 @@ class Row:
     layout: Layout
     seq: int
     compiled: bool
-    tokens_per_s: float  # per GPU
+    tokens_per_s: float | None  # per GPU
     memory_gib: float | None = None
     memory_kind: str = "allocated"  # "allocated" (max_memory_allocated) or "reserved"
     optimizer: str = "adamw"
     nic_gbps: float | None = None
     ranks_per_node: int = 8
     bf16_reduce: bool = False  # gradients reduced in bf16 (FSDP1's bfSixteen policy), not fp32
+    expandable_segments: bool = False
     note: str = ""
 
     def hardware(self, efficiency: float) -> Hardware:
@@ -223,6 +241,98 @@ ROWS: tuple[Row, ...] = (
         ranks_per_node=4,
         note="2 nodes; the source ran it uncompiled",
     ),  # fmt: skip
+    # torchtitan at TT_165 (March 2024), one node of 8 Grand Teton H100s (95.04 GiB, HBM2e), FSDP2 over all 8, the
+    # "7B" flavor of train_configs/llama_7b.toml (Llama 2 7B: dim 4096, 32 layers, 32 heads, ffn 11008, Llama 2
+    # tokenizer, 32000), local batch 8, seq 2048, no accumulation, fp32 parameters with bf16 compute and fp32
+    # reduce-scatter, AdamW (foreach) with clipping, fp32 logits and loss; every block resharded after forward but
+    # the last. "AC" is full checkpointing, "SAC" the selective default then (option "2": every second block,
+    # "layer" here). Memory: the source's peak active (torch's active_bytes peak: allocated plus blocks awaiting
+    # another stream, which FSDP2 does not use) and peak reserved, as percentages of 95.0396 GiB for the eager
+    # runs; the allocator's default segments (its run script sets no PYTORCH_CUDA_ALLOC_CONF). Tokens/s: the
+    # middle of the range given.
+    Row(
+        "tt-h100-l2-7b-full-eager",
+        "test",
+        TT_165,
+        "h100-hbm2e",
+        LLAMA2_7B,
+        _fsdp(8, "full", 8),
+        2048,
+        False,
+        6200,
+        0.2392 * H100_HBM2E_GIB,
+        note="peak active 23.92%; 6100-6300 tokens/s",
+    ),  # fmt: skip
+    Row(
+        "tt-h100-l2-7b-full-eager-reserved",
+        "test",
+        TT_165,
+        "h100-hbm2e",
+        LLAMA2_7B,
+        _fsdp(8, "full", 8),
+        2048,
+        False,
+        None,
+        0.3264 * H100_HBM2E_GIB,
+        memory_kind="reserved",
+        note="peak reserved 32.64% of the run above",
+    ),  # fmt: skip
+    Row(
+        "tt-h100-l2-7b-layer-eager",
+        "test",
+        TT_165,
+        "h100-hbm2e",
+        LLAMA2_7B,
+        _fsdp(8, "layer", 8),
+        2048,
+        False,
+        6700,
+        0.5213 * H100_HBM2E_GIB,
+        note="peak active 52.13%; 6600-6800 tokens/s",
+    ),  # fmt: skip
+    Row(
+        "tt-h100-l2-7b-layer-eager-reserved",
+        "test",
+        TT_165,
+        "h100-hbm2e",
+        LLAMA2_7B,
+        _fsdp(8, "layer", 8),
+        2048,
+        False,
+        None,
+        0.6251 * H100_HBM2E_GIB,
+        memory_kind="reserved",
+        note="peak reserved 62.51% of the run above",
+    ),  # fmt: skip
+    # The same with torch.compile of the whole model (Inductor buffer reuse enabled, its default): reserved only.
+    Row(
+        "tt-h100-l2-7b-full-compiled",
+        "test",
+        TT_165,
+        "h100-hbm2e",
+        LLAMA2_7B,
+        _fsdp(8, "full", 8),
+        2048,
+        True,
+        7350,
+        28.90,
+        memory_kind="reserved",
+        note="7200-7500 tokens/s",
+    ),  # fmt: skip
+    Row(
+        "tt-h100-l2-7b-layer-compiled",
+        "test",
+        TT_165,
+        "h100-hbm2e",
+        LLAMA2_7B,
+        _fsdp(8, "layer", 8),
+        2048,
+        True,
+        8250,
+        53.83,
+        memory_kind="reserved",
+        note="8100-8400 tokens/s",
+    ),  # fmt: skip
 )
 
 
@@ -234,9 +344,9 @@ def _key(row: Row) -> ProfileKey:
 def trace_row(row: Row) -> dict:
     """The row's figures at each depth of `DEPTHS` and efficiency of `EFFICIENCIES` (traced once, re-timed)."""
     key = _key(row)
-    profiles = Profiles(row.hardware(1.0), row.optimizer, True, row.memory_kind == "reserved")
+    profiles = Profiles(row.hardware(1.0), row.optimizer, True, row.expandable_segments)
     out: dict = {}
-    for depth in DEPTHS:
+    for depth in LAYER_DEPTHS if row.layout.checkpoint == "layer" else DEPTHS:
         report = trace(key, depth, profiles)
         for efficiency in EFFICIENCIES:
             timed = report.with_hardware(row.hardware(efficiency))
@@ -261,7 +371,7 @@ def predict(row: Row, traced: dict, efficiency: float) -> tuple[float, float]:
 
 def _evaluate(row: Row, traced: dict, efficiency: float) -> tuple[float, float]:
     sampled = {int(depth): figs for depth, figs in traced[str(efficiency)].items()}
-    profile = Profile(_key(row), DEPTHS, sampled, 0.0)
+    profile = Profile(_key(row), tuple(sorted(sampled)), sampled, 0.0)  # the depths it was traced at
     e = evaluate(row.layout, profile, row.config, row.seq, row.hardware(efficiency), math.inf)
     memory = e.reserved_bytes if row.memory_kind == "reserved" else e.allocated_bytes
     return e.step_time, memory / GIB
@@ -284,6 +394,15 @@ def fit(rows: list[Row], cache: dict) -> dict[str, float]:
     return fitted
 
 
+def presets_off_the_fit(fitted: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """{GPU: (its preset's compute_efficiency, the fitted one)} where they differ: plan() uses the presets."""
+    return {
+        gpu: (GPUS[gpu].compute_efficiency, value)
+        for gpu, value in fitted.items()
+        if GPUS[gpu].compute_efficiency != value
+    }
+
+
 def table(rows: list[Row], cache: dict, fitted: dict[str, float]) -> str:
     lines = [
         "| row | part | GPU (efficiency) | model, layout | published tokens/s/GPU | predicted | error | "
@@ -303,9 +422,12 @@ def table(rows: list[Row], cache: dict, fitted: dict[str, float]) -> str:
                 f"{memory:.1f}",
                 f"{100 * (memory / r.memory_gib - 1):+.1f}%",
             )
+        tput = ("", "", "")
+        if r.tokens_per_s is not None:
+            tput = (f"{r.tokens_per_s:,.0f}", f"{tokens:,.0f}", f"{100 * (tokens / r.tokens_per_s - 1):+.1f}%")
         lines.append(
-            f"| {r.name} | {r.part} | {r.gpu} ({efficiency:.2f}) | {model} | {r.tokens_per_s:,.0f} | {tokens:,.0f} | "
-            f"{100 * (tokens / r.tokens_per_s - 1):+.1f}% | {mem[0]} | {mem[1]} | {mem[2]} | [link]({r.source}) |"
+            f"| {r.name} | {r.part} | {r.gpu} ({efficiency:.2f}) | {model} | {tput[0]} | {tput[1]} | {tput[2]} | "
+            f"{mem[0]} | {mem[1]} | {mem[2]} | [link]({r.source}) |"
         )
     return "\n".join(lines) + "\n"
 
@@ -375,6 +497,8 @@ def main() -> None:
     print(text)
     summary = goals(rows, cache, fitted)
     print(summary)
+    if not args.rows and (stale := presets_off_the_fit(fitted)):
+        print(f"passes/hardware.py's presets differ from this fit, set their fitted_efficiency: {stale}")
     if not args.no_doc and not args.rows:
         _write_doc(text, summary, fitted)
 

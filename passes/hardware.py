@@ -130,10 +130,13 @@ def _gpu(
     nic_gbps: float,
     memory_gib: float,
     fp32_matmul: float,
+    fitted_efficiency: float | None = None,
 ) -> Hardware:
     """A GPU preset. `flops_per_s` is the dense bf16 peak (kernels with flops that are not matmuls or attention
     run far below it and are charged by their bytes anyway); ring steps cost 10 us inside a node (NCCL's ring
-    latency on NVLink is single-digit microseconds per step) and 20 us across nodes."""
+    latency on NVLink is single-digit microseconds per step) and 20 us across nodes. `fitted_efficiency`: the
+    `compute_efficiency` benchmarks/calibration.py fitted on published step times (None: not calibrated, 1.0)."""
+    fitted = () if fitted_efficiency is None else (("compute_efficiency", fitted_efficiency),)
     return Hardware(
         name,
         flops_per_s=peak,
@@ -148,6 +151,8 @@ def _gpu(
         inter_bytes_per_s=nic_bytes_per_s(nic_gbps),
         inter_latency_s=20e-6,
         memory_capacity_bytes=int(memory_gib * GIB),
+        compute_efficiency=1.0 if fitted_efficiency is None else fitted_efficiency,
+        calibration=fitted,
     )
 
 
@@ -184,6 +189,9 @@ HARDWARE: dict[str, Hardware] = {
 #   H100/H200: 400 Gb/s NDR; B200: 400 Gb/s), at NIC_EFFICIENCY. A calibration row whose cluster differs
 #   overrides it (benchmarks/calibration.py).
 # - fp32_matmul: the fp32 (non-tensor-core) peak, 19.5 / 67 / 67 / 80 TFLOP/s.
+# - fitted_efficiency: the sustained fraction of those rates in a training step, fitted on published step times
+#   (benchmarks/calibration.py's "fit" rows, docs/planning.md); the HBM2e H100 carries the H100's. The B200 has no
+#   published row here: not calibrated.
 GPUS: dict[str, Hardware] = {
     "a100": _gpu(
         "a100",
@@ -195,6 +203,7 @@ GPUS: dict[str, Hardware] = {
         nic_gbps=200,
         memory_gib=80,
         fp32_matmul=19.5e12,
+        fitted_efficiency=0.86,
     ),
     "h100": _gpu(
         "h100",
@@ -206,6 +215,7 @@ GPUS: dict[str, Hardware] = {
         nic_gbps=400,
         memory_gib=80,
         fp32_matmul=67e12,
+        fitted_efficiency=0.72,
     ),
     # Meta's Grand Teton H100s (torchtitan's tables): 96 GB of HBM2e at 2.4 TB/s (95 GiB visible), 500 W.
     "h100-hbm2e": _gpu(
@@ -218,6 +228,7 @@ GPUS: dict[str, Hardware] = {
         nic_gbps=400,
         memory_gib=95,
         fp32_matmul=67e12,
+        fitted_efficiency=0.72,
     ),
     "h200": _gpu(
         "h200",
@@ -229,6 +240,7 @@ GPUS: dict[str, Hardware] = {
         nic_gbps=400,
         memory_gib=141,
         fp32_matmul=67e12,
+        fitted_efficiency=0.92,
     ),
     "b200": _gpu(
         "b200",

@@ -5,6 +5,7 @@ and the main job's --plan / --layout auto wiring."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -236,3 +237,17 @@ def test_one_plan_profile_and_its_depth_check():
     # The partitioner saves a little more in a small model's last blocks than in its middle ones.
     assert predicted["peak_memory_bytes"] == pytest.approx(real["peak_memory_bytes"], rel=0.15)
     assert not profiles.extend(profile)  # checked once
+
+
+def test_gpu_presets_carry_the_calibrated_efficiency():
+    """plan() and explain() use `passes.hardware.GPUS`: each preset's compute_efficiency is the one
+    benchmarks/calibration.py fits on its published rows (from the traced figures it keeps; nothing traced here)."""
+    from benchmarks import calibration
+
+    cache = json.loads(calibration.CACHE.read_text())
+    fitted = calibration.fit(list(calibration.ROWS), cache)
+    assert set(fitted) == {gpu for gpu, hw in GPUS.items() if hw.calibration}
+    assert calibration.presets_off_the_fit(fitted) == {}
+    assert all(
+        dict(hw.calibration)["compute_efficiency"] == hw.compute_efficiency for hw in GPUS.values() if hw.calibration
+    )
