@@ -111,6 +111,26 @@ def _fsdp(world: int, ac: str, mb: int, accumulate: int = 1) -> Layout:
     return Layout(1, 1, world, 1, ac, mb, accumulate)
 
 
+# torchtitan at TT_165's runs: (row, checkpointing, compiled, tokens/s, memory GiB, memory kind, note); see ROWS.
+def _tt_165_row(name: str, ac: str, compiled: bool, tokens: float | None, memory: float, kind: str, note: str) -> Row:
+    layout = _fsdp(8, ac, 8)
+    return Row(name, "test", TT_165, "h100-hbm2e", LLAMA2_7B, layout, 2048, compiled, tokens, memory, kind, note=note)
+
+
+_TT_165_RUNS = (
+    ("tt-h100-l2-7b-full-eager", "full", False, 6200, 0.2392 * H100_HBM2E_GIB, "allocated",
+     "peak active 23.92%; 6100-6300 tokens/s"),
+    ("tt-h100-l2-7b-full-eager-reserved", "full", False, None, 0.3264 * H100_HBM2E_GIB, "reserved",
+     "peak reserved 32.64% of the run above"),
+    ("tt-h100-l2-7b-layer-eager", "layer", False, 6700, 0.5213 * H100_HBM2E_GIB, "allocated",
+     "peak active 52.13%; 6600-6800 tokens/s"),
+    ("tt-h100-l2-7b-layer-eager-reserved", "layer", False, None, 0.6251 * H100_HBM2E_GIB, "reserved",
+     "peak reserved 62.51% of the run above"),
+    # torch.compile of the whole model (Inductor buffer reuse enabled, its default): reserved only
+    ("tt-h100-l2-7b-full-compiled", "full", True, 7350, 28.90, "reserved", "7200-7500 tokens/s"),
+    ("tt-h100-l2-7b-layer-compiled", "layer", True, 8250, 53.83, "reserved", "8100-8400 tokens/s"),
+)  # fmt: skip
+
 ROWS: tuple[Row, ...] = (
     # torchtitan, 64 A100 80GB, FSDP2 without torch.compile (the configs' default then), bf16 / fp32 reduce.
     Row("tt-a100-l3-8b-layer", "fit", TT_2024, "a100", LLAMA3_8B, _fsdp(64, "layer", 1), 8192, False, 2904),
@@ -250,89 +270,7 @@ ROWS: tuple[Row, ...] = (
     # another stream, which FSDP2 does not use) and peak reserved, as percentages of 95.0396 GiB for the eager
     # runs; the allocator's default segments (its run script sets no PYTORCH_CUDA_ALLOC_CONF). Tokens/s: the
     # middle of the range given.
-    Row(
-        "tt-h100-l2-7b-full-eager",
-        "test",
-        TT_165,
-        "h100-hbm2e",
-        LLAMA2_7B,
-        _fsdp(8, "full", 8),
-        2048,
-        False,
-        6200,
-        0.2392 * H100_HBM2E_GIB,
-        note="peak active 23.92%; 6100-6300 tokens/s",
-    ),  # fmt: skip
-    Row(
-        "tt-h100-l2-7b-full-eager-reserved",
-        "test",
-        TT_165,
-        "h100-hbm2e",
-        LLAMA2_7B,
-        _fsdp(8, "full", 8),
-        2048,
-        False,
-        None,
-        0.3264 * H100_HBM2E_GIB,
-        memory_kind="reserved",
-        note="peak reserved 32.64% of the run above",
-    ),  # fmt: skip
-    Row(
-        "tt-h100-l2-7b-layer-eager",
-        "test",
-        TT_165,
-        "h100-hbm2e",
-        LLAMA2_7B,
-        _fsdp(8, "layer", 8),
-        2048,
-        False,
-        6700,
-        0.5213 * H100_HBM2E_GIB,
-        note="peak active 52.13%; 6600-6800 tokens/s",
-    ),  # fmt: skip
-    Row(
-        "tt-h100-l2-7b-layer-eager-reserved",
-        "test",
-        TT_165,
-        "h100-hbm2e",
-        LLAMA2_7B,
-        _fsdp(8, "layer", 8),
-        2048,
-        False,
-        None,
-        0.6251 * H100_HBM2E_GIB,
-        memory_kind="reserved",
-        note="peak reserved 62.51% of the run above",
-    ),  # fmt: skip
-    # The same with torch.compile of the whole model (Inductor buffer reuse enabled, its default): reserved only.
-    Row(
-        "tt-h100-l2-7b-full-compiled",
-        "test",
-        TT_165,
-        "h100-hbm2e",
-        LLAMA2_7B,
-        _fsdp(8, "full", 8),
-        2048,
-        True,
-        7350,
-        28.90,
-        memory_kind="reserved",
-        note="7200-7500 tokens/s",
-    ),  # fmt: skip
-    Row(
-        "tt-h100-l2-7b-layer-compiled",
-        "test",
-        TT_165,
-        "h100-hbm2e",
-        LLAMA2_7B,
-        _fsdp(8, "layer", 8),
-        2048,
-        True,
-        8250,
-        53.83,
-        memory_kind="reserved",
-        note="8100-8400 tokens/s",
-    ),  # fmt: skip
+    *(_tt_165_row(*run) for run in _TT_165_RUNS),
 )
 
 
