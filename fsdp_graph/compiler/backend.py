@@ -231,7 +231,6 @@ class FSDPBackend:
         def complete() -> bool:
             return set(stages_compiled) <= {r.stage for r in lowered()}
 
-        del stages_compiled[:]
         compiled = compile_graph()
         if stored is None and not (lowered() and complete()):
             self.reports[first:] = [r for r in self.reports[first:] if r.graph_index != index]

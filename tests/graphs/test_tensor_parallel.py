@@ -40,7 +40,7 @@ def test_tp_and_fsdp_collectives_in_one_graph(fake_pg):
     torch._dynamo.reset()
     torch.manual_seed(0)
     mesh, model = _mesh(), Block()
-    plan = {**{n: ColwiseParallel() for n in ("q", "k", "v", "up")}, "o": RowwiseParallel(), "down": RowwiseParallel()}
+    plan = _block_plan()
     parallelize_module(model, mesh["tp"], plan)
     fsdp_graph.fully_shard(model, mesh["dp"])
     backend = fsdp_graph.make_backend(inductor=False)
@@ -63,6 +63,11 @@ bw: all_reduce(group=tp, reduce_op=sum, 96 x float32 -> 96 x float32)
 bw: all_reduce(group=tp, reduce_op=sum, 96 x float32 -> 96 x float32)
 bw: reduce_scatter_tensor(group=dp, reduce_op=sum, group_size=2, 1160 x float32 -> 580 x float32)""",
     )
+
+
+def _block_plan() -> dict:
+    """Megatron's plan for `Block`: q, k, v and up column-wise, o and down row-wise."""
+    return {**{n: ColwiseParallel() for n in ("q", "k", "v", "up")}, "o": RowwiseParallel(), "down": RowwiseParallel()}
 
 
 def _mesh():
@@ -121,7 +126,7 @@ def test_meta_device_tp_parameters_materialise_as_if_materialised_first(fake_wor
     reference = Block()
     with torch.device("meta"):
         model = Block()
-    plan = {**{n: ColwiseParallel() for n in ("q", "k", "v", "up")}, "o": RowwiseParallel(), "down": RowwiseParallel()}
+    plan = _block_plan()
     if sequence_parallel:
         plan.update({"norm1": SequenceParallel(), "norm2": SequenceParallel()})
     parallelize_module(model, mesh["tp"], plan)
@@ -185,7 +190,7 @@ def test_hybrid_shard_with_tp_on_a_3d_mesh(fake_world_8):
     torch._dynamo.reset()
     torch.manual_seed(0)
     mesh, model = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp")), Block()
-    plan = {**{n: ColwiseParallel() for n in ("q", "k", "v", "up")}, "o": RowwiseParallel(), "down": RowwiseParallel()}
+    plan = _block_plan()
     parallelize_module(model, mesh["tp"], plan)
     fsdp_graph.fully_shard(model, mesh["replicate", "shard"], strategy=fsdp_graph.ShardingStrategy.HYBRID_SHARD)
     backend = fsdp_graph.make_backend(inductor=False)
@@ -241,7 +246,7 @@ def test_explain_sizes_tp_collectives_by_the_tp_group(fake_pg, prepared):
 
 def _tp_block(layout: str = "rows", **options):
     mesh, model = _mesh(), Block()
-    plan = {**{n: ColwiseParallel() for n in ("q", "k", "v", "up")}, "o": RowwiseParallel(), "down": RowwiseParallel()}
+    plan = _block_plan()
     parallelize_module(model, mesh["tp"], plan)
     return fsdp_graph.fully_shard(model, mesh["dp"], layout=layout, **options)
 
@@ -412,8 +417,7 @@ def compile_key_on_rank(rank: int) -> tuple[str, str]:
             torch._dynamo.reset()
             torch.manual_seed(0)
             mesh, model = _mesh(), Block()
-            plan = {**{n: ColwiseParallel() for n in ("q", "k", "v", "up")}, "o": RowwiseParallel()}
-            parallelize_module(model, mesh["tp"], {**plan, "down": RowwiseParallel()})
+            parallelize_module(model, mesh["tp"], _block_plan())
             fsdp_graph.fully_shard(model, mesh["dp"])
             compiled = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
             compiled(torch.randn(2, 3, 16, requires_grad=True)).sum().backward()
