@@ -14,15 +14,17 @@ class _CollectiveOrder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.events: list[tuple[str, int]] = []
-        self._gathers: dict[int, int] = {}
+        self._gathered: list[torch.Tensor] = []  # held, so that a freed gather's id() is not reused for the next
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops._c10d_functional.all_gather_into_tensor.default:
-            self._gathers[id(out)] = len(self._gathers)
-            self.events.append(("gather", self._gathers[id(out)]))
-        elif func is torch.ops._c10d_functional.wait_tensor.default and id(args[0]) in self._gathers:
-            self.events.append(("wait", self._gathers[id(args[0])]))
+            self.events.append(("gather", len(self._gathered)))
+            self._gathered.append(out)
+        elif func is torch.ops._c10d_functional.wait_tensor.default:
+            n = next((n for n, t in enumerate(self._gathered) if t is args[0]), None)
+            if n is not None:
+                self.events.append(("wait", n))
         return out
 
 
