@@ -18,6 +18,7 @@ from fsdp_graph.api.meshes import Meshes, mesh_suffix, param_placements, post_fo
 from fsdp_graph.api.placement import move_buffers, parameter_device
 from fsdp_graph.api.shard_unit import Member, shard_flat_param, unit_settings, unit_values
 from fsdp_graph.api.wrap import auto_wrap_policy, check_group
+from fsdp_graph.compiler import gc_pause
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.runtime.block_region import buffer_refusals, complex_refusals, make_reusable, reuse_lost, reuse_refusals
 from fsdp_graph.runtime.composable_checkpoint import adopt_composable_checkpoints
@@ -236,6 +237,7 @@ def fully_shard(
     model.__dict__["_fsdp_root"] = root_state
     module_state.install(model)
     adopt_composable_checkpoints(model)
+    gc_pause.install()  # the model's compiles run with the cyclic collector paused
     return model
 
 

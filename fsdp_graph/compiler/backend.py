@@ -23,7 +23,7 @@ import torch.fx as fx
 import passes
 from fsdp_graph import ir
 from fsdp_graph.api.config import Compression
-from fsdp_graph.compiler import compiled_files
+from fsdp_graph.compiler import compiled_files, gc_pause
 from fsdp_graph.compiler.compiled_files import CompiledFiles
 from fsdp_graph.compiler.deferred_header import deferred_header
 from fsdp_graph.compiler.dump import DUMP_ENV, GraphDumper, no_caches_when_dumping
@@ -104,6 +104,14 @@ class FSDPBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs, *, mode: str | None = None, options: dict | None = None):
         """Dynamo calls this with torch.compile's `mode` and `options` (when given) as keyword arguments."""
+        # The collector's pause from the compile's start needs Dynamo's callbacks, which torch._dynamo.reset() clears
+        # (after fully_shard installed them): the compiles after this one get them back, and this one's backend part
+        # runs paused in any case.
+        gc_pause.install()
+        with gc_pause.paused():
+            return self._compile(gm, example_inputs, mode, options)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs, mode: str | None, options: dict | None):
         inductor_patches = inductor_config_patches(mode, options, self.inductor)
         self._check_restored_options(patches_key(inductor_patches))
         dumper = GraphDumper(self.dump_dir, next(self._counter))
