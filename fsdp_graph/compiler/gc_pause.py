@@ -12,9 +12,9 @@ The start callback disables the collector if it is enabled; the end callback, wh
 raises, enables it again. A collector the user had disabled stays disabled. `torch._dynamo.reset()` clears those
 callbacks; our backend installs them again at its next call and runs its own part (AOT autograd, our passes,
 Inductor) under `paused()` whatever the callbacks' state, so after a reset only one compile's Dynamo trace runs with
-the collector on. Garbage made during a compile is still
-freed by reference counting as it goes, and torch collects the young generations after each Dynamo compile
-(`torch._dynamo.config.run_gc_after_compile`, on by default), so nothing accumulates past the compile.
+the collector on. Garbage made during a compile is still freed by reference counting as it goes, and torch collects
+the young generations after each Dynamo compile (`torch._dynamo.config.run_gc_after_compile`, on by default), so
+nothing accumulates past the compile.
 
 The pause is process-wide for its duration (threads allocating meanwhile are not collected either), and it covers
 every compile in the process once a model is sharded, not only ours: the callbacks cannot tell whose compile runs.
