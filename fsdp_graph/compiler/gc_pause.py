@@ -2,19 +2,17 @@
 
 A compile allocates hundreds of thousands of long-lived objects (FX nodes, fake tensors, guards, sources), and every
 gen-2 collection the allocations trigger walks all of them again, so the collector's share of a compile grows
-faster than the model's depth. Measured on 70B shapes (`benchmarks/compile_depth_meta.py --reuse-blocks`, 2 cores):
-80 layers compiled in 22.8 s and 22.2 s with the collector on, 17.5 s and 18.4 s with it paused; 8 layers in 8.2-9.2 s
-either way.
+faster than the model's depth (measurements on 70B shapes: docs/design-notes.md).
 
 `install()` registers a start and an end callback with Dynamo's compilation callbacks (`torch._dynamo.callback`),
 which run around each outermost compile: Dynamo's trace and its backend, and AOT autograd's lazy backward compile.
 The start callback disables the collector if it is enabled; the end callback, which runs even when the compile
-raises, enables it again. A collector the user had disabled stays disabled. `torch._dynamo.reset()` clears those
-callbacks; our backend installs them again at its next call and runs its own part (AOT autograd, our passes,
-Inductor) under `paused()` whatever the callbacks' state, so after a reset only one compile's Dynamo trace runs with
-the collector on. Garbage made during a compile is still freed by reference counting as it goes, and torch collects
-the young generations after each Dynamo compile (`torch._dynamo.config.run_gc_after_compile`, on by default), so
-nothing accumulates past the compile.
+raises, enables it again (Dynamo runs both under its own lock, once per outermost compile). A collector the user had
+disabled stays disabled. `torch._dynamo.reset()` clears those callbacks; our backend installs them again at its next
+call and runs its own part (AOT autograd, our passes, Inductor) under `paused()` whatever the callbacks' state, so
+after a reset only one compile's Dynamo trace runs with the collector on. Garbage made during a compile is still
+freed by reference counting as it goes, and torch collects the young generations after each Dynamo compile
+(`torch._dynamo.config.run_gc_after_compile`, on by default), so nothing accumulates past the compile.
 
 The pause is process-wide for its duration (threads allocating meanwhile are not collected either), and it covers
 every compile in the process once a model is sharded, not only ours: the callbacks cannot tell whose compile runs.
@@ -24,27 +22,23 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import threading
 from collections.abc import Iterator
 
-_lock = threading.Lock()
 _paused_by_us = False
 
 
 def _pause(_args: object) -> None:
     global _paused_by_us
-    with _lock:
-        if gc.isenabled():
-            gc.disable()
-            _paused_by_us = True
+    if gc.isenabled():
+        gc.disable()
+        _paused_by_us = True
 
 
 def _resume(_args: object) -> None:
     global _paused_by_us
-    with _lock:
-        if _paused_by_us:
-            gc.enable()
-            _paused_by_us = False
+    if _paused_by_us:
+        gc.enable()
+        _paused_by_us = False
 
 
 @contextlib.contextmanager
