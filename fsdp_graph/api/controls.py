@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 
 from fsdp_graph.ir import ops
+from fsdp_graph.runtime.held import drop_held
+from fsdp_graph.runtime.unit import enter_forward, exit_forward
 
 
 @dataclass
@@ -61,8 +63,6 @@ class FSDPModule:
     def reshard(self) -> None:
         """Free the full parameters `unshard()` gathered (outside forward, parameters read as shards again) and the
         ones a backward kept under `set_reshard_after_backward(False)` (the next forward gathers again)."""
-        from fsdp_graph.runtime.held import drop_held
-
         for state in _states(self, "reshard"):
             state.root.unsharded.pop(state.name, None)
             drop_held(state)
@@ -140,8 +140,6 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make `module.<method_name>(...)` (e.g. `generate`) see full parameters, as `forward` does: inside it,
     parameter reads gather (once per unit per call; FULL_SHARD units are freed after it). Called eagerly;
     `module` is the sharded model or one of its modules."""
-    from fsdp_graph.runtime.unit import enter_forward, exit_forward
-
     root = _root_of(module)
     method = getattr(module, method_name, None)
     if not callable(method):

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_graph import compat
 from fsdp_graph.api.config import CPUOffload, MixedPrecision, ParamPlacement, ShardingStrategy, UnitOptions
+from fsdp_graph.api.controls import FSDPModule
 from fsdp_graph.api.meshes import Meshes, mesh_suffix, param_placements, post_forward_for
 from fsdp_graph.api.placement import move_buffers, parameter_device
 from fsdp_graph.api.shard_unit import Member, shard_flat_param, unit_settings, unit_values
@@ -225,7 +226,7 @@ def fully_shard(
         swap_class(
             unit,
             frozenset(unit.__dict__.get("_fsdp_views", {})),
-            is_unit=has_states,
+            unit_base=FSDPModule if has_states else None,
             cast_inputs_to=unit_mp.param_dtype if casts else None,
             cast_outputs_to=unit_mp.output_dtype,
         )

@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_graph.api.config import CPUOffload, MixedPrecision, UnitOptions
+from fsdp_graph.api.controls import FSDPModule
 from fsdp_graph.api.meshes import MeshEntry, Meshes
 from fsdp_graph.api.placement import moves_to
 from fsdp_graph.runtime import offload
@@ -18,8 +19,9 @@ from fsdp_graph.runtime.dtensor_views import replicated_view_spec, view_spec
 from fsdp_graph.runtime.flat_param import LAYOUTS
 from fsdp_graph.runtime.init import materialize_module
 from fsdp_graph.runtime.misuse import make_view
+from fsdp_graph.runtime.shard_binding import bind_flat_shard
 from fsdp_graph.runtime.tensor_parallel import TPSpec
-from fsdp_graph.runtime.unit import FlatParamState, RootState, ViewSpec, bind_flat_shard, swap_class
+from fsdp_graph.runtime.unit import FlatParamState, RootState, ViewSpec, swap_class
 
 
 @dataclass(frozen=True)
@@ -198,5 +200,6 @@ def shard_flat_param(
     owners = {id(m): m for member in members for _, m, _ in member.uses}
     owners[id(unit)] = unit
     for module in owners.values():
-        swap_class(module, frozenset(module.__dict__.get("_fsdp_views", {})), is_unit="_fsdp_states" in module.__dict__)
+        views = frozenset(module.__dict__.get("_fsdp_views", {}))
+        swap_class(module, views, unit_base=FSDPModule if "_fsdp_states" in module.__dict__ else None)
     return state

@@ -27,7 +27,7 @@ from fsdp_graph.api.config import CPUOffload, MixedPrecision, ParamPlacement, Sh
 from fsdp_graph.api.fully_shard import fully_shard as native_fully_shard
 from fsdp_graph.api.meshes import check_shard_dim
 from fsdp_graph.api.placement import move_buffers, parameter_device
-from fsdp_graph.fsdp2.module import FSDP2Module, fsdp2_class
+from fsdp_graph.fsdp2.module import FSDP2Module, fsdp2_class, on_pending_use
 from fsdp_graph.runtime.devices import collective_device
 from fsdp_graph.runtime.exposed import UnshardedParams
 from fsdp_graph.runtime.unit import flat_params
@@ -132,6 +132,9 @@ def shard_pending(trigger: str = "fsdp2.shard_pending()", used: nn.Module | None
                 m.__dict__["_parameters"] = dict(m._parameters)
     for outer, inner in trees:
         _shard_tree(outer, inner, trigger)
+
+
+on_pending_use(shard_pending)
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

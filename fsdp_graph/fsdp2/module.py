@@ -25,6 +25,14 @@ from fsdp_graph.api import controls
 from fsdp_graph.api.sync import set_requires_gradient_sync as set_model_gradient_sync
 
 _FINAL_CLASSES: dict[type, type] = {}
+# `calls.shard_pending`, registered by `calls` when it is imported (every FSDP2 module is made there): `calls` builds
+# on this module's classes, so this module does not import it.
+_SHARD_PENDING: list[Callable[[str, nn.Module], None]] = []
+
+
+def on_pending_use(shard_pending: Callable[[str, nn.Module], None]) -> None:
+    """Set what a method called on a module whose call is still pending runs first (`calls.shard_pending`)."""
+    _SHARD_PENDING[:] = [shard_pending]
 
 
 class FSDP2Module(TorchFSDPModule):
@@ -215,9 +223,8 @@ def _root_state(module: nn.Module):
 
 def _ensure_sharded(module: nn.Module) -> None:
     if "_fsdp2_unit" not in module.__dict__:
-        from fsdp_graph.fsdp2.calls import shard_pending
-
-        shard_pending(f"{type(module).__name__}'s FSDPModule method", module)
+        for shard_pending in _SHARD_PENDING:
+            shard_pending(f"{type(module).__name__}'s FSDPModule method", module)
 
 
 def _check_bool(method: str, value: object) -> None:

@@ -34,40 +34,19 @@ moves them out (`passes.lift_region_mutations`). With `reuse_blocks=True` each o
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 from torch._dynamo.comptime import comptime
 
 from fsdp_graph import compat
-from fsdp_graph.ir import REGION_PARAM_ANNOTATION
 from fsdp_graph.runtime import block_arguments, block_cache
+from fsdp_graph.runtime.block_key import BLOCK_KEY, CACHE_LAYER, REGION_FLATS, STRICT, block_key
 from fsdp_graph.runtime.block_output import rebuild_output, refusal, split_output
-from fsdp_graph.runtime.flat_param import ParamSlot
+from fsdp_graph.runtime.unit import unsharded_flat
 
-REGION_FLATS = "_fsdp_region_flats"  # the gathered flats a unit's body reads while it runs (compiled only)
-BLOCK_KEY = "_fsdp_block_key"  # the unit's structure, part of the key `_reuse_key` returns
-CACHE_LAYER = "_fsdp_cache_layer"  # the layer index a transformers layer addresses its KV cache with
-STRICT = "_fsdp_reuse_strict"  # reuse_blocks=True: a unit that cannot share a body raises instead of warning
-
-_PLAIN = (bool, int, float, str, type(None))
 _REUSING_CLASSES: dict[type, type] = {}
 _SIDE_EFFECTS_BEFORE: list = [None]  # the tracer's record of a side effect before `_set_region_flats`' write
-_UNKEYED = frozenset({"training", BLOCK_KEY, CACHE_LAYER, STRICT})
-# transformers' layers keep their index only to address a KV cache (`cache.update(..., self.layer_idx)`, read
-# nowhere else in forward in the families tested). In a shared body the cache is a fresh empty one, whose answers do
-# not depend on the index, and its updates are replayed outside with the caller's own index (`block_cache`): an
-# update at another index refuses the body, so the traced layer's index is never baked into another layer's call.
-_CACHE_INDEX = frozenset({"layer_idx"})
-
-
-def region_param(
-    param_of: Callable[[torch.Tensor, ParamSlot], torch.Tensor], flat: torch.Tensor, slot: ParamSlot
-) -> torch.Tensor:
-    """`param_of(flat, slot)`, annotated as a parameter read inside a body (see the module docstring)."""
-    with torch.fx.traceback.annotate(REGION_PARAM_ANNOTATION):
-        return param_of(flat, slot)
 
 
 def reuse_refusals(unit_fqns: list[str], assignment: dict[int, str], uses: dict, tp: dict) -> dict[str, str]:
@@ -160,34 +139,6 @@ def make_reusable(unit: nn.Module, strict: bool = False) -> None:
         members = {"forward": _gathering_forward, "_fsdp_block_forward": cls.forward}
         _REUSING_CLASSES[cls] = type(f"Reused{cls.__name__}", (cls,), members)
     unit.__class__ = _REUSING_CLASSES[cls]
-
-
-def block_key(unit: nn.Module) -> int:
-    """What a body traced for one unit bakes in, as an int: every submodule's class and plain attributes, its
-    buffers' metadata, where each parameter lives in which flat parameter, the flats' gather facts (not the
-    unit's name) and which of their parameters are frozen. Units with equal keys share one body; a change of
-    `requires_grad` after fully_shard computes the key again (`unit.sync_requires_grad`)."""
-    from fsdp_graph.ir.ops import UNSHARD_SIGNATURE
-
-    parts: list = []
-    for name, module in unit.named_modules():
-        cls = getattr(type(module), "_fsdp_original_class", type(module))
-        skipped = _UNKEYED | (_CACHE_INDEX if cls.__module__.startswith("transformers.") else frozenset())
-        attrs = sorted((k, v) for k, v in vars(module).items() if isinstance(v, _PLAIN) and k not in skipped)
-        buffers = [
-            (b_name, None if b is None else (tuple(b.shape), b.dtype, b.device))
-            for b_name, b in module._buffers.items()
-        ]
-        views = sorted((p, spec.index, spec.slot) for p, spec in module.__dict__.get("_fsdp_views", {}).items())
-        parts.append((name, cls.__module__, cls.__qualname__, tuple(attrs), tuple(buffers), tuple(views)))
-    for state in unit.__dict__["_fsdp_states"]:
-        static = dict(zip(UNSHARD_SIGNATURE.names[1:], state.static_unshard_args))
-        static.pop("unit", None)
-        layout = state.layout
-        slots = tuple((tuple(s.shape), s.offset, *((s.dim,) if s.dim else ())) for s in layout.slots)
-        frozen = (state.flat_shard.requires_grad, state.detached_slots)  # a body bakes in which reads are detached
-        parts.append((sorted(static.items(), key=str), layout.kind, layout.world, layout.shard_numel, slots, frozen))
-    return hash(repr(parts))
 
 
 def _reuse_key(self: nn.Module, count: int, *flats_and_args, **kwargs) -> int:
@@ -417,8 +368,6 @@ def _gathering_forward(self: nn.Module, *args, **kwargs):
         refused = block_arguments.refused_argument(call_args, call_kwargs) if why is None else None
         if why is not None or refused is not None:
             return _fall_back(self, block_arguments.argument_reason(why, refused), args, kwargs)
-    from fsdp_graph.runtime.unit import unsharded_flat
-
     flats: tuple = ()
     for index in range(len(self.__dict__["_fsdp_states"])):
         flats += (unsharded_flat(self, index),)

@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 
 from fsdp_graph.runtime import offload
+from fsdp_graph.runtime.held import drop_held
+from fsdp_graph.runtime.shard_binding import bind_flat_shard
 
 _UNIT_APPLYING = [0]  # > 0 while a unit's `_apply` runs: its modules' views are its own business
 
@@ -38,8 +40,6 @@ def owner_apply(self: nn.Module, fn, recurse: bool = True):
     original = self._fsdp_original_class._apply
     if _UNIT_APPLYING[0]:
         return original(self, fn, recurse)
-    from fsdp_graph.runtime.unit import bind_flat_shard, drop_held
-
     own = {}
     for name, spec in self.__dict__.get("_fsdp_views", {}).items():
         state = spec.unit._fsdp_states[spec.index]

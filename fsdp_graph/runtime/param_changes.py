@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch.nn as nn
 
 from fsdp_graph.runtime import offload
-from fsdp_graph.runtime.block_region import BLOCK_KEY, block_key
+from fsdp_graph.runtime.block_key import BLOCK_KEY, block_key
 from fsdp_graph.runtime.grads import install_grad_hook
 
 if TYPE_CHECKING:

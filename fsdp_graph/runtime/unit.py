@@ -11,27 +11,24 @@ rows, a DTensor on the (dp, tp) mesh around that block: `dtensor_views`) outside
 
 from __future__ import annotations
 
-import functools
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
-from fsdp_graph.api.controls import FSDPModule
 from fsdp_graph.ir.ops import UNSHARD_SIGNATURE, gather_pieces, piece_of, reuse_gathered
 from fsdp_graph.runtime import eager_reshard, grad_presence, offload
-from fsdp_graph.runtime.block_region import REGION_FLATS, region_param
-from fsdp_graph.runtime.dtensor_views import hide_views, restore_views, set_local
+from fsdp_graph.runtime.block_key import REGION_FLATS, region_param
+from fsdp_graph.runtime.dtensor_views import hide_views, restore_views
 from fsdp_graph.runtime.eager_prefetch import ForwardPrefetch
 from fsdp_graph.runtime.exposed import UnshardedParams
 from fsdp_graph.runtime.flat_param import Layout
 from fsdp_graph.runtime.held import HeldGather, drop_held, hold, keeps, valid_held
-from fsdp_graph.runtime.misuse import REQUIRES_GRAD_CHANGED, refuse_meta_parameters
+from fsdp_graph.runtime.misuse import refuse_meta_parameters
 from fsdp_graph.runtime.mp_cast import casting_forward
 from fsdp_graph.runtime.owner_apply import owner_apply, unit_applying
-from fsdp_graph.runtime.param_changes import ensure_grad_hook, sync_requires_grad
+from fsdp_graph.runtime.shard_binding import bind_flat_shard
 from fsdp_graph.runtime.tensor_parallel import TPSpec
 
 
@@ -351,40 +348,6 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def bind_flat_shard(state: FlatParamState, flat_shard: torch.Tensor) -> None:
-    """Make `flat_shard` the storage of `state`: every original-parameter view is re-pointed at its range (the
-    Parameter objects stay the same, so optimizers keep working) and the gradient hook moves with it."""
-    layout = state.layout
-    base = flat_shard.detach()
-    for view, slot in zip(state.views, layout.slots):
-        if isinstance(view, DTensor):
-            set_local(view, layout.local_view(base, slot))
-        else:
-            _point(view, layout.local_view(base, slot))
-        view.__dict__[REQUIRES_GRAD_CHANGED] = functools.partial(sync_requires_grad, state)
-    # A flat shard's size never changes. Without this, compiling a second model of the same class in one process
-    # (other sizes) makes Dynamo's automatic-dynamic mark the shards dynamic: symbolic collective sizes, which the
-    # passes then cannot bucket, convert or schedule by size.
-    torch._dynamo.mark_static(flat_shard)
-    shards = state.module.__dict__.setdefault("_fsdp_flat_shards", [])
-    if state.index == len(shards):
-        shards.append(flat_shard)
-    else:
-        shards[state.index] = flat_shard
-    ensure_grad_hook(state)
-
-
-def _point(view: nn.Parameter, local: torch.Tensor) -> None:
-    """Make `local` the data of `view`, which stays the same Python object (what optimizers and modules hold)."""
-    if torch._has_compatible_shallow_copy_type(view, local):
-        view.data = local
-        return
-    # Another device type (a meta-device model's `to_empty()`): `.data` cannot change it, a swap can.
-    attributes = dict(view.__dict__)
-    torch.utils.swap_tensors(view, type(view)(local, view.requires_grad))
-    view.__dict__.update(attributes)
-
-
 def _unit_apply(self: nn.Module, fn, recurse: bool = True):
     """`.to()`, `.double()`, `.cuda()`...: the views are converted one by one by nn.Module (which unlinks them
     from the flat shard); convert each flat shard once instead and re-point them."""
@@ -416,25 +379,26 @@ _SWAPPED_CLASSES: dict[tuple[type, frozenset[str], bool, torch.dtype | None, tor
 def swap_class(
     module: nn.Module,
     names: frozenset[str],
-    is_unit: bool = False,
+    unit_base: type | None = None,
     cast_inputs_to: torch.dtype | None = None,
     cast_outputs_to: torch.dtype | None = None,
 ) -> None:
-    """Give `module` a subclass with one property per sharded parameter name; for a unit module, an `_apply`
-    that moves its flat shards; with `cast_inputs_to` / `cast_outputs_to`, a forward casting floating-point inputs
-    / outputs to it (`mp_cast`) (cached per class, names, role and dtypes)."""
+    """Give `module` a subclass with one property per sharded parameter name; for a unit module (`unit_base`: the
+    API's mixin, `FSDPModule`, passed in by the API layer, which runtime code does not import), that mixin as a
+    second base and an `_apply` that moves its flat shards; with `cast_inputs_to` / `cast_outputs_to`, a forward
+    casting floating-point inputs / outputs to it (`mp_cast`) (cached per class, names, role and dtypes)."""
     cls = getattr(type(module), "_fsdp_original_class", type(module))
-    key = (cls, names, is_unit, cast_inputs_to, cast_outputs_to)
+    key = (cls, names, unit_base, cast_inputs_to, cast_outputs_to)
     if key not in _SWAPPED_CLASSES:
         members = {n: _make_property(n) for n in sorted(names)}
         members["_fsdp_original_class"] = cls
-        if is_unit:
+        if unit_base is not None:
             members["_apply"] = _unit_apply
         elif names:
             members["_apply"] = owner_apply
         if cast_inputs_to is not None or cast_outputs_to is not None:
             members["forward"] = casting_forward(cast_inputs_to, cast_outputs_to)
-        bases = (cls, FSDPModule) if is_unit else (cls,)  # the model's own methods win over FSDPModule's
+        bases = (cls,) if unit_base is None else (cls, unit_base)  # the model's own methods win over the mixin's
         _SWAPPED_CLASSES[key] = type(f"FSDP{cls.__name__}", bases, members)
     module.__class__ = _SWAPPED_CLASSES[key]
 

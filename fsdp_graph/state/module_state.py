@@ -34,7 +34,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from fsdp_graph.runtime import offload
 from fsdp_graph.runtime.dtensor_views import local_of
 from fsdp_graph.runtime.held import drop_held
-from fsdp_graph.runtime.unit import FlatParamState, ViewSpec, bind_flat_shard
+from fsdp_graph.runtime.shard_binding import bind_flat_shard
+from fsdp_graph.runtime.unit import FlatParamState, ViewSpec
 from fsdp_graph.state.sharded import gather_flat, gathered_dtensor, local_dtensor, local_range_of
 
 
