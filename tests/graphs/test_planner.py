@@ -87,6 +87,20 @@ def test_evaluate_accumulation_and_pipeline():
     assert not tight.fits and "GiB reserved" in tight.reason
 
 
+@pytest.mark.parametrize("slack", [(3000.0, 1000.0), (1000.0, 3000.0)])
+def test_reserved_adds_the_largest_sampled_allocator_slack_at_any_depth(slack):
+    """The allocator's slack over allocated is not extrapolated in depth: a line through 3000 and 1000 bytes at 3
+    and 4 blocks would say 0 at 8 blocks (-5000, clamped), through 1000 and 3000 it would say 11000."""
+    cfg = dataclasses.replace(TINY, layers=8)
+    layout = Layout(1, 1, 4, 1, "none", 2, 1)
+    profile = _profile(layout.profile_key(cfg, 32, True), per_layer=1e6, base=5e6)
+    for depth, extra in zip((3, 4), slack):
+        profile.sampled[depth]["reserved_bytes"] = profile.sampled[depth]["peak_memory_bytes"] + extra
+    e = evaluate(layout, profile, cfg, 32, GPUS["h100"], 1e12)
+    assert e.allocated_bytes == 13e6
+    assert e.reserved_bytes == e.allocated_bytes + 3000.0
+
+
 def test_bounds():
     cfg, hw = preset("8b"), GPUS["h100"]
     none = Layout(1, 1, 8, 1, "none", 4, 1)  # compute-bound: FSDP inside one node
