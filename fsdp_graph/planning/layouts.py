@@ -179,10 +179,9 @@ def _send_seconds(nbytes: float, hardware: Hardware) -> float:
 
 def allocator_slack(profile: Profile) -> float:
     """The caching allocator's reserved bytes over its allocated peak, the largest at the profile's sampled depths,
-    at any depth. The slack comes from the sizes of the blocks the allocator rounds, splits and keeps cached, which
-    repeat block after block; it does not grow a fixed amount per block. Traced at two depths it moves either way
-    (Llama 2 7B eager: 4.5 GiB at 3 blocks, 2.6 at 4), so a line through two samples said nothing about 32 blocks
-    (0 there in that case, 25.6 GiB for another). A synthetic profile's samples have the same slack by construction."""
+    at any depth: the slack comes from the sizes of the blocks the allocator rounds, splits and keeps cached, which
+    repeat block after block, and traced depths move it either way, so a line through them extrapolates noise
+    (design notes, "`plan()`"). A synthetic profile's samples have the same slack by construction."""
     return max(max(s["reserved_bytes"] - s["peak_memory_bytes"], 0.0) for s in profile.sampled.values())
 
 
