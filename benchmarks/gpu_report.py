@@ -1,4 +1,4 @@
-"""The parts of `benchmarks/gpu.py` that need no GPU (tested on CPU in tests/numerics/test_gpu_script.py): the
+"""The parts of `benchmarks/gpu.py` that need no GPU (tested on CPU in tests/graphs/test_gpu_script.py): the
 command line, a profiler trace's kernels as communication and compute intervals, their overlap, the timeline
 picture, the one-line figures printed as each section ends, and the markdown and JSON reports."""
 

@@ -77,6 +77,6 @@ def test_batchnorm_buffers_follow_ddp_semantics():
 def test_inductor():
     """SHARD_GRAD_OP through full Inductor on a small model. FULL_SHARD under Inductor is
     tests/numerics/test_hf_models.py::test_gpt2_eager_kernels_and_llama_inductor_train_with_parity (a transformer), tensor parallel under Inductor is
-    test_tensor_parallel.py's inductor case, and the prefetch order under Inductor test_scheduling.py's: each cold
+    test_tensor_parallel.py's inductor case, and the prefetch order under Inductor tests/graphs/test_inductor_order.py's: each cold
     Inductor compile costs the 2-core suite tens of seconds, so each covers what the others do not."""
     _check([Case("mlp", "sgd", "SHARD_GRAD_OP", mode="inductor")])
