@@ -1,6 +1,5 @@
 """`make_backend(compress=...)` on 2 and 4 gloo ranks against a single-process reference that quantizes the same way."""
 
-
 from fsdp_graph.train.launch import spawn
 from tests.workers.compression import CompressCase, run_cases
 
