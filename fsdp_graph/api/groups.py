@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,7 @@ class Groups:
     replicate_name: str = ""
     replicate_world: int = 1
     reduce_name: str = ""  # a second group over the shard group's ranks for gradient reductions ("": the same)
+    shard_partition: tuple[tuple[int, ...], ...] = ()  # every rank's shard group of the world, as rank lists
 
 
 def with_reduce_group(groups: Groups, separate: bool) -> Groups:
@@ -32,7 +35,41 @@ def with_reduce_group(groups: Groups, separate: bool) -> Groups:
     if not separate or groups.shard_world == 1:
         return groups
     shard_pg = dist.distributed_c10d._resolve_process_group(groups.shard_name)
-    return dataclasses.replace(groups, reduce_name=duplicate_group(shard_pg).group_name)
+    reduce = duplicate_group(shard_pg)
+    return dataclasses.replace(groups, reduce_name=rank_independent_name(reduce, groups.shard_partition, "reduce"))
+
+
+ALIAS_PREFIX = "fsdp_graph"
+
+
+def rank_independent_name(group: dist.ProcessGroup, rank_lists: list[list[int]] | tuple, purpose: str) -> str:
+    """The name this rank's graphs and ops call `group` by, one of `rank_lists` (every group of one mesh dimension
+    over the world, this rank's among them): its own name when it is the only one, else an alias registered with
+    c10d for this rank's group (`_register_process_group`), the same string on every rank of the world.
+
+    Why: functional collectives name their group, and the name is a constant of the traced graph and of the code
+    Inductor writes. HSDP's shard and replica groups, and a 1-D slice of a larger mesh, are several groups with
+    names that differ per rank (c10d numbers groups as they are made), so every rank traced a graph of its own and
+    compiled it (issue 36): at 1,024 ranks as 128 x 8, 1,024 compiles of one graph. Under the alias the graphs are
+    the same wherever the model and shards are, so `shared_compile` compiles one for all and the others load it;
+    each rank's registry resolves the alias to its own group, so loaded code runs on the loading rank's group.
+    The alias is a digest of `purpose` and the partition: `purpose` keeps groups over the same ranks apart (a shard
+    group and its reduce duplicate). Another group under the same alias on this rank (a second mesh of the same
+    shape) takes the next free suffix; ranks make their groups in one order, so they number them alike."""
+    partition = sorted(sorted(int(r) for r in ranks) for ranks in rank_lists)
+    if len(partition) <= 1:
+        return group.group_name
+    digest = hashlib.sha1(repr((purpose, partition)).encode()).hexdigest()[:12]
+    for index in itertools.count():
+        alias = f"{ALIAS_PREFIX}:{purpose}:{digest}" + (f":{index}" if index else "")
+        try:
+            registered = dist.distributed_c10d._resolve_process_group(alias)
+        except RuntimeError:  # free (never registered, or unregistered with its world)
+            dist.distributed_c10d._register_process_group(alias, group)
+            return alias
+        if registered is group:
+            return alias
+    raise AssertionError("unreachable")
 
 
 def duplicate_group(pg: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -88,19 +125,33 @@ def resolve_groups(mesh: DeviceMesh | None, strategy: ShardingStrategy) -> Group
                 "init_device_mesh('cuda', (num_nodes, gpus_per_node)); got "
                 f"{'no mesh' if mesh is None else f'a {mesh.ndim}-D mesh'}."
             )
-        shard = _single_thread_if_gloo(mesh.get_group(1), _shard_rank_lists(mesh, strategy), "shard")
-        replicate = _single_thread_if_gloo(mesh.get_group(0), _mesh_dim_ranks(mesh, 0), "replicate")
-        return Groups(shard.group_name, shard.size(), shard.rank(), replicate.group_name, replicate.size())
+        shard_lists, replicate_lists = _shard_rank_lists(mesh, strategy), _mesh_dim_ranks(mesh, 0)
+        shard = _single_thread_if_gloo(mesh.get_group(1), shard_lists, "shard")
+        replicate = _single_thread_if_gloo(mesh.get_group(0), replicate_lists, "replicate")
+        return Groups(
+            rank_independent_name(shard, shard_lists, "shard"),
+            shard.size(),
+            shard.rank(),
+            rank_independent_name(replicate, replicate_lists, "replicate"),
+            replicate.size(),
+            shard_partition=_partition(shard_lists),
+        )
     if mesh is not None and mesh.ndim != 1:
         raise ValueError(
             f"fully_shard: a {mesh.ndim}-D mesh needs strategy=ShardingStrategy.HYBRID_SHARD (or "
             "_HYBRID_SHARD_ZERO2); pass a 1-D mesh or mesh=None for other strategies."
         )
     group = dist.group.WORLD if mesh is None else mesh.get_group()
-    group = _single_thread_if_gloo(group, _shard_rank_lists(mesh, strategy), "world")
+    lists = _shard_rank_lists(mesh, strategy)
+    group = _single_thread_if_gloo(group, lists, "world")
     if strategy is ShardingStrategy.NO_SHARD:
-        return Groups("", 1, 0, group.group_name if group.size() > 1 else "", group.size())
-    return Groups(group.group_name, group.size(), group.rank())
+        name = rank_independent_name(group, lists, "replicate") if group.size() > 1 else ""
+        return Groups("", 1, 0, name, group.size())
+    return Groups(rank_independent_name(group, lists, "shard"), group.size(), group.rank(), shard_partition=_partition(lists))
+
+
+def _partition(rank_lists: list[list[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(r) for r in ranks) for ranks in rank_lists)
 
 
 def _shard_rank_lists(mesh: DeviceMesh | None, strategy: ShardingStrategy) -> list[list[int]]:
@@ -120,25 +171,26 @@ def post_forward_groups(mesh: DeviceMesh | None, strategy: ShardingStrategy, gro
     nodes = [ranks[i : i + k] for ranks in lists for i in range(0, len(ranks), k)]
     pieces = [ranks[j::k] for ranks in lists for j in range(k)]
     shard_pg = dist.distributed_c10d._resolve_process_group(groups.shard_name)
-    return _this_ranks_group(pieces, f"piece{k}", shard_pg), _this_ranks_group(nodes, f"node{k}", shard_pg)
+    piece = rank_independent_name(_this_ranks_group(pieces, f"piece{k}", shard_pg), pieces, f"piece{k}")
+    return piece, rank_independent_name(_this_ranks_group(nodes, f"node{k}", shard_pg), nodes, f"node{k}")
 
 
 # (default group, purpose, this rank's group's ranks, the shard group) -> the group: made once, as gloo's are.
 _post_forward_groups: dict[tuple[object, str, tuple[int, ...], str], dist.ProcessGroup] = {}
 
 
-def _this_ranks_group(rank_lists: list[list[int]], purpose: str, like: dist.ProcessGroup) -> str:
+def _this_ranks_group(rank_lists: list[list[int]], purpose: str, like: dist.ProcessGroup) -> dist.ProcessGroup:
     """This rank's group among `rank_lists` (disjoint, each inside one shard group `like`), made once and by its
     members only. A world-wide `new_group` advances a counter on every rank that names the next world-wide group;
     pipeline stages with different `reshard_after_forward` would advance it differently, and later groups would
     get different names per stage and hang. The members share `like`, so they make the same calls in one order."""
     if dist.get_backend(like) in GLOO_BACKENDS:
-        return single_thread_gloo_group(rank_lists, purpose, gloo_timeout(like), members_only=True).group_name
+        return single_thread_gloo_group(rank_lists, purpose, gloo_timeout(like), members_only=True)
     mine = next(ranks for ranks in rank_lists if dist.get_rank() in ranks)
     key = (dist.group.WORLD, purpose, tuple(mine), like.group_name)
     if key not in _post_forward_groups:
         _post_forward_groups[key] = _members_group(rank_lists, mine, purpose, like)
-    return _post_forward_groups[key].group_name
+    return _post_forward_groups[key]
 
 
 def _members_group(rank_lists: list[list[int]], mine: list[int], purpose: str, like: dist.ProcessGroup):

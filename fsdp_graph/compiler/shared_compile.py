@@ -1,7 +1,7 @@
 """One compile per job, not per rank (issue 36).
 
-Ranks that trace the same Dynamo graph with the same inputs, options and torch compile the same code: under
-FULL_SHARD every rank's graph names the same process groups and unit names, and every flat shard has the same size
+Ranks that trace the same Dynamo graph with the same inputs, options and torch compile the same code: every rank's
+graph names the same process groups (fully_shard's groups under rank-independent names) and unit names, and every flat shard has the same size
 (both layouts pad a unit to equal shards), so the code is rank-independent wherever the graph is. So the first rank
 to reach a graph compiles it for every rank, and the others load what it compiled:
 
@@ -15,8 +15,9 @@ to reach a graph compiles it for every rank, and the others load what it compile
   (`compiled_files.install`) and compiles: torch's AOT autograd and FX graph caches then serve the graph (no
   partitioning, no passes, no Inductor, no C++ compiler). Which code runs is still decided by torch's own cache
   keys: if anything torch keys on differs on this rank, its cache misses and it compiles its own graph.
-- Ranks whose graphs differ (pipeline stages, HYBRID's replicas or tp ranks on differently named groups, a rank
-  recompiling alone) have different keys and compile their own, without waiting.
+- Ranks whose graphs differ (pipeline stages, tp ranks on differently named DTensor groups, a rank recompiling
+  alone) have different keys and compile their own, without waiting. fully_shard's own groups are named alike on
+  every rank (`api.groups.rank_independent_name`), so HYBRID's ranks and a mesh slice's groups share.
 
 A waiting rank fails, naming the compiling rank and the graph, when that rank reports a compile error, when its
 heartbeat stops for `stale_s` (its process ended: a launcher usually ends the job first), or after the job's

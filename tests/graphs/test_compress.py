@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 from expecttest import assert_expected_inline
 
 import fsdp_graph
@@ -352,10 +353,15 @@ def test_compression_options():
     assert repr(fsdp_graph.make_backend().schedule.compress) == "None"  # off by default
 
 
+def _replica_group(model) -> str:
+    """The replica group's name in the model's graphs (rank-independent: `groups.rank_independent_name`)."""
+    return model._fsdp_states[0].replicate_group
+
+
 def test_compress_pass_hybrid_snapshot(fake_pg):
     """HYBRID_SHARD on a (2, 2) mesh, int8 gradients in blocks of 4, a 6-element weight: the reduce-scatter over the
     shard group is an all-to-all of packed rows; the replica all-reduce of the 3-element shard becomes: padded to
-    2 row pieces of 2 (one per replica), packed, all-to-all over the replica group ('1'), restored and summed in
+    2 row pieces of 2 (one per replica), packed, all-to-all over the replica group, restored and summed in
     float32, the summed piece packed again, all-gathered over the replica group, restored and cut to 3 elements."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -364,7 +370,7 @@ def test_compress_pass_hybrid_snapshot(fake_pg):
     hybrid = fsdp_graph.ShardingStrategy.HYBRID_SHARD
     model = fsdp_graph.fully_shard(torch.nn.Linear(3, 2, bias=False), mesh, strategy=hybrid)
     bw = lower_fsdp_ops(aot_stages(model, torch.randn(2, 3), tag=tag_reshard).backward)
-    compress_collectives(bw, grads="int8", block_size=4, replica_sizes={"1": 2})
+    compress_collectives(bw, grads="int8", block_size=4, replica_sizes={_replica_group(model): 2})
     assert_expected_inline(
         code(bw),
         """\
@@ -411,7 +417,7 @@ def forward(self, primals_1, tangents_1):
     view_default_4 = torch.ops.aten.view.default(cat_default, [2, 4]);  cat_default = None
     cat_default_1 = torch.ops.aten.cat.default([view_dtype, view_default_4], 1);  view_dtype = view_default_4 = None
     view_default_5 = torch.ops.aten.view.default(cat_default_1, [-1]);  cat_default_1 = None
-    all_to_all_single_default = torch.ops._c10d_functional.all_to_all_single.default(view_default_5, [8, 8], [8, 8], '3');  view_default_5 = None
+    all_to_all_single_default = torch.ops._c10d_functional.all_to_all_single.default(view_default_5, [8, 8], [8, 8], 'fsdp_graph:shard:e022f294125b');  view_default_5 = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_default);  all_to_all_single_default = None
     view_default_6 = torch.ops.aten.view.default(wait_tensor_default_2, [2, 8]);  wait_tensor_default_2 = None
     slice_tensor = torch.ops.aten.slice.Tensor(view_default_6, 1, 0, 4)
@@ -475,7 +481,7 @@ def forward(self, primals_1, tangents_1):
     view_default_15 = torch.ops.aten.view.default(cat_default_2, [2, 4]);  cat_default_2 = None
     cat_default_3 = torch.ops.aten.cat.default([view_dtype_4, view_default_15], 1);  view_dtype_4 = view_default_15 = None
     view_default_16 = torch.ops.aten.view.default(cat_default_3, [-1]);  cat_default_3 = None
-    all_to_all_single_default_1 = torch.ops._c10d_functional.all_to_all_single.default(view_default_16, [8, 8], [8, 8], '1');  view_default_16 = None
+    all_to_all_single_default_1 = torch.ops._c10d_functional.all_to_all_single.default(view_default_16, [8, 8], [8, 8], 'fsdp_graph:replicate:333da4cd2324');  view_default_16 = None
     wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_default_1);  all_to_all_single_default_1 = None
     view_default_17 = torch.ops.aten.view.default(wait_tensor_default_3, [2, 8]);  wait_tensor_default_3 = None
     slice_tensor_3 = torch.ops.aten.slice.Tensor(view_default_17, 1, 0, 4)
@@ -538,7 +544,7 @@ def forward(self, primals_1, tangents_1):
     view_default_26 = torch.ops.aten.view.default(cat_default_4, [1, 4]);  cat_default_4 = None
     cat_default_5 = torch.ops.aten.cat.default([view_dtype_8, view_default_26], 1);  view_dtype_8 = view_default_26 = None
     view_default_27 = torch.ops.aten.view.default(cat_default_5, [-1]);  cat_default_5 = None
-    all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(view_default_27, 2, '1');  view_default_27 = None
+    all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(view_default_27, 2, 'fsdp_graph:replicate:333da4cd2324');  view_default_27 = None
     wait_tensor_default_4 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
     view_default_28 = torch.ops.aten.view.default(wait_tensor_default_4, [2, 8]);  wait_tensor_default_4 = None
     slice_tensor_6 = torch.ops.aten.slice.Tensor(view_default_28, 1, 0, 4)
@@ -589,8 +595,9 @@ def test_compressed_all_reduce_is_scheduled_like_an_all_reduce(fake_pg):
     hybrid = fsdp_graph.ShardingStrategy.HYBRID_SHARD
     model = fsdp_graph.fully_shard(TwoBlock(), init_device_mesh("cpu", (2, 2)), strategy=hybrid, reuse_blocks=False)
     bw = lower_fsdp_ops(aot_stages(model, torch.randn(2, 4), tag=tag_reshard).backward)
-    compress_collectives(bw, grads="int8", block_size=4, replica_sizes={"1": 2})
-    serial = frozenset({"0", "1", "3"})
+    state = model._fsdp_states[0]
+    compress_collectives(bw, grads="int8", block_size=4, replica_sizes={state.replicate_group: 2})
+    serial = frozenset({dist.group.WORLD.group_name, state.replicate_group, state.group_name})
     schedule_collectives(reduce_scatter_as_all_to_all(bw, serial), serial_groups=serial)
     check_collectives(bw, serial)
     lines = []

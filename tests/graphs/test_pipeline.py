@@ -310,8 +310,8 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     t_3 = torch.ops.aten.t.default(tangents_1)
     mm_1 = torch.ops.aten.mm.default(t_3, relu_1);  t_3 = None
     t_4 = torch.ops.aten.t.default(mm_1);  mm_1 = None
-    all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_4, 2, '3');  primals_4 = None
-    all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_3, 2, '3');  primals_3 = None
+    all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_4, 2, 'fsdp_graph:shard:e022f294125b');  primals_4 = None
+    all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_3, 2, 'fsdp_graph:shard:e022f294125b');  primals_3 = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
     view_4 = torch.ops.aten.view.default(wait_tensor_default, [2, 4]);  wait_tensor_default = None
     alias = torch.ops.aten.alias.default(view_4);  view_4 = None
@@ -319,12 +319,12 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     t_2 = torch.ops.aten.t.default(view_5);  view_5 = None
     t_5 = torch.ops.aten.t.default(t_2);  t_2 = None
     mm_2 = torch.ops.aten.mm.default(tangents_1, t_5);  tangents_1 = t_5 = None
-    all_gather_into_tensor_default_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_2, 2, '3');  primals_2 = None
+    all_gather_into_tensor_default_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_2, 2, 'fsdp_graph:shard:e022f294125b');  primals_2 = None
     t_6 = torch.ops.aten.t.default(t_4);  t_4 = None
     view_6 = torch.ops.aten.view.default(t_6, [2, 4]);  t_6 = None
     view_7 = torch.ops.aten.view.default(view_6, [8]);  view_6 = None
     div_tensor = torch.ops.aten.div.Tensor(view_7, 2);  view_7 = None
-    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 2, '3');  div_tensor = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 2, 'fsdp_graph:shard:e022f294125b');  div_tensor = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
@@ -348,8 +348,8 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_default_1 = torch.ops.aten.view.default(cat_default_1, [20]);  cat_default_1 = None
     div_tensor_2 = torch.ops.aten.div.Tensor(view_default_1, 2);  view_default_1 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-    all_reduce_default = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_1, 'sum', '1');  wait_tensor_default_1 = None
-    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_2, 'sum', 2, '3');  div_tensor_2 = None
+    all_reduce_default = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_1, 'sum', 'fsdp_graph:replicate:333da4cd2324');  wait_tensor_default_1 = None
+    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_2, 'sum', 2, 'fsdp_graph:shard:e022f294125b');  div_tensor_2 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -375,12 +375,12 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     wait_tensor_default_4 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
     div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 2);  wait_tensor_default_2 = None
-    all_reduce_default_1 = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_4, 'sum', '1');  wait_tensor_default_4 = None
-    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_4, 'sum', 2, '3');  div_tensor_4 = None
+    all_reduce_default_1 = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_4, 'sum', 'fsdp_graph:replicate:333da4cd2324');  wait_tensor_default_4 = None
+    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_4, 'sum', 2, 'fsdp_graph:shard:e022f294125b');  div_tensor_4 = None
     wait_tensor_default_7 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
     wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_1);  all_reduce_default_1 = None
     div_tensor_3 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 2);  wait_tensor_default_5 = None
-    all_reduce_default_2 = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_7, 'sum', '1');  wait_tensor_default_7 = None
+    all_reduce_default_2 = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_7, 'sum', 'fsdp_graph:replicate:333da4cd2324');  wait_tensor_default_7 = None
     wait_tensor_default_8 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_2);  all_reduce_default_2 = None
     div_tensor_5 = torch.ops.aten.div.Tensor(wait_tensor_default_8, 2);  wait_tensor_default_8 = None
     return (mm_5, div_tensor_5, div_tensor_3, div_tensor_1)""",

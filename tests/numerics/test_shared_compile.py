@@ -35,7 +35,9 @@ def _check_one_compiler(phase: list[dict]) -> None:
 def test_one_rank_compiles_each_distinct_graph(world, tmp_path):
     """2 ranks sharing one Inductor cache directory (one machine), 4 ranks with one each (a machine each). Uneven
     shards (rows 13 and 11 over 2 or 4 ranks), the same code on every rank, and parity with one process. With 4
-    ranks, then, each pair of ranks shards a model over its own group: two graphs, one compiler per pair.
+    ranks, then HYBRID_SHARD over (2, 2): every rank's shard and replica groups are its own, the graph is one under
+    their rank-independent names (`groups.rank_independent_name`), so one rank compiles for all four; then each pair
+    of ranks shards a model of its own width over its own group: two graphs, one compiler per pair.
     With 2 ranks the run then saves a checkpoint with its compiled artifacts and trains a third step: resumed in
     fresh processes on an empty cache (a new machine), that step runs no AOT autograd, no Inductor and no C++
     compiler (not even torch's ISA probes), and gives the same loss and parameters bit for bit."""
@@ -49,7 +51,8 @@ def test_one_rank_compiles_each_distinct_graph(world, tmp_path):
             p["shared_dir"] = True
     _check_one_compiler(list(phases[0]))
     if world == 4:
-        pairs = phases[1]
+        _check_one_compiler(list(phases[1]))
+        pairs = phases[2]
         for pair in (0, 1):
             _check_one_compiler([p for p in pairs if p["pair"] == pair])
     if checkpoint is None:

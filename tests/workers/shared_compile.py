@@ -63,13 +63,19 @@ def _sharded_step(compiled, opt, batch, rank_in_group: int, group_size: int) -> 
 
 
 def _train(
-    model: nn.Module, mesh, rank_in_group: int, group_size: int, seed: int, checkpoint: str | None = None
+    model: nn.Module,
+    mesh,
+    rank_in_group: int,
+    group_size: int,
+    seed: int,
+    checkpoint: str | None = None,
+    strategy: fsdp_graph.ShardingStrategy = fsdp_graph.ShardingStrategy.FULL_SHARD,
 ) -> tuple[fsdp_graph.FSDPBackend, float, dict]:
     """Two SGD-with-momentum steps of `model` sharded over `mesh` (Inductor), against one process on the group's
     whole batch: (the backend, the largest parameter difference, {}). With `checkpoint`: then
     `save_checkpoint(compiled=backend)` there and a third step, whose loss and parameters the dict holds."""
     ref = copy.deepcopy(model)
-    fsdp_graph.fully_shard(model, mesh)
+    fsdp_graph.fully_shard(model, mesh, strategy=strategy)
     backend = fsdp_graph.make_backend()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref))
@@ -118,8 +124,9 @@ def _reports(backend) -> list[tuple]:
 
 def one_compile_per_graph(rank: int, world: int, own_cache: bool, checkpoint: str | None = None) -> list[dict]:
     """Each phase trains a model with uneven shards (OddMLP's 13 and 11 rows) and reports what this rank compiled:
-    the world sharding one model (one graph for every rank), then, with 4 ranks, each pair of consecutive ranks
-    sharding its own model over its own group (one graph per pair: the groups' names are in the graph).
+    the world sharding one model (one graph for every rank), then, with 4 ranks, HYBRID_SHARD over (2, 2) (every
+    rank's shard and replica groups differ, their rank-independent names do not: one graph for every rank), then
+    each pair of consecutive ranks sharding a model of its own width over its own group (one graph per pair).
     `own_cache`: this rank gets an Inductor cache directory of its own, as on a machine of its own. `checkpoint`:
     the first phase then saves a checkpoint with its compiled artifacts there and trains one more step
     (`resume_from_compiled` repeats that step)."""
@@ -132,9 +139,13 @@ def one_compile_per_graph(rank: int, world: int, own_cache: bool, checkpoint: st
     phases.append({"max_diff": diff, **runs.take(), **backend.sharing.stats, **after, "reports": _reports(backend)})
     if world == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pair", "dp"))
-        pair = mesh["pair"].get_local_rank()
         torch.manual_seed(1)
-        backend, diff, _ = _train(OddMLP(), mesh["dp"], mesh["dp"].get_local_rank(), 2, 20 + pair)
+        backend, diff, _ = _train(OddMLP(), mesh, rank, world, 20, strategy=fsdp_graph.ShardingStrategy.HYBRID_SHARD)
+        phases.append({"max_diff": diff, **runs.take(), **backend.sharing.stats, "reports": _reports(backend)})
+        pair = mesh["pair"].get_local_rank()
+        torch.manual_seed(2)
+        model = OddMLP((7, 13 + 2 * pair, 11, 5))
+        backend, diff, _ = _train(model, mesh["dp"], mesh["dp"].get_local_rank(), 2, 30 + pair)
         phases.append(
             {"max_diff": diff, "pair": pair, **runs.take(), **backend.sharing.stats, "reports": _reports(backend)}
         )
