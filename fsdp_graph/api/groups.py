@@ -147,7 +147,9 @@ def resolve_groups(mesh: DeviceMesh | None, strategy: ShardingStrategy) -> Group
     if strategy is ShardingStrategy.NO_SHARD:
         name = rank_independent_name(group, lists, "replicate") if group.size() > 1 else ""
         return Groups("", 1, 0, name, group.size())
-    return Groups(rank_independent_name(group, lists, "shard"), group.size(), group.rank(), shard_partition=_partition(lists))
+    return Groups(
+        rank_independent_name(group, lists, "shard"), group.size(), group.rank(), shard_partition=_partition(lists)
+    )
 
 
 def _partition(rank_lists: list[list[int]]) -> tuple[tuple[int, ...], ...]:
