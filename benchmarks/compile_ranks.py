@@ -1,6 +1,7 @@
 """Issue 36's goal for one compile per job: at 4 gloo ranks, a cold compile's wall time at most 1.15x that of 1 rank.
 
-    python benchmarks/compile_ranks.py [--layers 4] [--worlds 1 4] [--no-share]   # --no-share: every rank compiles
+    python benchmarks/compile_ranks.py [--layers 4] [--worlds 1 4] [--no-share] [--replicas R]
+    # --no-share: every rank compiles; --replicas R: HYBRID_SHARD over (R, world / R) at worlds above 1
 
 Model and call: `benchmarks/hf_compile.py`'s Hugging Face Llama (hidden 64, built from a config), called as its
 users call it, `fully_shard(model)` and `fsdp_backend` with their defaults (`share_compiles` on). Per world: fresh
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def first_steps(rank: int, world: int, layers: int, share: bool) -> list[float]:
+def first_steps(rank: int, world: int, layers: int, share: bool, replicas: int = 1) -> list[float]:
     """Wall seconds of this rank's first four steps, from a barrier of all ranks."""
     import torch.distributed as dist
 
@@ -35,7 +36,7 @@ def first_steps(rank: int, world: int, layers: int, share: bool) -> list[float]:
 
     fsdp_graph.fsdp_backend.share_compiles = share  # the backend `_trainer` compiles with
 
-    step = _trainer("ours", layers)
+    step = _trainer("ours", layers, replicas if world > 1 else 1)
     dist.barrier()
     times = []
     for _ in range(4):
@@ -45,13 +46,13 @@ def first_steps(rank: int, world: int, layers: int, share: bool) -> list[float]:
     return times
 
 
-def cold_compile(world: int, layers: int, share: bool = True) -> float:
+def cold_compile(world: int, layers: int, share: bool = True, replicas: int = 1) -> float:
     """The slowest rank's first step minus its median later step, on a new empty Inductor cache."""
     from fsdp_graph.train.launch import spawn
 
     with tempfile.TemporaryDirectory(prefix="fsdp_graph_ranks_") as cache:
         with mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": cache}):  # the ranks inherit it: one cache
-            per_rank = spawn(first_steps, world, (layers, share), timeout_s=1800.0)
+            per_rank = spawn(first_steps, world, (layers, share, replicas), timeout_s=1800.0)
     return max(times[0] - statistics.median(times[1:]) for times in per_rank)
 
 
@@ -60,10 +61,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--no-share", action="store_true", help="make_backend(share_compiles=False)")
+    parser.add_argument("--replicas", type=int, default=1, help="HYBRID_SHARD over (R, world / R) above 1 rank")
     args = parser.parse_args()
-    figures = {world: cold_compile(world, args.layers, not args.no_share) for world in args.worlds}
+    figures = {world: cold_compile(world, args.layers, not args.no_share, args.replicas) for world in args.worlds}
     first = args.worlds[0]
     sharing = "every rank compiles" if args.no_share else "one compile per job"
+    if args.replicas > 1:
+        sharing += f", HYBRID_SHARD over ({args.replicas}, world / {args.replicas})"
     print(f"Hugging Face Llama, {args.layers} layers, cold Inductor compile, {sharing}, {os.cpu_count()} cores:")
     for world, seconds in figures.items():
         print(f"  {world} rank(s): {seconds:6.1f} s   {seconds / figures[first]:.2f}x of {first} rank(s)")

@@ -51,8 +51,9 @@ def measure(peer: str, layers: int, steps: int = 4) -> dict[str, float]:
     return {"compile": wall[0] - statistics.median(wall[1:]), "compile_cpu": cpu[0] - statistics.median(cpu[1:])}
 
 
-def _trainer(peer: str, layers: int):
-    """A function running one SGD step of `peer`'s model, compiled on its first call."""
+def _trainer(peer: str, layers: int, replicas: int = 1):
+    """A function running one SGD step of `peer`'s model, compiled on its first call; ours with `replicas` > 1:
+    HYBRID_SHARD over a (replicas, world / replicas) mesh."""
     import torch
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -70,7 +71,13 @@ def _trainer(peer: str, layers: int):
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
             dist.init_process_group("gloo", rank=0, world_size=1)
-        fsdp_graph.fully_shard(model, **({"reuse_blocks": False} if peer == PEERS[1] else {}))
+        options = {"reuse_blocks": False} if peer == PEERS[1] else {}
+        if replicas > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            options["mesh"] = init_device_mesh("cpu", (replicas, dist.get_world_size() // replicas))
+            options["strategy"] = fsdp_graph.ShardingStrategy.HYBRID_SHARD
+        fsdp_graph.fully_shard(model, **options)
         compiled = torch.compile(model, backend=fsdp_graph.fsdp_backend, fullgraph=True)
     else:
         compiled = torch.compile(model, fullgraph=True)
