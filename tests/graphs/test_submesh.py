@@ -74,3 +74,24 @@ def test_unflattened_and_flattened_views_of_a_world_mesh(fake_world_8):
         assert (state.replicate_world > 1) == (replicate is not None)
         if replicate is not None:
             assert _group_ranks(state.replicate_group) == replicate
+
+
+def test_groups_are_named_alike_on_every_rank_and_never_re_pointed(fake_pg):
+    """Where a mesh dimension has several groups, the name fully_shard's graphs use is an alias of this rank's group
+    (`groups.rank_independent_name`): a function of the partition, not of the rank, resolving to this rank's group.
+    A second mesh of the same shape gets its own alias (the first keeps resolving to its group); a group alone in its
+    partition keeps its own name."""
+    from fsdp_graph.api.groups import resolve_groups
+
+    hybrid = fsdp_graph.ShardingStrategy.HYBRID_SHARD
+    first, second = (init_device_mesh("cpu", (2, 2)) for _ in range(2))
+    a, b = resolve_groups(first, hybrid), resolve_groups(second, hybrid)
+    assert a.shard_name.startswith("fsdp_graph:shard:") and a.replicate_name.startswith("fsdp_graph:replicate:"), a
+    assert resolve_groups(first, hybrid) == a  # the same groups, the same names
+    assert b.shard_name == f"{a.shard_name}:1" and b.replicate_name == f"{a.replicate_name}:1", (a, b)
+    for groups, mesh in ((a, first), (b, second)):
+        resolve = dist.distributed_c10d._resolve_process_group
+        assert resolve(groups.shard_name) is mesh.get_group(1) and resolve(groups.replicate_name) is mesh.get_group(0)
+    assert _group_ranks(a.shard_name) == [0, 1] and _group_ranks(a.replicate_name) == [0, 2]
+    world = resolve_groups(None, fsdp_graph.ShardingStrategy.FULL_SHARD)
+    assert world.shard_name == dist.group.WORLD.group_name, world
