@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,7 @@ def with_reduce_group(groups: Groups, separate: bool) -> Groups:
 ALIAS_PREFIX = "fsdp_graph"
 
 
-def rank_independent_name(group: dist.ProcessGroup, rank_lists: list[list[int]] | tuple, purpose: str) -> str:
+def rank_independent_name(group: dist.ProcessGroup, rank_lists: Sequence[Sequence[int]], purpose: str) -> str:
     """The name this rank's graphs and ops call `group` by, one of `rank_lists` (every group of one mesh dimension
     over the world, this rank's among them): its own name when it is the only one, else an alias registered with
     c10d for this rank's group (`_register_process_group`), the same string on every rank of the world.

@@ -1,9 +1,9 @@
 """One compile per job, not per rank (issue 36).
 
 Ranks that trace the same Dynamo graph with the same inputs, options and torch compile the same code: every rank's
-graph names the same process groups (fully_shard's groups under rank-independent names) and unit names, and every flat shard has the same size
-(both layouts pad a unit to equal shards), so the code is rank-independent wherever the graph is. So the first rank
-to reach a graph compiles it for every rank, and the others load what it compiled:
+graph names the same process groups (fully_shard's groups under rank-independent names) and unit names, and every
+flat shard has the same size (both layouts pad a unit to equal shards), so the code is rank-independent wherever the
+graph is. So the first rank to reach a graph compiles it for every rank, and the others load what it compiled:
 
 - The graph's key is the rank check's (`rank_check.FingerprintStore.key`: the backend's options and pass code, the
   Dynamo graph's code, every input's metadata, torch's version and configs, the grad mode and thread count). A rank

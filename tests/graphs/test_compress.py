@@ -353,11 +353,6 @@ def test_compression_options():
     assert repr(fsdp_graph.make_backend().schedule.compress) == "None"  # off by default
 
 
-def _replica_group(model) -> str:
-    """The replica group's name in the model's graphs (rank-independent: `groups.rank_independent_name`)."""
-    return model._fsdp_states[0].replicate_group
-
-
 def test_compress_pass_hybrid_snapshot(fake_pg):
     """HYBRID_SHARD on a (2, 2) mesh, int8 gradients in blocks of 4, a 6-element weight: the reduce-scatter over the
     shard group is an all-to-all of packed rows; the replica all-reduce of the 3-element shard becomes: padded to
@@ -370,7 +365,7 @@ def test_compress_pass_hybrid_snapshot(fake_pg):
     hybrid = fsdp_graph.ShardingStrategy.HYBRID_SHARD
     model = fsdp_graph.fully_shard(torch.nn.Linear(3, 2, bias=False), mesh, strategy=hybrid)
     bw = lower_fsdp_ops(aot_stages(model, torch.randn(2, 3), tag=tag_reshard).backward)
-    compress_collectives(bw, grads="int8", block_size=4, replica_sizes={_replica_group(model): 2})
+    compress_collectives(bw, grads="int8", block_size=4, replica_sizes={model._fsdp_states[0].replicate_group: 2})
     assert_expected_inline(
         code(bw),
         """\
