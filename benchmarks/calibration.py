@@ -18,10 +18,9 @@ the result); kept out with it, as its configuration: the Llama 3 8B runs on 8 GP
 Not used: rows with float8 (not modelled; torchtitan's Trainy H200 benchmark), block-level selective checkpointing of
 an unpublished fraction (fms-fsdp's "Selective AC"), tensor parallelism with sequence parallelism (KempnerForge's
 TP rows, TT_165's 2D rows: plan()'s TP has none), a single-GPU row whose memory cannot hold fp32 master weights
-(KempnerForge's first), KempnerForge's config validation report (7B at FSDP 4 and 32, 81.0 and 51.3 GB): its
-trainer casts the model to bf16 before sharding, so parameters, gradients and AdamW's moments are bf16, and its
-accumulation turns gradient sync off, which keeps every gradient unsharded in fp32 between micro-batches, neither
-of which plan() models (the same holds for the memory of the three KempnerForge rows kept below), TT_165's FSDP1 runs
+(KempnerForge's first), KempnerForge's config validation report (7B at FSDP 4 and 32, 81.0 and 51.3 GB; left out
+while plan() could not model its trainer's bf16 model and accumulation without gradient sync, which `KF_LOOP` now
+models: not yet traced), TT_165's FSDP1 runs
 (flat parameters freed through recordStream), its compiled run without buffer reuse (an Inductor option plan()
 does not model) and its two runs at the device's limit (88.2 and 90.3 of 95.0 GiB reserved, where the allocator
 empties its cache and retries), torchtune's README (LoRA, or full finetunes of bf16 parameters on unpacked samples
@@ -43,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fsdp_graph.planning.layouts import Layout, evaluate  # noqa: E402
+from fsdp_graph.planning.layouts import Layout, TrainingLoop, evaluate  # noqa: E402
 from fsdp_graph.planning.profiles import Profile, ProfileKey, Profiles, figures, trace  # noqa: E402
 from fsdp_graph.train.llama import LLAMA3_VOCAB, LlamaConfig, preset  # noqa: E402
 from passes.hardware import GIB, GPUS, Hardware, nic_bytes_per_s  # noqa: E402
@@ -71,6 +70,11 @@ LLAMA3_8B = preset("8b", vocab=LLAMA3_VOCAB, seq=8192)
 LLAMA3_70B = preset("70b", vocab=LLAMA3_VOCAB, seq=8192)
 LLAMA3_405B = preset("405b", vocab=LLAMA3_VOCAB, seq=8192)
 KF_7B = preset("8b", vocab=LLAMA3_VOCAB, seq=4096)  # dim 4096, 32 layers, kv 8, ffn 14336 (1.3x, multiple of 1024)
+# KempnerForge's trainer at KF's commit: scripts/train.py casts the model to its param_dtype (bf16) before FSDP2
+# (kempnerforge/distributed/parallel.py) and steps micro-batches under `maybe_no_sync` (training/grad.py:
+# set_requires_gradient_sync(False) on all but the last); its logits, held through the backward in bf16, and its
+# chunked bf16 cross-entropy keep 4 bytes a logit, as the plan's fp32 log-softmax does.
+KF_LOOP = TrainingLoop(bf16_model=True, sync_each_microbatch=False)
 KF_13B = LlamaConfig(vocab=LLAMA3_VOCAB, dim=5120, layers=40, heads=40, kv_heads=8, hidden=17920, seq=4096, tied=False)
 
 
@@ -97,6 +101,7 @@ class Row:
     ranks_per_node: int = 8
     bf16_reduce: bool = False  # gradients reduced in bf16 (FSDP1's bfSixteen policy), not fp32
     expandable_segments: bool = False
+    loop: TrainingLoop = TrainingLoop()  # what the source's training loop does to memory
     note: str = ""
 
     def hardware(self, efficiency: float) -> Hardware:
@@ -113,8 +118,22 @@ def _fsdp(world: int, ac: str, mb: int, accumulate: int = 1) -> Layout:
 
 # torchtitan at TT_165's runs: (row, checkpointing, compiled, tokens/s, memory GiB, memory kind, note); see ROWS.
 def _tt_165_row(name: str, ac: str, compiled: bool, tokens: float | None, memory: float, kind: str, note: str) -> Row:
-    layout = _fsdp(8, ac, 8)
-    return Row(name, "test", TT_165, "h100-hbm2e", LLAMA2_7B, layout, 2048, compiled, tokens, memory, kind, note=note)
+    layout, loop = _fsdp(8, ac, 8), TrainingLoop(holds_fp32_logits=True)
+    return Row(
+        name,
+        "test",
+        TT_165,
+        "h100-hbm2e",
+        LLAMA2_7B,
+        layout,
+        2048,
+        compiled,
+        tokens,
+        memory,
+        kind,
+        loop=loop,
+        note=note,
+    )
 
 
 _TT_165_RUNS = (
@@ -229,6 +248,7 @@ ROWS: tuple[Row, ...] = (
         optimizer="adamw-fused",
         nic_gbps=400,
         ranks_per_node=4,
+        loop=KF_LOOP,
     ),  # fmt: skip
     Row(
         "kf-h200-7b-fsdp4",
@@ -244,6 +264,7 @@ ROWS: tuple[Row, ...] = (
         optimizer="adamw-fused",
         nic_gbps=400,
         ranks_per_node=4,
+        loop=KF_LOOP,
     ),  # fmt: skip
     Row(
         "kf-h200-13b-fsdp8-eager",
@@ -259,6 +280,7 @@ ROWS: tuple[Row, ...] = (
         optimizer="adamw-fused",
         nic_gbps=400,
         ranks_per_node=4,
+        loop=KF_LOOP,
         note="2 nodes; the source ran it uncompiled",
     ),  # fmt: skip
     # torchtitan at TT_165 (March 2024), one node of 8 Grand Teton H100s (95.04 GiB, HBM2e), FSDP2 over all 8, the
@@ -310,7 +332,7 @@ def predict(row: Row, traced: dict, efficiency: float) -> tuple[float, float]:
 def _evaluate(row: Row, traced: dict, efficiency: float) -> tuple[float, float]:
     sampled = {int(depth): figs for depth, figs in traced[str(efficiency)].items()}
     profile = Profile(_key(row), tuple(sorted(sampled)), sampled, 0.0)  # the depths it was traced at
-    e = evaluate(row.layout, profile, row.config, row.seq, row.hardware(efficiency), math.inf)
+    e = evaluate(row.layout, profile, row.config, row.seq, row.hardware(efficiency), math.inf, row.loop)
     memory = e.reserved_bytes if row.memory_kind == "reserved" else e.allocated_bytes
     return e.step_time, memory / GIB
 

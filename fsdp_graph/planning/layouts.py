@@ -14,7 +14,12 @@ into the layout's figures:
 - memory is the profile's peak (allocated), plus, under gradient accumulation, the gradients kept from the previous
   micro-batch, and under 1F1B the activations of the first stage's min(pp, microbatches) - 1 further micro-batches in
   flight; reserved memory adds the allocator's overhead over allocated the profile measured (`allocator_slack`:
-  the largest at any sampled depth, not a line in depth).
+  the largest at any sampled depth, not a line in depth);
+- a `TrainingLoop` says what the loop around the model does that the traced step (fully_shard's defaults, the loss
+  computed and dropped inside it) does not show: a model cast to bf16 before sharding halves every persistent
+  byte the profile traced for fp32 (shards, gradients, optimizer state); accumulation with gradient sync off keeps
+  every gradient unsharded in fp32 between micro-batches instead of its shard; a loop that holds the model's fp32
+  logits (a local `pred`) keeps them through the backward, where a deep model's peak is.
 """
 
 from __future__ import annotations
@@ -76,6 +81,25 @@ class Layout:
             self.reshard_after_forward,
             self.compression,
         )
+
+
+@dataclass(frozen=True)
+class TrainingLoop:
+    """What a training loop does around the model that changes its memory (see the module docstring). The default
+    is plan()'s own loop, and the main job's: none of it. Each field is a habit of a published trainer
+    (benchmarks/calibration.py names them)."""
+
+    bf16_model: bool = False  # `model.to(torch.bfloat16)` before sharding: bf16 shards, gradients, optimizer state
+    sync_each_microbatch: bool = True  # False: FSDP2's set_requires_gradient_sync(False) but on the last micro-batch
+    holds_fp32_logits: bool = False  # the fp32 logits stay referenced through the backward (`pred = model(x)`)
+
+    def describe(self) -> str:
+        parts = ["bf16 model" if self.bf16_model else "", "" if self.sync_each_microbatch else "no gradient sync"]
+        parts.append("fp32 logits held" if self.holds_fp32_logits else "")
+        return ", ".join(p for p in parts if p)
+
+
+PLAIN_LOOP = TrainingLoop()  # plan()'s own loop and the main job's
 
 
 @dataclass
@@ -155,14 +179,16 @@ def comm_lower_bound(cfg: LlamaConfig, seq: int, layout: Layout, hardware: Hardw
     return cfg.layers / layout.pp * layout.microbatches * max(links.values(), default=0.0)
 
 
-def memory_lower_bound(cfg: LlamaConfig, seq: int, layout: Layout, bf16: bool = True) -> float:
+def memory_lower_bound(
+    cfg: LlamaConfig, seq: int, layout: Layout, bf16: bool = True, loop: TrainingLoop = PLAIN_LOOP
+) -> float:
     """Bytes per rank no layout of these degrees can go below: the model state (fp32 master, gradient and AdamW's
-    two moments, 16 bytes a parameter) over the ranks holding it, one gathered block (every block of the stage
-    without resharding after forward: they stay gathered for the backward), and per block and sequence the
-    activations checkpointing keeps at least (the block's input; without checkpointing also the feed-forward's
-    input and its three hidden-width values, split over tp)."""
+    two moments, 16 bytes a parameter; 8 for a bf16 model) over the ranks holding it, one gathered block (every
+    block of the stage without resharding after forward: they stay gathered for the backward), and per block and
+    sequence the activations checkpointing keeps at least (the block's input; without checkpointing also the
+    feed-forward's input and its three hidden-width values, split over tp)."""
     elem = 2 if bf16 else 4
-    state = 16 * cfg.num_params() / (layout.tp * layout.pp * layout.dp_shard)
+    state = (8 if loop.bf16_model else 16) * cfg.num_params() / (layout.tp * layout.pp * layout.dp_shard)
     block = (cfg.num_params() - cfg.vocab * cfg.dim * (1 if cfg.tied else 2)) / cfg.layers
     gathered = block / layout.tp * elem * (1 if layout.reshard_after_forward else cfg.layers / layout.pp)
     per_token = cfg.dim if layout.checkpoint != "none" else cfg.dim * 2 + 3 * cfg.hidden / layout.tp
@@ -192,8 +218,9 @@ def evaluate(
     seq: int,
     hardware: Hardware,
     usable_bytes: float,
+    loop: TrainingLoop = PLAIN_LOOP,
 ) -> Evaluation:
-    """The layout's figures from its stage's profile (see the module docstring)."""
+    """The layout's figures from its stage's profile (see the module docstring), under `loop`."""
     stage_layers = max(cfg.layers // layout.pp, 1)
     f = profile.at(stage_layers)
     optimizer = f["optimizer_time"]
@@ -208,15 +235,24 @@ def evaluate(
         pipeline = (p - 1) * per_micro + (m + p - 1) * 2 * send  # activations forward, their gradients back
     step = m * per_micro + pipeline + optimizer
     allocated = f["peak_memory_bytes"]
+    states = f["shard_bytes"] * 2 + f["optimizer_state_bytes"]  # fp32 master shards, their gradients, the state
+    gradients = f["gradient_bytes"]
+    if loop.bf16_model:  # the traced peak holds the fp32 shards and optimizer state: half of them stays
+        allocated -= (f["shard_bytes"] + f["optimizer_state_bytes"]) / 2
+        states, gradients = states / 2, gradients / 2
     extra = 0.0
     if p == 1 and m > 1:
-        extra = f["gradient_bytes"]  # the previous micro-batches' gradients, kept for the next backward
+        # the previous micro-batches' gradients, kept for the next backward: their shards, or without gradient
+        # sync every gradient unsharded in fp32 (FSDP2 accumulates in the reduce dtype): the shards' fp32 bytes
+        # times the shard group
+        extra = gradients if loop.sync_each_microbatch else f["shard_bytes"] * layout.dp_shard
     if p > 1:
         extra = (min(p, m) - 1) * f["transient_bytes"]
+    if loop.holds_fp32_logits and p == 1:  # one micro-batch's whole logits (a pipeline's last stage: not modelled)
+        extra += layout.micro_batch * seq * cfg.vocab * 4
     allocated += extra
     reserved = allocated + allocator_slack(profile)
     tokens = layout.dp_shard * layout.dp_replicate * layout.micro_batch * m * seq
-    states = f["shard_bytes"] * 2 + f["optimizer_state_bytes"]  # fp32 master shards, their gradients, the state
     evaluation = Evaluation(
         layout,
         step,

@@ -24,7 +24,16 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from fsdp_graph.planning.layouts import AC_MODES, Evaluation, Layout, evaluate, memory_lower_bound, throughput_bound
+from fsdp_graph.planning.layouts import (
+    AC_MODES,
+    PLAIN_LOOP,
+    Evaluation,
+    Layout,
+    TrainingLoop,
+    evaluate,
+    memory_lower_bound,
+    throughput_bound,
+)
 from fsdp_graph.planning.profiles import Profiles
 from fsdp_graph.train.llama import LLAMA3_VOCAB, PRESETS, Llama, LlamaConfig, preset
 from passes.hardware import GIB, HARDWARE, Hardware
@@ -237,6 +246,7 @@ def plan(
     cache_dir: str | None = None,
     exhaustive: bool = False,
     baseline: bool = True,
+    training_loop: TrainingLoop = PLAIN_LOOP,
     log=None,
 ) -> PlanResult:
     """Propose layouts for training `model_or_config` (a `LlamaConfig`, a `Llama` or a preset name: "8b", "70b" and
@@ -251,7 +261,8 @@ def plan(
     rest by predicted tokens per second per GPU and returns a `PlanResult` (`print(result.to_text())`). It also
     plans plain FSDP (no TP, PP or checkpointing) for comparison (`baseline=False`: not). Traces run on the meta device with a fake process
     group in this process, which must not have one initialised. `cache_dir` keeps traced profiles on disk; `log`
-    (e.g. `print`) is called with a line per traced profile.
+    (e.g. `print`) is called with a line per traced profile. `training_loop`: what the loop around the model does
+    to its memory (a bf16 model, accumulation without gradient sync, fp32 logits held; `layouts.TrainingLoop`).
     """
     start, cpu_start = time.perf_counter(), time.process_time()
     cfg = _config(model_or_config, seq)
@@ -273,9 +284,9 @@ def plan(
             f"plan(): no layout of {world} ranks divides the global batch of {global_batch} sequences with these "
             "options; pick a global batch that is a multiple of the data-parallel sizes"
         )
-    _search(result, layouts, profiles, cfg, seq, hw, usable, bf16, top, exhaustive)
+    _search(result, layouts, profiles, cfg, seq, hw, usable, bf16, top, exhaustive, training_loop)
     if baseline:
-        result.baseline = _baseline(cfg, world, global_batch, seq, hw, usable, bf16, profiles)
+        result.baseline = _baseline(cfg, world, global_batch, seq, hw, usable, bf16, profiles, training_loop)
     checked: set = set()
     while result.ranked and result.ranked[0].layout not in checked:
         # The best layout's profile is planned at two more depths; if that costs it throughput, layouts skipped for
@@ -285,7 +296,7 @@ def plan(
         if not profiles.extend(profiles.get(best.layout.profile_key(cfg, seq, bf16))):
             continue
         everything = [
-            evaluate(e.layout, profiles.get(e.layout.profile_key(cfg, seq, bf16)), cfg, seq, hw, usable)
+            evaluate(e.layout, profiles.get(e.layout.profile_key(cfg, seq, bf16)), cfg, seq, hw, usable, training_loop)
             for e in result.ranked
         ]
         result.ranked = sorted((e for e in everything if e.fits), key=lambda e: -e.tokens_per_s_per_gpu)
@@ -293,14 +304,14 @@ def plan(
         retry = [e.layout for e in result.rejected if e.reason.startswith("skipped: its throughput bound")]
         if retry:
             result.rejected = [e for e in result.rejected if e.layout not in set(retry)]
-            _search(result, retry, profiles, cfg, seq, hw, usable, bf16, top, exhaustive)
+            _search(result, retry, profiles, cfg, seq, hw, usable, bf16, top, exhaustive, training_loop)
     result.profiles_traced = profiles.traced
     result.profiles_cached = sum(p.cached for p in profiles.profiles.values())
     result.seconds, result.cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     return result
 
 
-def _search(result, layouts, profiles, cfg, seq, hw, usable, bf16, top, exhaustive) -> None:
+def _search(result, layouts, profiles, cfg, seq, hw, usable, bf16, top, exhaustive, loop: TrainingLoop) -> None:
     bounds = {layout: throughput_bound(cfg, seq, layout, hw, bf16) for layout in layouts}
     fitting_settings: dict[tuple, int] = {}  # (everything but tp and the micro-batch) -> smallest fitting tp
     done_settings: set[tuple] = set()  # (everything but the micro-batch) that already fit with a larger one
@@ -316,7 +327,7 @@ def _search(result, layouts, profiles, cfg, seq, hw, usable, bf16, top, exhausti
             layout.compression,
         )
         wider = setting[1:]
-        lower = memory_lower_bound(cfg, seq, layout, bf16)
+        lower = memory_lower_bound(cfg, seq, layout, bf16, loop)
         if lower > usable:
             result.rejected.append(_skipped(layout, f"lower bound: at least {lower / GIB:.1f} GiB"))
             continue
@@ -338,7 +349,7 @@ def _search(result, layouts, profiles, cfg, seq, hw, usable, bf16, top, exhausti
                 result.rejected.append(_skipped(layout, reason))
                 continue
         profile = profiles.get(layout.profile_key(cfg, seq, bf16))
-        evaluation = evaluate(layout, profile, cfg, seq, hw, usable)
+        evaluation = evaluate(layout, profile, cfg, seq, hw, usable, loop)
         if not evaluation.fits:
             too_big[setting] = evaluation
         if evaluation.fits:
@@ -363,8 +374,8 @@ def _skipped(layout: Layout, reason: str) -> Evaluation:
     return Evaluation(layout, 0.0, 0.0, 0.0, 0.0, fits=False, reason=reason)
 
 
-def _baseline(cfg, world, global_batch, seq, hw, usable, bf16, profiles) -> Evaluation | None:
+def _baseline(cfg, world, global_batch, seq, hw, usable, bf16, profiles, loop: TrainingLoop) -> Evaluation | None:
     if global_batch % world:
         return None
     layout = Layout(1, 1, world, 1, "none", global_batch // world, 1)
-    return evaluate(layout, profiles.get(layout.profile_key(cfg, seq, bf16)), cfg, seq, hw, usable)
+    return evaluate(layout, profiles.get(layout.profile_key(cfg, seq, bf16)), cfg, seq, hw, usable, loop)

@@ -13,6 +13,7 @@ import torch
 import fsdp_graph
 from fsdp_graph.planning.layouts import (
     Layout,
+    TrainingLoop,
     comm_lower_bound,
     evaluate,
     memory_lower_bound,
@@ -101,6 +102,38 @@ def test_reserved_adds_the_largest_sampled_allocator_slack_at_any_depth(slack):
     assert e.reserved_bytes == e.allocated_bytes + 3000.0
 
 
+def test_training_loop_memory():
+    """What the loop around the model keeps, on the synthetic profile (fp32 shards 50 bytes, optimizer state 100,
+    gradient shards 100): a bf16 model keeps half of the shards and state and its gradient shards are half as large;
+    accumulation without gradient sync keeps every gradient unsharded in fp32 (the shards' bytes times the shard
+    group) instead of its shard; held fp32 logits add micro-batch x seq x vocab x 4 bytes. Each is exact."""
+    cfg = dataclasses.replace(TINY, layers=8)
+    layout = Layout(1, 1, 4, 1, "none", 2, 3)
+    profile = _profile(layout.profile_key(cfg, 32, True), per_layer=1e6, base=5e6)
+
+    def allocated(**loop) -> float:
+        return evaluate(layout, profile, cfg, 32, GPUS["h100"], 1e12, TrainingLoop(**loop)).allocated_bytes
+
+    peak = 13e6
+    assert allocated() == peak + 100  # the gradient shards kept between micro-batches
+    assert allocated(bf16_model=True) == peak - (50 + 100) / 2 + 100 / 2
+    assert allocated(sync_each_microbatch=False) == peak + 50 * 4
+    assert allocated(holds_fp32_logits=True) == peak + 100 + 2 * 32 * cfg.vocab * 4
+    kf = TrainingLoop(bf16_model=True, sync_each_microbatch=False)
+    e = evaluate(layout, profile, cfg, 32, GPUS["h100"], 1e12, kf)
+    assert e.allocated_bytes == peak - 75 + 200 and e.memory_breakdown["model state"] == (50 * 2 + 100) / 2
+    one = dataclasses.replace(layout, microbatches=1)  # nothing is accumulated: the sync setting keeps nothing
+    assert evaluate(one, profile, cfg, 32, GPUS["h100"], 1e12, kf).allocated_bytes == peak - 75
+    assert kf.describe() == "bf16 model, no gradient sync" and TrainingLoop().describe() == ""
+    # the search's lower bound stays one: a bf16 model's state is 8 bytes a parameter, not 16
+    big = preset("8b")
+    fsdp8 = Layout(1, 1, 8, 1, "full", 1, 1)
+    drop = memory_lower_bound(big, 2048, fsdp8) - memory_lower_bound(
+        big, 2048, fsdp8, loop=TrainingLoop(bf16_model=True)
+    )
+    assert drop == pytest.approx(8 * big.num_params() / 8)
+
+
 def test_bounds():
     cfg, hw = preset("8b"), GPUS["h100"]
     none = Layout(1, 1, 8, 1, "none", 4, 1)  # compute-bound: FSDP inside one node
@@ -145,6 +178,13 @@ def test_plan_searches_rejects_and_ranks(tmp_path):
     text = tight.to_text()
     for needle in ("FSDP alone", "does not fit", "tokens/s/GPU", "best: FSDP 4, AC full", "0 profiles traced"):
         assert needle in text, text
+    # the loop's habits reach every evaluation of the search (from the cache: nothing traced)
+    held = fsdp_graph.plan(TINY, hardware=GPUS["h100"], training_loop=TrainingLoop(holds_fp32_logits=True), **options)
+    logits = 4 * 256 * TINY.vocab * 4  # micro-batch x seq x vocab, fp32
+    assert held.profiles_traced == 0 and held.baseline.allocated_bytes == none.allocated_bytes + logits
+    assert {e.layout: e.allocated_bytes for e in held.ranked} == {
+        e.layout: e.allocated_bytes + logits for e in roomy.ranked
+    }
 
 
 def test_full_checkpointing_plans_on_meta(fake_pg):
