@@ -18,9 +18,8 @@ the result); kept out with it, as its configuration: the Llama 3 8B runs on 8 GP
 Not used: rows with float8 (not modelled; torchtitan's Trainy H200 benchmark), block-level selective checkpointing of
 an unpublished fraction (fms-fsdp's "Selective AC"), tensor parallelism with sequence parallelism (KempnerForge's
 TP rows, TT_165's 2D rows: plan()'s TP has none), a single-GPU row whose memory cannot hold fp32 master weights
-(KempnerForge's first), KempnerForge's config validation report (7B at FSDP 4 and 32, 81.0 and 51.3 GB; left out
-while plan() could not model its trainer's bf16 model and accumulation without gradient sync, which `KF_LOOP` now
-models: not yet traced), TT_165's FSDP1 runs
+(KempnerForge's first), the config validation report's TP rows (sequence parallelism, as above), its pipeline rows
+(their schedule not checked against plan()'s 1F1B) and its two small models, TT_165's FSDP1 runs
 (flat parameters freed through recordStream), its compiled run without buffer reuse (an Inductor option plan()
 does not model) and its two runs at the device's limit (88.2 and 90.3 of 95.0 GiB reserved, where the allocator
 empties its cache and retries), torchtune's README (LoRA, or full finetunes of bf16 parameters on unpacked samples
@@ -59,6 +58,9 @@ TT_NET = "https://github.com/pytorch/torchtitan/blob/main/benchmarks/asyncTP_lla
 FMS = "https://github.com/foundation-model-stack/fms-fsdp/blob/ed74fd5/README.md"
 FMS_OLD = "https://github.com/foundation-model-stack/fms-fsdp/blob/0d319983c4b3b7f7b3b5e2c5e7f746746b6f73a9/README.md"
 KF = "https://github.com/KempnerInstitute/KempnerForge/blob/abbbac3/benchmarks/mfu_scaling/mfu_scaling.md"
+KF_VALIDATION = (
+    "https://github.com/KempnerInstitute/KempnerForge/blob/abbbac3/benchmarks/config_validation/config_validation.md"
+)
 # torchtitan's per-parameter FSDP commit (pull request 165); its message is the pull request's description.
 TT_165 = "https://github.com/pytorch/torchtitan/commit/83c879f18763611bda68586c45f0082fd568d646"
 H100_HBM2E_GIB = 95.0396  # the GPU memory TT_165's percentages are of
@@ -282,6 +284,42 @@ ROWS: tuple[Row, ...] = (
         ranks_per_node=4,
         loop=KF_LOOP,
         note="2 nodes; the source ran it uncompiled",
+    ),  # fmt: skip
+    # KempnerForge's config validation report (KF_VALIDATION, its commit 601aba9: the same model cast, `maybe_no_sync`
+    # and memory figure), configs/train/7b.toml (one node, batch 8, 4 accumulated) and 7b_32gpu_fsdp.toml (8 nodes,
+    # batch 4, 4 accumulated), both compiled with full checkpointing; steady-state tokens/s over all GPUs.
+    Row(
+        "kf-h200-7b-fsdp4-validation",
+        "test",
+        KF_VALIDATION,
+        "h200",
+        KF_7B,
+        _fsdp(4, "full", 8, 4),
+        4096,
+        True,
+        38858 / 4,
+        81.0,
+        optimizer="adamw-fused",
+        nic_gbps=400,
+        ranks_per_node=4,
+        loop=KF_LOOP,
+    ),  # fmt: skip
+    Row(
+        "kf-h200-7b-fsdp32-validation",
+        "test",
+        KF_VALIDATION,
+        "h200",
+        KF_7B,
+        _fsdp(32, "full", 4, 4),
+        4096,
+        True,
+        297384 / 32,
+        51.3,
+        optimizer="adamw-fused",
+        nic_gbps=400,
+        ranks_per_node=4,
+        loop=KF_LOOP,
+        note="8 nodes, NDR 400 Gb/s InfiniBand",
     ),  # fmt: skip
     # torchtitan at TT_165 (March 2024), one node of 8 Grand Teton H100s (95.04 GiB, HBM2e), FSDP2 over all 8, the
     # "7B" flavor of train_configs/llama_7b.toml (Llama 2 7B: dim 4096, 32 layers, 32 heads, ffn 11008, Llama 2
