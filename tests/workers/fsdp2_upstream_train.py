@@ -360,7 +360,7 @@ def train_shared_params_uneven_shard(rank: int, world: int) -> dict[str, float]:
             opt.step()
             opt.zero_grad()
         model.tok_embeddings.unshard()
-        final = full(model.tok_embeddings.weight).detach()
+        final = full(model.tok_embeddings.weight).detach().clone()  # FSDP2: the unsharded storage is freed by reshard()
         model.tok_embeddings.reshard()
         out[f"rows_moved_{raf}"] = float(all(not torch.equal(initial[r], final[r]) for r in range(vocab)))
     return out
