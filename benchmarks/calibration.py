@@ -118,6 +118,24 @@ def _fsdp(world: int, ac: str, mb: int, accumulate: int = 1) -> Layout:
     return Layout(1, 1, world, 1, ac, mb, accumulate)
 
 
+def _kf_row(
+    name: str,
+    part: str,
+    source: str,
+    config: LlamaConfig,
+    layout: Layout,
+    compiled: bool,
+    tokens: float,
+    memory: float,
+    note: str = "",
+) -> Row:
+    """KempnerForge on H200s, 4 per node, 400 Gb/s per GPU, fused AdamW, seq 4096, its trainer's loop (KF_LOOP)."""
+    return Row(
+        name, part, source, "h200", config, layout, 4096, compiled, tokens, memory, optimizer="adamw-fused",
+        nic_gbps=400, ranks_per_node=4, loop=KF_LOOP, note=note,
+    )  # fmt: skip
+
+
 # torchtitan at TT_165's runs: (row, checkpointing, compiled, tokens/s, memory GiB, memory kind, note); see ROWS.
 def _tt_165_row(name: str, ac: str, compiled: bool, tokens: float | None, memory: float, kind: str, note: str) -> Row:
     layout, loop = _fsdp(8, ac, 8), TrainingLoop(holds_fp32_logits=True)
@@ -236,91 +254,34 @@ ROWS: tuple[Row, ...] = (
     ),  # fmt: skip
     # KempnerForge, H200 141 GB, 4 per node, InfiniBand (speed not stated: 400 Gb/s per GPU assumed), FSDP2, full
     # checkpointing, fused AdamW, clipping, seq 4096; memory is max_memory_allocated in GiB ("GB" in the table).
-    Row(
-        "kf-h200-7b-fsdp2",
-        "fit",
-        KF,
-        "h200",
-        KF_7B,
-        _fsdp(2, "full", 2, 4),
-        4096,
-        True,
-        18728 / 2,
-        62.4,
-        optimizer="adamw-fused",
-        nic_gbps=400,
-        ranks_per_node=4,
-        loop=KF_LOOP,
-    ),  # fmt: skip
-    Row(
-        "kf-h200-7b-fsdp4",
-        "test",
-        KF,
-        "h200",
-        KF_7B,
-        _fsdp(4, "full", 4, 2),
-        4096,
-        True,
-        38983 / 4,
-        61.1,
-        optimizer="adamw-fused",
-        nic_gbps=400,
-        ranks_per_node=4,
-        loop=KF_LOOP,
-    ),  # fmt: skip
-    Row(
+    _kf_row("kf-h200-7b-fsdp2", "fit", KF, KF_7B, _fsdp(2, "full", 2, 4), True, 18728 / 2, 62.4),
+    _kf_row("kf-h200-7b-fsdp4", "test", KF, KF_7B, _fsdp(4, "full", 4, 2), True, 38983 / 4, 61.1),
+    _kf_row(
         "kf-h200-13b-fsdp8-eager",
         "test",
         KF,
-        "h200",
         KF_13B,
         _fsdp(8, "full", 4, 4),
-        4096,
         False,
         35405 / 8,
         88.5,
-        optimizer="adamw-fused",
-        nic_gbps=400,
-        ranks_per_node=4,
-        loop=KF_LOOP,
-        note="2 nodes; the source ran it uncompiled",
-    ),  # fmt: skip
+        "2 nodes; the source ran it uncompiled",
+    ),
     # KempnerForge's config validation report (KF_VALIDATION, its commit 601aba9: the same model cast, `maybe_no_sync`
     # and memory figure), configs/train/7b.toml (one node, batch 8, 4 accumulated) and 7b_32gpu_fsdp.toml (8 nodes,
     # batch 4, 4 accumulated), both compiled with full checkpointing; steady-state tokens/s over all GPUs.
-    Row(
-        "kf-h200-7b-fsdp4-validation",
-        "test",
-        KF_VALIDATION,
-        "h200",
-        KF_7B,
-        _fsdp(4, "full", 8, 4),
-        4096,
-        True,
-        38858 / 4,
-        81.0,
-        optimizer="adamw-fused",
-        nic_gbps=400,
-        ranks_per_node=4,
-        loop=KF_LOOP,
-    ),  # fmt: skip
-    Row(
+    _kf_row("kf-h200-7b-fsdp4-validation", "test", KF_VALIDATION, KF_7B, _fsdp(4, "full", 8, 4), True, 38858 / 4, 81.0),
+    _kf_row(
         "kf-h200-7b-fsdp32-validation",
         "test",
         KF_VALIDATION,
-        "h200",
         KF_7B,
         _fsdp(32, "full", 4, 4),
-        4096,
         True,
         297384 / 32,
         51.3,
-        optimizer="adamw-fused",
-        nic_gbps=400,
-        ranks_per_node=4,
-        loop=KF_LOOP,
-        note="8 nodes, NDR 400 Gb/s InfiniBand",
-    ),  # fmt: skip
+        "8 nodes, NDR 400 Gb/s InfiniBand",
+    ),
     # torchtitan at TT_165 (March 2024), one node of 8 Grand Teton H100s (95.04 GiB, HBM2e), FSDP2 over all 8, the
     # "7B" flavor of train_configs/llama_7b.toml (Llama 2 7B: dim 4096, 32 layers, 32 heads, ffn 11008, Llama 2
     # tokenizer, 32000), local batch 8, seq 2048, no accumulation, fp32 parameters with bf16 compute and fp32
