@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fsdp_graph.planning.layouts import Layout, TrainingLoop, evaluate  # noqa: E402
+from fsdp_graph.planning.layouts import PLAIN_LOOP, Layout, TrainingLoop, evaluate  # noqa: E402
 from fsdp_graph.planning.profiles import Profile, ProfileKey, Profiles, figures, trace  # noqa: E402
 from fsdp_graph.train.llama import LLAMA3_VOCAB, LlamaConfig, preset  # noqa: E402
 from passes.hardware import GIB, GPUS, Hardware, nic_bytes_per_s  # noqa: E402
@@ -74,8 +74,9 @@ LLAMA3_405B = preset("405b", vocab=LLAMA3_VOCAB, seq=8192)
 KF_7B = preset("8b", vocab=LLAMA3_VOCAB, seq=4096)  # dim 4096, 32 layers, kv 8, ffn 14336 (1.3x, multiple of 1024)
 # KempnerForge's trainer at KF's commit: scripts/train.py casts the model to its param_dtype (bf16) before FSDP2
 # (kempnerforge/distributed/parallel.py) and steps micro-batches under `maybe_no_sync` (training/grad.py:
-# set_requires_gradient_sync(False) on all but the last); its logits, held through the backward in bf16, and its
-# chunked bf16 cross-entropy keep 4 bytes a logit, as the plan's fp32 log-softmax does.
+# set_requires_gradient_sync(False) on all but the last). Its loss, `F.cross_entropy` on the bf16 logits it holds
+# through the backward, is planned as the profile's fp32 log-softmax: about 4 bytes a logit too many on these rows
+# (docs/planning.md).
 KF_LOOP = TrainingLoop(bf16_model=True, sync_each_microbatch=False)
 KF_13B = LlamaConfig(vocab=LLAMA3_VOCAB, dim=5120, layers=40, heads=40, kv_heads=8, hidden=17920, seq=4096, tied=False)
 
@@ -103,7 +104,7 @@ class Row:
     ranks_per_node: int = 8
     bf16_reduce: bool = False  # gradients reduced in bf16 (FSDP1's bfSixteen policy), not fp32
     expandable_segments: bool = False
-    loop: TrainingLoop = TrainingLoop()  # what the source's training loop does to memory
+    loop: TrainingLoop = PLAIN_LOOP  # what the source's training loop does to memory
     note: str = ""
 
     def hardware(self, efficiency: float) -> Hardware:

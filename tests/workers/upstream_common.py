@@ -70,8 +70,8 @@ def sharded_diff(ref: nn.Module, model: nn.Module, grads: bool = False) -> float
     sharded model's parameters (or gradients) with the same pieces of the reference's, matched by name, and returns
     the largest difference, relative to the reference's largest magnitude where that exceeds 1 (summed losses give
     large gradients; torch's assertEqual tolerates relative error too). The ranks' pieces cover every element, and
-    every rank's result is asserted on; no collective is run (a `full_tensor()` per parameter made this check a
-    fifth of the re-created tests' time)."""
+    every rank's result is asserted on; a whole reference needs no collective (a `full_tensor()` per parameter made
+    this check a fifth of the re-created tests' time), a sharded one is gathered."""
     wrapped = "_checkpoint_wrapped_module."  # checkpoint_wrapper's prefix (upstream: prefixes_to_ignore)
     params = {name.replace(wrapped, ""): p for name, p in model.named_parameters()}
     worst = 0.0
