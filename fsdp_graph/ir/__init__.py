@@ -16,7 +16,10 @@ from __future__ import annotations
 import torch
 
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
-from fsdp_graph.ir.ops import gradient_divide_factors  # noqa: F401  (the reduction's arithmetic, shared with passes)
+from fsdp_graph.ir.ops import (  # noqa: F401  (the reduction's arithmetic, shared with passes)
+    divides_after_reduction,
+    gradient_divide_factors,
+)
 
 UNSHARD = torch.ops.fsdp.unshard.default
 REDUCE_GRAD = torch.ops.fsdp.reduce_grad.default

@@ -235,8 +235,8 @@ def reduce_grad(
     divided by `post`).
 
     Sums and divisions: "avg" has no autograd formula and is not supported by every process-group backend.
-    Eagerly, a wide-range reduce dtype moves the division by `pre` after the reduction (`_prepared_for_reduction`:
-    the same bits, one pass over the full gradient fewer); the lowered graph divides as written above.
+    A wide-range reduce dtype (`divides_after_reduction`) moves the division by `pre` after the reduction, here and
+    in the lowered graph: the same bits, one pass over the full gradient fewer.
     """
     pre, post = gradient_divide_factors(world * replicate_world, divide_factor)
     grad, undivided = _prepared_for_reduction(full_grad, dtype, pre)
@@ -272,9 +272,16 @@ def _prepared_for_reduction(full_grad: torch.Tensor, dtype: torch.dtype | None, 
     full gradient fewer (the cast, when there is one, is the only pass). fp16 (max 65504): dividing first is what
     keeps the sum finite (`gradient_divide_factors`), so it stays before the reduction."""
     grad = _cast(full_grad, dtype).contiguous()
-    if pre == 1 or torch.finfo(grad.dtype).max >= 1e38:
+    if pre == 1 or divides_after_reduction(grad.dtype):
         return grad, pre
     return grad / pre, 1
+
+
+def divides_after_reduction(dtype: torch.dtype) -> bool:
+    """Whether a gradient reduced in `dtype` is divided by `pre` after its reduction rather than before: a dtype
+    with fp32's range (fp32, bf16, fp64), where `pre`, a power of two, commutes with every rounding of the sum. The
+    one rule the eager op and `passes.lower` share."""
+    return torch.finfo(dtype).max >= 1e38
 
 
 REDUCE_SIGNATURE = OpSignature(torch.ops.fsdp.reduce_grad.default)

@@ -170,7 +170,6 @@ def forward(self, primals_3, primals_4, relu, relu_1, t_10, tangents_1):
     slice_backward = torch.ops.aten.slice_backward.default(t_6, [4, 4], 0, 0, 2, 1);  t_6 = None
     view_10 = torch.ops.aten.view.default(slice_backward, [4, 4]);  slice_backward = None
     view_11 = torch.ops.aten.view.default(view_10, [16]);  view_10 = None
-    div_tensor = torch.ops.aten.div.Tensor(view_11, 2);  view_11 = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
@@ -192,17 +191,16 @@ def forward(self, primals_3, primals_4, relu, relu_1, t_10, tangents_1):
     slice_backward_2 = torch.ops.aten.slice_backward.default(view_15, [4, 5], 1, 0, 4, 1);  view_15 = None
     view_16 = torch.ops.aten.view.default(slice_backward_2, [20]);  slice_backward_2 = None
     add = torch.ops.aten.add.Tensor(view_14, view_16);  view_14 = view_16 = None
-    div_tensor_2 = torch.ops.aten.div.Tensor(add, 2);  add = None
-    view_default_3 = torch.ops.aten.view.default(div_tensor, [4, 4]);  div_tensor = None
-    view_default_4 = torch.ops.aten.view.default(div_tensor_2, [4, 5]);  div_tensor_2 = None
+    view_default_3 = torch.ops.aten.view.default(view_11, [4, 4]);  view_11 = None
+    view_default_4 = torch.ops.aten.view.default(add, [4, 5]);  add = None
     cat_default_1 = torch.ops.aten.cat.default([view_default_3, view_default_4], 1);  view_default_3 = view_default_4 = None
     view_default_5 = torch.ops.aten.view.default(cat_default_1, [36]);  cat_default_1 = None
     reduce_scatter_tensor_default_3 = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_default_5, 'sum', 4, '0');  view_default_5 = None
     wait_tensor_default_6 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_3);  reduce_scatter_tensor_default_3 = None
     slice_tensor_2 = torch.ops.aten.slice.Tensor(wait_tensor_default_6, 0, 0, 4)
     slice_tensor_3 = torch.ops.aten.slice.Tensor(wait_tensor_default_6, 0, 4, 9);  wait_tensor_default_6 = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(slice_tensor_2, 2);  slice_tensor_2 = None
-    div_tensor_3 = torch.ops.aten.div.Tensor(slice_tensor_3, 2);  slice_tensor_3 = None
+    div_tensor = torch.ops.aten.div.Tensor(slice_tensor_2, 4);  slice_tensor_2 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(slice_tensor_3, 4);  slice_tensor_3 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -217,11 +215,10 @@ def forward(self, primals_3, primals_4, relu, relu_1, t_10, tangents_1):
     slice_backward_4 = torch.ops.aten.slice_backward.default(view_20, [4, 5], 1, 0, 4, 1);  view_20 = None
     view_21 = torch.ops.aten.view.default(slice_backward_4, [20]);  slice_backward_4 = None
     add_1 = torch.ops.aten.add.Tensor(view_19, view_21);  view_19 = view_21 = None
-    div_tensor_4 = torch.ops.aten.div.Tensor(add_1, 2);  add_1 = None
-    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_4, 'sum', 4, '0');  div_tensor_4 = None
+    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add_1, 'sum', 4, '0');  add_1 = None
     wait_tensor_default_4 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
-    div_tensor_5 = torch.ops.aten.div.Tensor(wait_tensor_default_4, 2);  wait_tensor_default_4 = None
-    return (None, div_tensor_5, div_tensor_3, div_tensor_1)""",
+    div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_4, 4);  wait_tensor_default_4 = None
+    return (None, div_tensor_2, div_tensor_1, div_tensor)""",
     )
 
 

@@ -331,10 +331,9 @@ def forward(self, relu, relu_1, t_5, t_7, t_10, tangents_1):
     slice_backward = torch.ops.aten.slice_backward.default(t_6, [4, 4], 0, 0, 2, 1);  t_6 = None
     view_10 = torch.ops.aten.view.default(slice_backward, [4, 4]);  slice_backward = None
     view_11 = torch.ops.aten.view.default(view_10, [16]);  view_10 = None
-    div_tensor = torch.ops.aten.div.Tensor(view_11, 2);  view_11 = None
-    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 4, '0');  div_tensor = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_11, 'sum', 4, '0');  view_11 = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default, 2);  wait_tensor_default = None
+    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
@@ -351,10 +350,9 @@ def forward(self, relu, relu_1, t_5, t_7, t_10, tangents_1):
     slice_backward_2 = torch.ops.aten.slice_backward.default(view_15, [4, 5], 1, 0, 4, 1);  view_15 = None
     view_16 = torch.ops.aten.view.default(slice_backward_2, [20]);  slice_backward_2 = None
     add = torch.ops.aten.add.Tensor(view_14, view_16);  view_14 = view_16 = None
-    div_tensor_2 = torch.ops.aten.div.Tensor(add, 2);  add = None
-    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_2, 'sum', 4, '0');  div_tensor_2 = None
+    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add, 'sum', 4, '0');  add = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
-    div_tensor_3 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 2);  wait_tensor_default_1 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -369,11 +367,10 @@ def forward(self, relu, relu_1, t_5, t_7, t_10, tangents_1):
     slice_backward_4 = torch.ops.aten.slice_backward.default(view_20, [4, 5], 1, 0, 4, 1);  view_20 = None
     view_21 = torch.ops.aten.view.default(slice_backward_4, [20]);  slice_backward_4 = None
     add_1 = torch.ops.aten.add.Tensor(view_19, view_21);  view_19 = view_21 = None
-    div_tensor_4 = torch.ops.aten.div.Tensor(add_1, 2);  add_1 = None
-    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_4, 'sum', 4, '0');  div_tensor_4 = None
+    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add_1, 'sum', 4, '0');  add_1 = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
-    div_tensor_5 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 2);  wait_tensor_default_2 = None
-    return (None, div_tensor_5, div_tensor_3, div_tensor_1)""",
+    div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 4);  wait_tensor_default_2 = None
+    return (None, div_tensor_2, div_tensor_1, div_tensor)""",
     )
     summary = collective_summary(bw)
     assert summary.counts == {"reduce_scatter": 3} and summary.fsdp_ops_left == 0
@@ -418,11 +415,10 @@ def forward(self, primals_1, tangents_1):
     slice_backward = torch.ops.aten.slice_backward.default(t_3, [4, 4], 0, 0, 2, 1);  t_3 = None
     view_2 = torch.ops.aten.view.default(slice_backward, [4, 4]);  slice_backward = None
     view_3 = torch.ops.aten.view.default(view_2, [16]);  view_2 = None
-    div_tensor = torch.ops.aten.div.Tensor(view_3, 2);  view_3 = None
-    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 4, '0');  div_tensor = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_3, 'sum', 4, '0');  view_3 = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default, 2);  wait_tensor_default = None
-    device_put_default = torch.ops.prims.device_put.default(div_tensor_1, device(type='cpu'), True);  div_tensor_1 = None
+    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
+    device_put_default = torch.ops.prims.device_put.default(div_tensor, device(type='cpu'), True);  div_tensor = None
     return (None, device_put_default)""",
     )
 
@@ -459,11 +455,10 @@ def forward(self, primals_1, primals_2, tangents_1):
     view_3 = torch.ops.aten.view.default(view_2, [16]);  view_2 = None
     take_accumulated = torch.ops.fsdp.take_accumulated.default(primals_2);  primals_2 = None
     add = torch.ops.aten.add.Tensor(view_3, take_accumulated);  view_3 = take_accumulated = None
-    div_tensor = torch.ops.aten.div.Tensor(add, 2);  add = None
-    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 4, '0');  div_tensor = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(add, 'sum', 4, '0');  add = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default, 2);  wait_tensor_default = None
-    return (None, None, div_tensor_1)""",
+    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
+    return (None, None, div_tensor)""",
     )
 
 

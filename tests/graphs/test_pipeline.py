@@ -91,8 +91,7 @@ def forward(self, primals_2, primals_3, primals_4, relu, relu_1, t_11, tangents_
     slice_backward = torch.ops.aten.slice_backward.default(t_6, [4, 4], 0, 0, 2, 1);  t_6 = None
     view_10 = torch.ops.aten.view.default(slice_backward, [4, 4]);  slice_backward = None
     view_11 = torch.ops.aten.view.default(view_10, [16]);  view_10 = None
-    div_tensor = torch.ops.aten.div.Tensor(view_11, 2);  view_11 = None
-    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 4, '0');  div_tensor = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_11, 'sum', 4, '0');  view_11 = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
@@ -112,10 +111,9 @@ def forward(self, primals_2, primals_3, primals_4, relu, relu_1, t_11, tangents_
     view_15 = torch.ops.aten.view.default(t_9, [4, 4]);  t_9 = None
     cat_default_1 = torch.ops.aten.cat.default([view_15, view_13], 1);  view_15 = view_13 = None
     view_default_1 = torch.ops.aten.view.default(cat_default_1, [20]);  cat_default_1 = None
-    div_tensor_2 = torch.ops.aten.div.Tensor(view_default_1, 2);  view_default_1 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 2);  wait_tensor_default_1 = None
-    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_2, 'sum', 4, '0');  div_tensor_2 = None
+    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
+    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_default_1, 'sum', 4, '0');  view_default_1 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -134,13 +132,12 @@ def forward(self, primals_2, primals_3, primals_4, relu, relu_1, t_11, tangents_
     view_20 = torch.ops.aten.view.default(t_12, [4, 4]);  t_12 = None
     cat_default = torch.ops.aten.cat.default([view_20, view_18], 1);  view_20 = view_18 = None
     view_default = torch.ops.aten.view.default(cat_default, [20]);  cat_default = None
-    div_tensor_4 = torch.ops.aten.div.Tensor(view_default, 2);  view_default = None
     wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
-    div_tensor_3 = torch.ops.aten.div.Tensor(wait_tensor_default_3, 2);  wait_tensor_default_3 = None
-    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_4, 'sum', 4, '0');  div_tensor_4 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_3, 4);  wait_tensor_default_3 = None
+    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_default, 'sum', 4, '0');  view_default = None
     wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
-    div_tensor_5 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 2);  wait_tensor_default_5 = None
-    return (mm_5, div_tensor_5, div_tensor_3, div_tensor_1)""",
+    div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 4);  wait_tensor_default_5 = None
+    return (mm_5, div_tensor_2, div_tensor_1, div_tensor)""",
     )
     dumped = sorted(p.name for p in (tmp_path / "graph_0").iterdir())
     assert dumped == [
@@ -174,8 +171,7 @@ def forward(self, relu, relu_1, t_5, t_7, t_10, t_11, tangents_1):
     slice_backward = torch.ops.aten.slice_backward.default(t_6, [4, 4], 0, 0, 2, 1);  t_6 = None
     view_10 = torch.ops.aten.view.default(slice_backward, [4, 4]);  slice_backward = None
     view_11 = torch.ops.aten.view.default(view_10, [16]);  view_10 = None
-    div_tensor = torch.ops.aten.div.Tensor(view_11, 2);  view_11 = None
-    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 4, '0');  div_tensor = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_11, 'sum', 4, '0');  view_11 = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
@@ -189,10 +185,9 @@ def forward(self, relu, relu_1, t_5, t_7, t_10, t_11, tangents_1):
     view_15 = torch.ops.aten.view.default(t_9, [4, 4]);  t_9 = None
     cat_default_1 = torch.ops.aten.cat.default([view_15, view_13], 1);  view_15 = view_13 = None
     view_default_1 = torch.ops.aten.view.default(cat_default_1, [20]);  cat_default_1 = None
-    div_tensor_2 = torch.ops.aten.div.Tensor(view_default_1, 2);  view_default_1 = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default, 2);  wait_tensor_default = None
-    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_2, 'sum', 4, '0');  div_tensor_2 = None
+    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
+    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_default_1, 'sum', 4, '0');  view_default_1 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -205,13 +200,12 @@ def forward(self, relu, relu_1, t_5, t_7, t_10, t_11, tangents_1):
     view_20 = torch.ops.aten.view.default(t_12, [4, 4]);  t_12 = None
     cat_default = torch.ops.aten.cat.default([view_20, view_18], 1);  view_20 = view_18 = None
     view_default = torch.ops.aten.view.default(cat_default, [20]);  cat_default = None
-    div_tensor_4 = torch.ops.aten.div.Tensor(view_default, 2);  view_default = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
-    div_tensor_3 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 2);  wait_tensor_default_1 = None
-    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_4, 'sum', 4, '0');  div_tensor_4 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
+    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_default, 'sum', 4, '0');  view_default = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
-    div_tensor_5 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 2);  wait_tensor_default_2 = None
-    return (mm_5, div_tensor_5, div_tensor_3, div_tensor_1)""",
+    div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 4);  wait_tensor_default_2 = None
+    return (mm_5, div_tensor_2, div_tensor_1, div_tensor)""",
     )
 
 
@@ -242,8 +236,7 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     t_6 = torch.ops.aten.t.default(t_4);  t_4 = None
     view_10 = torch.ops.aten.view.default(t_6, [1, 8]);  t_6 = None
     view_11 = torch.ops.aten.view.default(view_10, [8]);  view_10 = None
-    div_tensor = torch.ops.aten.div.Tensor(view_11, 2);  view_11 = None
-    all_reduce_default = torch.ops._c10d_functional.all_reduce.default(div_tensor, 'sum', '0');  div_tensor = None
+    all_reduce_default = torch.ops._c10d_functional.all_reduce.default(view_11, 'sum', '0');  view_11 = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
@@ -263,10 +256,9 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_15 = torch.ops.aten.view.default(t_10, [1, 16]);  t_10 = None
     cat_default_1 = torch.ops.aten.cat.default([view_15, view_13], 1);  view_15 = view_13 = None
     view_default_1 = torch.ops.aten.view.default(cat_default_1, [20]);  cat_default_1 = None
-    div_tensor_2 = torch.ops.aten.div.Tensor(view_default_1, 2);  view_default_1 = None
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default, 2);  wait_tensor_default = None
-    all_reduce_default_1 = torch.ops._c10d_functional.all_reduce.default(div_tensor_2, 'sum', '0');  div_tensor_2 = None
+    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default, 4);  wait_tensor_default = None
+    all_reduce_default_1 = torch.ops._c10d_functional.all_reduce.default(view_default_1, 'sum', '0');  view_default_1 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -286,13 +278,12 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_20 = torch.ops.aten.view.default(t_14, [1, 16]);  t_14 = None
     cat_default = torch.ops.aten.cat.default([view_20, view_18], 1);  view_20 = view_18 = None
     view_default = torch.ops.aten.view.default(cat_default, [20]);  cat_default = None
-    div_tensor_4 = torch.ops.aten.div.Tensor(view_default, 2);  view_default = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_1);  all_reduce_default_1 = None
-    div_tensor_3 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 2);  wait_tensor_default_1 = None
-    all_reduce_default_2 = torch.ops._c10d_functional.all_reduce.default(div_tensor_4, 'sum', '0');  div_tensor_4 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
+    all_reduce_default_2 = torch.ops._c10d_functional.all_reduce.default(view_default, 'sum', '0');  view_default = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_2);  all_reduce_default_2 = None
-    div_tensor_5 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 2);  wait_tensor_default_2 = None
-    return (mm_5, div_tensor_5, div_tensor_3, div_tensor_1)""",
+    div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 4);  wait_tensor_default_2 = None
+    return (mm_5, div_tensor_2, div_tensor_1, div_tensor)""",
     )
 
 
@@ -323,8 +314,7 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     t_6 = torch.ops.aten.t.default(t_4);  t_4 = None
     view_6 = torch.ops.aten.view.default(t_6, [2, 4]);  t_6 = None
     view_7 = torch.ops.aten.view.default(view_6, [8]);  view_6 = None
-    div_tensor = torch.ops.aten.div.Tensor(view_7, 2);  view_7 = None
-    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 2, 'fsdp_graph:shard:e022f294125b');  div_tensor = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_7, 'sum', 2, 'fsdp_graph:shard:e022f294125b');  view_7 = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
@@ -346,10 +336,9 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_11 = torch.ops.aten.view.default(t_10, [2, 8]);  t_10 = None
     cat_default_1 = torch.ops.aten.cat.default([view_11, view_9], 1);  view_11 = view_9 = None
     view_default_1 = torch.ops.aten.view.default(cat_default_1, [20]);  cat_default_1 = None
-    div_tensor_2 = torch.ops.aten.div.Tensor(view_default_1, 2);  view_default_1 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
     all_reduce_default = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_1, 'sum', 'fsdp_graph:replicate:333da4cd2324');  wait_tensor_default_1 = None
-    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_2, 'sum', 2, 'fsdp_graph:shard:e022f294125b');  div_tensor_2 = None
+    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_default_1, 'sum', 2, 'fsdp_graph:shard:e022f294125b');  view_default_1 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -371,19 +360,18 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     view_16 = torch.ops.aten.view.default(t_14, [2, 8]);  t_14 = None
     cat_default = torch.ops.aten.cat.default([view_16, view_14], 1);  view_16 = view_14 = None
     view_default = torch.ops.aten.view.default(cat_default, [20]);  cat_default = None
-    div_tensor_4 = torch.ops.aten.div.Tensor(view_default, 2);  view_default = None
     wait_tensor_default_4 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default);  all_reduce_default = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_2, 2);  wait_tensor_default_2 = None
+    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default_2, 4);  wait_tensor_default_2 = None
     all_reduce_default_1 = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_4, 'sum', 'fsdp_graph:replicate:333da4cd2324');  wait_tensor_default_4 = None
-    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_4, 'sum', 2, 'fsdp_graph:shard:e022f294125b');  div_tensor_4 = None
+    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(view_default, 'sum', 2, 'fsdp_graph:shard:e022f294125b');  view_default = None
     wait_tensor_default_7 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
     wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_1);  all_reduce_default_1 = None
-    div_tensor_3 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 2);  wait_tensor_default_5 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 4);  wait_tensor_default_5 = None
     all_reduce_default_2 = torch.ops._c10d_functional.all_reduce.default(wait_tensor_default_7, 'sum', 'fsdp_graph:replicate:333da4cd2324');  wait_tensor_default_7 = None
     wait_tensor_default_8 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_default_2);  all_reduce_default_2 = None
-    div_tensor_5 = torch.ops.aten.div.Tensor(wait_tensor_default_8, 2);  wait_tensor_default_8 = None
-    return (mm_5, div_tensor_5, div_tensor_3, div_tensor_1)""",
+    div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_8, 4);  wait_tensor_default_8 = None
+    return (mm_5, div_tensor_2, div_tensor_1, div_tensor)""",
     )
 
 
@@ -458,8 +446,7 @@ def forward(self, primals_2, primals_3, primals_4, relu, relu_1, t_11, tangents_
     view_10 = torch.ops.aten.view.default(slice_backward, [4, 4]);  slice_backward = None
     view_11 = torch.ops.aten.view.default(view_10, [16]);  view_10 = None
     convert_element_type_default_1 = torch.ops.prims.convert_element_type.default(view_11, torch.float32);  view_11 = None
-    div_tensor = torch.ops.aten.div.Tensor(convert_element_type_default_1, 2);  convert_element_type_default_1 = None
-    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor, 'sum', 4, '0');  div_tensor = None
+    reduce_scatter_tensor_default = torch.ops._c10d_functional.reduce_scatter_tensor.default(convert_element_type_default_1, 'sum', 4, '0');  convert_element_type_default_1 = None
     detach_1 = torch.ops.aten.detach.default(relu_1);  relu_1 = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
@@ -480,10 +467,9 @@ def forward(self, primals_2, primals_3, primals_4, relu, relu_1, t_11, tangents_
     cat_default_1 = torch.ops.aten.cat.default([view_15, view_13], 1);  view_15 = view_13 = None
     view_default_1 = torch.ops.aten.view.default(cat_default_1, [20]);  cat_default_1 = None
     convert_element_type_default_3 = torch.ops.prims.convert_element_type.default(view_default_1, torch.float32);  view_default_1 = None
-    div_tensor_2 = torch.ops.aten.div.Tensor(convert_element_type_default_3, 2);  convert_element_type_default_3 = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default);  reduce_scatter_tensor_default = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_1, 2);  wait_tensor_default_1 = None
-    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_2, 'sum', 4, '0');  div_tensor_2 = None
+    div_tensor = torch.ops.aten.div.Tensor(wait_tensor_default_1, 4);  wait_tensor_default_1 = None
+    reduce_scatter_tensor_default_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(convert_element_type_default_3, 'sum', 4, '0');  convert_element_type_default_3 = None
     detach = torch.ops.aten.detach.default(relu);  relu = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
@@ -503,12 +489,11 @@ def forward(self, primals_2, primals_3, primals_4, relu, relu_1, t_11, tangents_
     cat_default = torch.ops.aten.cat.default([view_20, view_18], 1);  view_20 = view_18 = None
     view_default = torch.ops.aten.view.default(cat_default, [20]);  cat_default = None
     convert_element_type_default_5 = torch.ops.prims.convert_element_type.default(view_default, torch.float32);  view_default = None
-    div_tensor_4 = torch.ops.aten.div.Tensor(convert_element_type_default_5, 2);  convert_element_type_default_5 = None
     wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_1);  reduce_scatter_tensor_default_1 = None
-    div_tensor_3 = torch.ops.aten.div.Tensor(wait_tensor_default_3, 2);  wait_tensor_default_3 = None
-    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(div_tensor_4, 'sum', 4, '0');  div_tensor_4 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(wait_tensor_default_3, 4);  wait_tensor_default_3 = None
+    reduce_scatter_tensor_default_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(convert_element_type_default_5, 'sum', 4, '0');  convert_element_type_default_5 = None
     _to_copy_1 = torch.ops.aten._to_copy.default(mm_5, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'));  mm_5 = None
     wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_default_2);  reduce_scatter_tensor_default_2 = None
-    div_tensor_5 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 2);  wait_tensor_default_5 = None
-    return (_to_copy_1, div_tensor_5, div_tensor_3, div_tensor_1)""",
+    div_tensor_2 = torch.ops.aten.div.Tensor(wait_tensor_default_5, 4);  wait_tensor_default_5 = None
+    return (_to_copy_1, div_tensor_2, div_tensor_1, div_tensor)""",
     )

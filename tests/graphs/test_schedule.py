@@ -143,26 +143,23 @@ def test_reduce_scatter_as_all_to_all(fake_pg):
     assert_expected_inline(
         "\n".join(line for line in code(bw).splitlines() if "div" in line or "_c10d" in line or "sum" in line),
         """\
-    div_tensor = torch.ops.aten.div.Tensor(view_11, 2);  view_11 = None
-    all_to_all_single_default = torch.ops._c10d_functional.all_to_all_single.default(div_tensor, [4, 4, 4, 4], [4, 4, 4, 4], '0');  div_tensor = None
+    all_to_all_single_default = torch.ops._c10d_functional.all_to_all_single.default(view_11, [4, 4, 4, 4], [4, 4, 4, 4], '0');  view_11 = None
     wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_default);  all_to_all_single_default = None
     sum_dim_int_list = torch.ops.aten.sum.dim_IntList(view_default, [0]);  view_default = None
-    div_tensor_1 = torch.ops.aten.div.Tensor(sum_dim_int_list, 2);  sum_dim_int_list = None
+    div_tensor = torch.ops.aten.div.Tensor(sum_dim_int_list, 4);  sum_dim_int_list = None
     sum_1 = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True);  threshold_backward = None
     view_12 = torch.ops.aten.view.default(sum_1, [4]);  sum_1 = None
-    div_tensor_2 = torch.ops.aten.div.Tensor(add, 2);  add = None
-    all_to_all_single_default_1 = torch.ops._c10d_functional.all_to_all_single.default(div_tensor_2, [5, 5, 5, 5], [5, 5, 5, 5], '0');  div_tensor_2 = None
+    all_to_all_single_default_1 = torch.ops._c10d_functional.all_to_all_single.default(add, [5, 5, 5, 5], [5, 5, 5, 5], '0');  add = None
     wait_tensor_default_4 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_default_1);  all_to_all_single_default_1 = None
     sum_dim_int_list_1 = torch.ops.aten.sum.dim_IntList(view_default_1, [0]);  view_default_1 = None
-    div_tensor_3 = torch.ops.aten.div.Tensor(sum_dim_int_list_1, 2);  sum_dim_int_list_1 = None
+    div_tensor_1 = torch.ops.aten.div.Tensor(sum_dim_int_list_1, 4);  sum_dim_int_list_1 = None
     sum_2 = torch.ops.aten.sum.dim_IntList(threshold_backward_1, [0], True);  threshold_backward_1 = None
     view_17 = torch.ops.aten.view.default(sum_2, [4]);  sum_2 = None
-    div_tensor_4 = torch.ops.aten.div.Tensor(add_1, 2);  add_1 = None
-    all_to_all_single_default_2 = torch.ops._c10d_functional.all_to_all_single.default(div_tensor_4, [5, 5, 5, 5], [5, 5, 5, 5], '0');  div_tensor_4 = None
+    all_to_all_single_default_2 = torch.ops._c10d_functional.all_to_all_single.default(add_1, [5, 5, 5, 5], [5, 5, 5, 5], '0');  add_1 = None
     wait_tensor_default_5 = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_default_2);  all_to_all_single_default_2 = None
     sum_dim_int_list_2 = torch.ops.aten.sum.dim_IntList(view_default_2, [0]);  view_default_2 = None
-    div_tensor_5 = torch.ops.aten.div.Tensor(sum_dim_int_list_2, 2);  sum_dim_int_list_2 = None
-    return (None, div_tensor_5, div_tensor_3, div_tensor_1)""",
+    div_tensor_2 = torch.ops.aten.div.Tensor(sum_dim_int_list_2, 4);  sum_dim_int_list_2 = None
+    return (None, div_tensor_2, div_tensor_1, div_tensor)""",
     )
     assert not any(n.target is REDUCE_SCATTER for n in bw.graph.nodes)
     _, bw = _lowered(fsdp_graph.ShardingStrategy.SHARD_GRAD_OP)
