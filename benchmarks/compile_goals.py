@@ -69,7 +69,7 @@ def ranks() -> dict:
     out: dict = {"cores": os.cpu_count(), "layers": RANK_LAYERS}
     for world in RANK_WORLDS:
         _progress(f"cold compile on {world} rank(s), one shared empty cache")
-        out[world] = cold_compile(world, RANK_LAYERS)
+        out[world] = cold_compile(world, RANK_LAYERS)[0]
     return out
 
 

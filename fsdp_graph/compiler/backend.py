@@ -64,7 +64,8 @@ class FSDPBackend:
     compiled Dynamo graph checks on its first call that every rank compiled the same collectives
     (`fsdp_graph.compiler.rank_check`), waiting at most `verify_timeout_s` for the other ranks. With
     `share_compiles` (Inductor only), the first rank to reach a graph compiles it for the ranks with the same graph
-    (`fsdp_graph.compiler.shared_compile`; `sharing.stats` counts what this rank compiled and loaded).
+    (`fsdp_graph.compiler.shared_compile`; `sharing.stats` counts what this rank compiled and loaded,
+    `sharing.seconds` times its compiling, waiting and loading).
     With Inductor and torch's compile caches on, `compiled` keeps what each compile left in those caches, by graph
     (`compiled_files.recording`), for `save_checkpoint(compiled=backend)`; `restored` counts the graphs and kernel
     files `load_checkpoint(compiled=backend)` installed."""

@@ -65,11 +65,14 @@ def job_timeout_s() -> float:
 
 class CompileSharing:
     """One backend's side of the sharing on this rank. `stats` counts graphs this rank compiled for others
-    ("compiled"), loaded from another rank ("loaded") and the kernel libraries it installed ("kernels")."""
+    ("compiled"), loaded from another rank ("loaded") and the kernel libraries it installed ("kernels");
+    `seconds` the wall time of each phase: compiling for the others ("compiling"), waiting for another rank's
+    files ("waiting"), installing them and compiling from the caches they fill ("loading")."""
 
     def __init__(self, timeout_s: float | None = None, stale_s: float = 120.0, heartbeat_s: float = 2.0):
         self.timeout_s, self.stale_s, self.heartbeat_s = timeout_s, stale_s, heartbeat_s
         self.stats: Counter = Counter()
+        self.seconds: Counter = Counter()
         self.files: dict[str, CompiledFiles] = {}  # key -> what this rank's compile of it left in the caches
         self.loaded: dict[str, tuple[int, list]] = {}  # key -> (the rank that compiled it, its published reports)
 
@@ -97,9 +100,14 @@ class CompileSharing:
         base = f"{_scope()}/{key}"
         rank = dist.get_rank()
         owner = int(store.compare_set(f"{base}/owner", "", str(rank)).decode())
+        start = time.perf_counter()
         if owner == rank:
-            return self._compile_for_all(store, base, key, compile_fn, lists, reports)
+            compiled = self._compile_for_all(store, base, key, compile_fn, lists, reports)
+            self.seconds["compiling"] += time.perf_counter() - start
+            return compiled
         files, published = self._wait_for(store, base, owner, name)
+        waited = time.perf_counter()
+        self.seconds["waiting"] += waited - start
         self.stats["kernels"] += compiled_files.install(files)
         if published.get("lists") is not None:
             install_lists(published["lists"])
@@ -108,6 +116,7 @@ class CompileSharing:
         with compiled_files.recording() as mine:
             compiled = compile_fn()
         self.files[key] = mine
+        self.seconds["loading"] += time.perf_counter() - waited
         return compiled
 
     def _compile_for_all(self, store: dist.Store, base: str, key: str, compile_fn, lists, reports) -> Any:

@@ -20,11 +20,13 @@ def _check_one_compiler(phase: list[dict]) -> None:
     assert len(compilers) == 1, phase
     owner = compilers[0]
     assert owner["inductor"] == 2 and owner["aot"] == 1 and owner["libraries"] > 0, owner  # forward and backward
+    assert set(owner["seconds"]) == {"compiling"} and owner["seconds"]["compiling"] > 0, owner
     for p in phase:
         assert p["max_diff"] < 1e-6, p
         if p is not owner:
             assert (p["inductor"], p["aot"], p["libraries"], p.get("loaded")) == (0, 0, 0, 1), p
             assert p.get("kernels", 0) > 0 or p.get("shared_dir"), p
+            assert set(p["seconds"]) == {"waiting", "loading"} and p["seconds"]["loading"] > 0, p
         # every rank reports the graph's collectives: a loading rank the compiling rank's report, marked so
         assert [r[:3] for r in p["reports"]] == [r[:3] for r in owner["reports"]], (p, owner)
         assert [r[3] for r in p["reports"]] == [p is not owner] * len(owner["reports"]), p

@@ -118,6 +118,20 @@ def resume_from_compiled(rank: int, world: int, checkpoint: str) -> dict:
     }
 
 
+def _phase(backend, diff: float, runs: CompilerRuns, **extra) -> dict:
+    """What one phase of `one_compile_per_graph` reports: its parity, what this rank compiled and installed, the
+    sharing's seconds per phase and the graphs' reports."""
+    sharing, reports = backend.sharing, _reports(backend)
+    return {
+        "max_diff": diff,
+        **runs.take(),
+        **sharing.stats,
+        **extra,
+        "seconds": dict(sharing.seconds),
+        "reports": reports,
+    }
+
+
 def _reports(backend) -> list[tuple]:
     return [(r.stage, dict(r.collectives.counts), r.fingerprint, r.loaded_from is not None) for r in backend.reports]
 
@@ -136,17 +150,15 @@ def one_compile_per_graph(rank: int, world: int, own_cache: bool, checkpoint: st
     phases = []
     torch.manual_seed(0)
     backend, diff, after = _train(OddMLP(), None, rank, world, 10, checkpoint)
-    phases.append({"max_diff": diff, **runs.take(), **backend.sharing.stats, **after, "reports": _reports(backend)})
+    phases.append(_phase(backend, diff, runs, **after))
     if world == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pair", "dp"))
         torch.manual_seed(1)
         backend, diff, _ = _train(OddMLP(), mesh, rank, world, 20, strategy=fsdp_graph.ShardingStrategy.HYBRID_SHARD)
-        phases.append({"max_diff": diff, **runs.take(), **backend.sharing.stats, "reports": _reports(backend)})
+        phases.append(_phase(backend, diff, runs))
         pair = mesh["pair"].get_local_rank()
         torch.manual_seed(2)
         model = OddMLP((7, 13 + 2 * pair, 11, 5))
         backend, diff, _ = _train(model, mesh["dp"], mesh["dp"].get_local_rank(), 2, 30 + pair)
-        phases.append(
-            {"max_diff": diff, "pair": pair, **runs.take(), **backend.sharing.stats, "reports": _reports(backend)}
-        )
+        phases.append(_phase(backend, diff, runs, pair=pair))
     return phases
