@@ -16,8 +16,7 @@ from fsdp_graph.ir import (
     ROLE_UNSHARD,
     UNSHARD_TARGETS,
     WAIT,
-    divides_after_reduction,
-    gradient_divide_factors,
+    reduction_divisors,
 )
 from passes.fx_nodes import INFER, NodeEmitter, bind_args, fake_value, finish
 
@@ -92,17 +91,18 @@ def _lower_reduce(graph: fx.Graph, node: fx.Node) -> fx.Node:
     emit = _Lowering(graph, node, a["unit"], ROLE_REDUCE)
     grad = emit.cast(a["full_grad"], a["dtype"])
     gval = grad.meta.get("val")
-    pre, post = gradient_divide_factors(a["world"] * a["replicate_world"], a["divide_factor"])
-    # As the eager op: a wide-range reduce dtype divides the shard by `pre` afterwards, not the full gradient first.
-    undivided = pre if gval is not None and divides_after_reduction(gval.dtype) else 1
-    if pre > 1 and undivided == 1:
-        grad = emit.op(_aten.div.Tensor, (grad, pre), gval)
+    accumulates = a["partial"] is not None or not a["all_reduce"]
+    before, after_scatter, last = reduction_divisors(
+        a["world"] * a["replicate_world"], a["divide_factor"], None if gval is None else gval.dtype, accumulates
+    )
+    if before > 1:
+        grad = emit.op(_aten.div.Tensor, (grad, before), gval)
     shard_val = None if gval is None else gval.new_empty(gval.numel() // a["world"])
     if a["world"] > 1:
         grad = emit.op(REDUCE_SCATTER, (grad, "sum", a["world"], a["group"]), shard_val)
         grad = emit.op(WAIT, (grad,), shard_val)
-    if undivided > 1 and (a["partial"] is not None or not a["all_reduce"]):  # a partial sum is divided by `pre`
-        grad, undivided = emit.op(_aten.div.Tensor, (grad, undivided), shard_val), 1
+    if after_scatter > 1:
+        grad = emit.op(_aten.div.Tensor, (grad, after_scatter), shard_val)
     if a["partial"] is not None:  # set_requires_all_reduce: the partial sum accumulated since the last all-reduce
         grad = emit.op(
             _aten.add.Tensor, (grad, emit.cast(a["partial"], None if shard_val is None else shard_val.dtype)), shard_val
@@ -112,7 +112,7 @@ def _lower_reduce(graph: fx.Graph, node: fx.Node) -> fx.Node:
     if a["replicate_world"] > 1:
         grad = emit.op(ALL_REDUCE, (grad, "sum", a["replicate_group"]), shard_val)
         grad = emit.op(WAIT, (grad,), shard_val)
-    averaged = emit.op(_aten.div.Tensor, (grad, post * undivided), shard_val)
+    averaged = emit.op(_aten.div.Tensor, (grad, last), shard_val)
     return emit.to_device(emit.cast(averaged, a["out_dtype"]), a["out_device"])
 
 
@@ -126,8 +126,9 @@ def lower_fsdp_ops(gm: fx.GraphModule) -> fx.GraphModule:
     [`reduce_scatter_tensor(sum)` + `wait_tensor` if world > 1] + [`all_reduce(sum)` + `wait_tensor` over the
     replicate group if replicate_world > 1] + div by `post` + [cast to out_dtype] + [`device_put` to out_device],
     with (pre, post) = `gradient_divide_factors(world * replicate_world)`, the eager op's own factors; a reduce
-    dtype with fp32's range (`divides_after_reduction`) divides by `pre * post` after the reductions instead (by
-    `pre` after the reduce-scatter when a partial sum is added or not all-reduced), as the eager op does. Every produced node carries `meta["fsdp_unit"]` and `meta["fsdp_role"]`.
+    dtype with fp32's range divides by `pre * post` after the reductions instead (by `pre` after the reduce-scatter
+    when a partial sum is added or not all-reduced), as the eager op does (`reduction_divisors`). Every produced
+    node carries `meta["fsdp_unit"]` and `meta["fsdp_role"]`.
     Guarantees: no fsdp op is left, the collectives are the ones Inductor's bucketing and overlap passes
     recognise, and the numerics equal the ops' eager implementations. No-op when nothing matches.
     """

@@ -17,8 +17,8 @@ import torch
 
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
 from fsdp_graph.ir.ops import (  # noqa: F401  (the reduction's arithmetic, shared with passes)
-    divides_after_reduction,
     gradient_divide_factors,
+    reduction_divisors,
 )
 
 UNSHARD = torch.ops.fsdp.unshard.default

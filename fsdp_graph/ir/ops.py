@@ -235,11 +235,14 @@ def reduce_grad(
     divided by `post`).
 
     Sums and divisions: "avg" has no autograd formula and is not supported by every process-group backend.
-    A wide-range reduce dtype (`divides_after_reduction`) moves the division by `pre` after the reduction, here and
-    in the lowered graph: the same bits, one pass over the full gradient fewer.
+    A wide-range reduce dtype moves the division by `pre` after the reduction, here and in the lowered graph
+    (`reduction_divisors`): the same bits, one pass over the full gradient fewer.
     """
-    pre, post = gradient_divide_factors(world * replicate_world, divide_factor)
-    grad, undivided = _prepared_for_reduction(full_grad, dtype, pre)
+    grad = _cast(full_grad, dtype).contiguous()
+    accumulates = partial is not None or not all_reduce
+    before, after_scatter, last = reduction_divisors(world * replicate_world, divide_factor, grad.dtype, accumulates)
+    if before > 1:
+        grad = grad / before
     if world > 1 and is_gloo_group(
         group, grad.device
     ):  # as passes.all_to_all lowers it: gloo has no native reduce-scatter
@@ -250,8 +253,8 @@ def reduce_grad(
         grad = grad.view(world, chunk).sum(0)
     elif world > 1:
         grad = _c10d.wait_tensor(issue("reduce_scatter", _c10d.reduce_scatter_tensor, grad, "sum", world, group))
-    if undivided > 1 and (partial is not None or not all_reduce):  # a partial sum is divided by `pre`
-        grad, undivided = grad / undivided, 1
+    if after_scatter > 1:
+        grad = grad / after_scatter
     if partial is not None:
         grad = grad + partial.to(grad.device, grad.dtype)
     if not all_reduce:
@@ -259,29 +262,27 @@ def reduce_grad(
         return averaged if out_device is None else averaged.to(out_device, non_blocking=True)
     if replicate_world > 1:
         grad = _c10d.wait_tensor(issue("all_reduce", _c10d.all_reduce, grad, "sum", replicate_group))
-    averaged = _cast(grad / (post * undivided), out_dtype)
+    averaged = _cast(grad / last, out_dtype)
     return averaged if out_device is None else averaged.to(out_device, non_blocking=True)
 
 
-def _prepared_for_reduction(full_grad: torch.Tensor, dtype: torch.dtype | None, pre: int) -> tuple[torch.Tensor, int]:
-    """(`full_grad` contiguous in the reduce dtype, the part of `pre` it still has to be divided by: `pre` or 1).
+def reduction_divisors(
+    data_parallel_size: int, divide_factor: float | None, dtype: torch.dtype | None, accumulates: bool
+) -> tuple[int, int, int | float]:
+    """(before, after_scatter, last): what a gradient reduced in `dtype` is divided by before its reduce-scatter,
+    right after it, and after the all-reduce (1: no division); `accumulates`: a partial sum is added after the
+    reduce-scatter, or the all-reduce is skipped. The one rule the eager op and `passes.lower` share.
 
-    A reduce dtype with fp32's range (fp32, bf16, fp64): no pass of its own; the shard is divided by `pre` after
-    the reduction, together with `post`. `pre` is a power of two, so dividing by it commutes with every rounding
-    of the sum (short of under- or overflow near 1e-38 / 3e38): the same bits as dividing first, one pass over the
-    full gradient fewer (the cast, when there is one, is the only pass). fp16 (max 65504): dividing first is what
-    keeps the sum finite (`gradient_divide_factors`), so it stays before the reduction."""
-    grad = _cast(full_grad, dtype).contiguous()
-    if pre == 1 or divides_after_reduction(grad.dtype):
-        return grad, pre
-    return grad / pre, 1
-
-
-def divides_after_reduction(dtype: torch.dtype) -> bool:
-    """Whether a gradient reduced in `dtype` is divided by `pre` after its reduction rather than before: a dtype
-    with fp32's range (fp32, bf16, fp64), where `pre`, a power of two, commutes with every rounding of the sum. The
-    one rule the eager op and `passes.lower` share."""
-    return torch.finfo(dtype).max >= 1e38
+    A reduce dtype with fp32's range (fp32, bf16, fp64) is divided by `pre` after the reduction, together with
+    `post`: `pre` is a power of two, so dividing by it commutes with every rounding of the sum (short of under- or
+    overflow near 1e-38 / 3e38), the same bits as dividing first, without a pass over the full gradient. Where a
+    partial sum is added (it is divided by `pre`) or nothing follows, that division comes right after the
+    reduce-scatter. fp16 (max 65504), or an unknown dtype: dividing first is what keeps the sum finite
+    (`gradient_divide_factors`), so it stays before the reduction."""
+    pre, post = gradient_divide_factors(data_parallel_size, divide_factor)
+    if pre == 1 or dtype is None or torch.finfo(dtype).max < 1e38:
+        return pre, 1, post
+    return (1, pre, post) if accumulates else (1, 1, post * pre)
 
 
 REDUCE_SIGNATURE = OpSignature(torch.ops.fsdp.reduce_grad.default)
