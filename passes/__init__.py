@@ -8,6 +8,7 @@ from passes.dedup import dedup_unshard
 from passes.fingerprint import collective_fingerprint
 from passes.flat_grad import cat_flat_grads
 from passes.grad_reads import gathered_reads
+from passes.group_names import rename_groups
 from passes.lower import lower_fsdp_ops
 from passes.region_mutation import lift_region_mutations
 from passes.reshard import tag_reshard
@@ -26,6 +27,7 @@ __all__ = [
     "lift_region_mutations",
     "lower_fsdp_ops",
     "reduce_scatter_as_all_to_all",
+    "rename_groups",
     "schedule_collectives",
     "tag_reshard",
 ]

@@ -73,6 +73,18 @@ def rank_independent_name(group: dist.ProcessGroup, rank_lists: Sequence[Sequenc
     raise AssertionError("unreachable")
 
 
+def dtensor_group_name(mesh: DeviceMesh, dim: int) -> str:
+    """The name compiled graphs call this rank's group of DTensor mesh dimension `dim` by (tensor parallelism's
+    collectives, which AOT autograd traces out of DTensor code): `rank_independent_name` of it where the mesh is
+    a world mesh or a view of one whose other groups along `dim` are known (`_mesh_dim_ranks`), else c10d's own
+    name. "dtensor" keeps it apart from fully_shard's groups over the same ranks (its gloo groups are copies)."""
+    group = mesh.get_group(dim)
+    root = mesh._get_root_mesh()
+    if root.size() != dist.get_world_size() or (root is not mesh and not _has_layout(mesh) and not _root_dims(mesh)):
+        return group.group_name
+    return rank_independent_name(group, _mesh_dim_ranks(mesh, dim), "dtensor")
+
+
 def duplicate_group(pg: dist.ProcessGroup) -> dist.ProcessGroup:
     """A new process group with `pg`'s ranks and backend; every member of `pg` must call this, in the same order.
     Where the backend can split (NCCL with a device bound to the default group) it splits `pg`'s communicator

@@ -128,13 +128,15 @@ class FSDPBackend:
             check_compressible(gm, self.schedule.compress)
         fsdp_gloo = gloo_groups(gm)
         all_to_all = frozenset() if self.schedule.reduce_scatter == "native" else fsdp_gloo
-        gloo = fsdp_gloo | user_gloo_groups(gm)  # serial too: expert parallelism's all-to-alls, a user's all-reduce
+        tp_groups = dtensor_groups(gm, example_inputs)  # tensor parallelism's groups, as the graphs name them
+        # serial too: expert parallelism's all-to-alls, a user's all-reduce
+        gloo = fsdp_gloo | {tp_groups.names.get(g, g) for g in user_gloo_groups(gm)}
         # The process groups' backends decide the lowering, and torch.compile's options what Inductor makes of it:
         # both are part of the compiled code's cache key; so are, under compression (which packs by them), the node
         # groups' piece sizes, which the backward graph does not show.
         pieces = piece_rows(gm) if self.schedule.compress is not None else {}
         key = f"{self._cache_key()}{sorted(all_to_all)}{sorted(gloo)}{patches_key(inductor_patches)}"
-        key += f"{sorted(dtensor_groups(gm, example_inputs))}"
+        key += tp_groups.key()
         if pieces:
             key += f"{sorted(pieces.items())}"
         uuid = hashlib.sha256(key.encode()).hexdigest()
@@ -149,6 +151,7 @@ class FSDPBackend:
             self.pass_seconds,
             gloo,
             pieces,
+            tp_groups.names,
         )
         budget = self.schedule.activation_memory_budget
         functorch_patches = {} if budget is None else {"activation_memory_budget": budget}
@@ -285,6 +288,7 @@ def _compile_inductor(
     def inner_compile(graph, inputs, **kwargs):
         lower.stage = "bw" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "fw")
         lower.stages_compiled.append(lower.stage)
+        passes.rename_groups(graph, lower.group_names)
         return compile_fx_inner(graph, inputs, **kwargs)
 
     # Inductor's peak-memory reordering re-sorts the scheduler's nodes and sinks prefetched gathers to their first
@@ -324,6 +328,7 @@ def _compile_eager(gm, example_inputs, reshard: ReshardPass, lower: LowerPass):
     def compiler(stage: str):
         def compile_graph(graph: fx.GraphModule, inputs):
             lower.stage = stage
+            passes.rename_groups(graph, lower.group_names)
             lower(graph.graph)
             return make_boxed_func(graph.forward)
 

@@ -1,15 +1,20 @@
 """Facts the backend reads off a Dynamo graph before compiling it: the gloo process groups its collectives run on,
+the DTensor meshes' groups (tensor parallelism's) and the names the compiled graphs call them by,
 `reshard_after_forward=k`'s piece sizes, and the checks that refuse a graph early (parameters never sharded, a
 compression naming no unit of the graph)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_graph import ir
 from fsdp_graph.api.config import Compression
+from fsdp_graph.api.groups import dtensor_group_name
 from fsdp_graph.ir import ops
 from passes.fx_nodes import bind_args
 
@@ -53,20 +58,55 @@ def user_gloo_groups(gm: fx.GraphModule) -> frozenset[str]:
     return frozenset(names)
 
 
-def dtensor_groups(gm: fx.GraphModule, example_inputs) -> frozenset[str]:
-    """The process groups, by name, of the meshes of the DTensors the graph takes or makes (tensor parallelism's).
-    Their collectives first appear when AOT autograd traces the graph, as constants of the compiled code: two ranks
-    of one job whose groups are named differently (the tp groups [0, 1] and [2, 3] of a 2 x 2 mesh) can trace the
-    same Dynamo graph, and compiled code, collective lists and a shared compile keyed without these names were
-    handed from one to the other ("Could not resolve the process group registered under the name 3" on a warm
-    cache)."""
+@dataclass(frozen=True)
+class DTensorGroups:
+    """The process groups of the meshes of the DTensors a graph makes (tensor parallelism's). `names`: {c10d's name:
+    the name the compiled graphs use}; `coordinates`: (the mesh's group names, this rank's coordinate on it) per mesh."""
+
+    names: dict[str, str]
+    coordinates: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]
+
+    def key(self) -> str:
+        """What the compiled code's cache key holds of them: the graphs' names, and this rank's coordinates."""
+        return f"{sorted(self.names.values())}{sorted(self.coordinates)}"
+
+
+def dtensor_groups(gm: fx.GraphModule, example_inputs) -> DTensorGroups:
+    """The DTensor meshes' groups of `gm`. Their collectives first appear when AOT autograd traces the graph, as
+    constants of the compiled code; c10d names this rank's groups of a mesh dimension differently on each rank (the
+    tp groups [0, 1] and [2, 3] of a 2 x 2 mesh), so `passes.rename_groups` gives them rank-independent aliases
+    (`api.groups.dtensor_group_name`), and ranks of other groups compile the same code, which one compile serves
+    (`shared_compile`). The code DTensor traces may still depend on the rank's coordinate on the mesh (the slice of
+    a replicated tensor it keeps, when it shards one), so the key keeps ranks of other coordinates apart: on a
+    (dp, tp) mesh the ranks of one tp coordinate share a compile. Where the graph takes or returns a DTensor, AOT
+    autograd's runtime wrappers (and a cached entry of them) hold its mesh, which names c10d's groups: the names
+    stay c10d's, and ranks of other groups key, and compile, apart (handed another rank's code, one failed with
+    "Could not resolve the process group registered under the name 3")."""
     values = [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.nodes]
-    names = set()
+    alias = not any(isinstance(value, DTensor) for value in [*example_inputs, *_output_values(gm)])
+    names: dict[str, str] = {}
+    coordinates = set()
+    seen: set[int] = set()
     for value in [*values, *example_inputs]:
         mesh = getattr(value, "device_mesh", None)
-        if isinstance(value, torch.Tensor) and mesh is not None:
-            names.update(mesh.get_group(dim).group_name for dim in range(mesh.ndim))
-    return frozenset(names)
+        if not isinstance(value, torch.Tensor) or mesh is None or id(mesh) in seen:
+            continue
+        seen.add(id(mesh))
+        mesh_names = []
+        for dim in range(mesh.ndim):
+            real = mesh.get_group(dim).group_name
+            if real not in names:
+                names[real] = dtensor_group_name(mesh, dim) if alias else real
+            mesh_names.append(names[real])
+        coordinates.add((tuple(mesh_names), tuple(mesh.get_coordinate() or ())))
+    return DTensorGroups(names, tuple(sorted(coordinates)))
+
+
+def _output_values(gm: fx.GraphModule) -> list:
+    values: list = []
+    for node in gm.graph.find_nodes(op="output"):
+        fx.node.map_arg(node.args, lambda arg: values.append(arg.meta.get("example_value", arg.meta.get("val"))))
+    return values
 
 
 def piece_rows(gm: fx.GraphModule) -> dict[str, int]:

@@ -15,9 +15,10 @@ graph is. So the first rank to reach a graph compiles it for every rank, and the
   (`compiled_files.install`) and compiles: torch's AOT autograd and FX graph caches then serve the graph (no
   partitioning, no passes, no Inductor, no C++ compiler). Which code runs is still decided by torch's own cache
   keys: if anything torch keys on differs on this rank, its cache misses and it compiles its own graph.
-- Ranks whose graphs differ (pipeline stages, tp ranks on differently named DTensor groups, a rank recompiling
-  alone) have different keys and compile their own, without waiting. fully_shard's own groups are named alike on
-  every rank (`api.groups.rank_independent_name`), so HYBRID's ranks and a mesh slice's groups share.
+- Ranks whose graphs differ (pipeline stages, tp ranks of another tp coordinate, a rank recompiling alone) have
+  different keys and compile their own, without waiting. fully_shard's own groups are named alike on every rank
+  (`api.groups.rank_independent_name`), and so are the DTensor groups in the compiled graphs
+  (`graph_facts.dtensor_groups`), so HYBRID's ranks, a mesh slice's groups and the tp ranks of one coordinate share.
 
 A waiting rank fails, naming the compiling rank and the graph, when that rank reports a compile error, when its
 heartbeat stops for `stale_s` (its process ended: a launcher usually ends the job first), or after the job's

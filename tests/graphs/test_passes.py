@@ -523,3 +523,33 @@ def test_cat_flat_grads_with_zeros_shared_by_units():
     assert "slice_scatter" not in code(gm) and "aten.full" not in code(gm) and code(gm).count("aten.cat") == 2
     for got, want in zip(gm(*inputs), expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _two_collectives(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed._functional_collectives as funcol
+
+    group = torch.distributed.group.WORLD
+    gathered = funcol.all_gather_tensor(x, 0, group)
+    return funcol.all_reduce(gathered, "sum", group=group) + 1
+
+
+def test_rename_groups_names_the_alias_in_every_collective(fake_pg):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from passes import rename_groups
+
+    gm = make_fx(_two_collectives)(torch.randn(2, 3))
+    world = torch.distributed.group.WORLD.group_name
+    unchanged = code(gm)
+    assert code(rename_groups(gm, {world: world, "another": "fsdp_graph:x"})) == unchanged  # nothing to rename
+    assert_expected_inline(
+        code(rename_groups(gm, {world: "fsdp_graph:dtensor:tp"})),
+        """\
+def forward(self, x_1) -> torch.Tensor:
+    all_gather_into_tensor = torch.ops._c10d_functional.all_gather_into_tensor.default(x_1, 4, 'fsdp_graph:dtensor:tp');  x_1 = None
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor);  all_gather_into_tensor = None
+    all_reduce = torch.ops._c10d_functional.all_reduce.default(wait_tensor, 'sum', 'fsdp_graph:dtensor:tp');  wait_tensor = None
+    wait_tensor_1 = torch.ops._c10d_functional.wait_tensor.default(all_reduce);  all_reduce = None
+    add = torch.ops.aten.add.Tensor(wait_tensor_1, 1);  wait_tensor_1 = None
+    return add""",
+    )

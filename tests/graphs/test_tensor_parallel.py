@@ -396,10 +396,11 @@ def test_undescribable_tp_row_blocks_keep_every_view_plain(fake_pg):
     assert all(torch.equal(p, b - 0.5) for p, b in zip(params, before))
 
 
-def compile_key_on_rank(rank: int) -> tuple[str, str]:
-    """(the Dynamo graph's code, the key its compiled code and collective lists are kept under) on `rank` of a fake
-    (dp=2, tp=2) world. Once per process: DTensor keeps meshes it has seen (by value, not by group) across process
-    groups, so a second fake rank in the same process would reuse the first one's groups."""
+def compile_key_on_rank(rank: int, dtensor_output: bool = False) -> tuple[str, str, list[str]]:
+    """(the Dynamo graph's code, the key its compiled code and collective lists are kept under, the lowered graphs'
+    group names) on `rank` of a fake (dp=2, tp=2) world. `dtensor_output`: a Colwise linear whose output stays a
+    DTensor, so the graph returns one. Once per process: DTensor keeps meshes it has seen (by value, not by group)
+    across process groups, so a second fake rank in the same process would reuse the first one's groups."""
     from unittest import mock
 
     from fsdp_graph.compiler import rank_check
@@ -416,25 +417,49 @@ def compile_key_on_rank(rank: int) -> tuple[str, str]:
         with mock.patch.object(rank_check.FingerprintStore, "key", staticmethod(recording)):
             torch._dynamo.reset()
             torch.manual_seed(0)
-            mesh, model = _mesh(), Block()
-            parallelize_module(model, mesh["tp"], _block_plan())
+            mesh = _mesh()
+            if dtensor_output:
+                model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+                parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(use_local_output=False)})
+            else:
+                model = Block()
+                parallelize_module(model, mesh["tp"], _block_plan())
             fsdp_graph.fully_shard(model, mesh["dp"])
-            compiled = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
-            compiled(torch.randn(2, 3, 16, requires_grad=True)).sum().backward()
+            backend = fsdp_graph.make_backend(inductor=False)
+            out = torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 3, 16, requires_grad=True))
+            (out.full_tensor() if dtensor_output else out).sum().backward()
     finally:
         dist.destroy_process_group()
     (only,) = seen
-    return only
+    return (*only, sorted({g for report in backend.reports for g in report.groups}))
 
 
-def test_ranks_with_differently_named_tp_groups_keep_their_compiles_apart():
-    """Ranks 0 and 2 of a 2 x 2 mesh trace the same Dynamo graph, but their tp groups ([0, 1], [2, 3]) have other
-    names, which the compiled code holds as constants: keyed alike, a warm cache handed one rank's collective lists
-    (and compiled code) to the other ("Could not resolve the process group registered under the name 3")."""
-    code_0, key_0 = compile_key_on_rank(0)
-    script = (
-        "import json; from tests.graphs.test_tensor_parallel import compile_key_on_rank as k; print(json.dumps(k(2)))"
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
-    code_2, key_2 = json.loads(out.stdout.strip().splitlines()[-1])
-    assert code_0 == code_2 and key_0 != key_2
+def _start(rank: int, dtensor_output: bool) -> subprocess.Popen:
+    """`compile_key_on_rank(rank, dtensor_output)` in a process of its own (`_result` waits for it)."""
+    script = "import json, sys; from tests.graphs.test_tensor_parallel import compile_key_on_rank as k; "
+    script += f"print(json.dumps(k({rank}, {dtensor_output})))"
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def _result(run: subprocess.Popen) -> tuple[str, str, list[str]]:
+    out = run.communicate()[0]
+    assert run.returncode == 0, out
+    return tuple(json.loads(out.strip().splitlines()[-1]))
+
+
+def test_ranks_of_differently_named_tp_groups_compile_the_same_code():
+    """Ranks 0 and 2 of a 2 x 2 mesh trace the same Dynamo graph, but c10d names their tp groups ([0, 1], [2, 3])
+    and dp groups ([0, 2], [1, 3]) differently. The lowered graphs name rank-independent aliases of them (the tp
+    collectives AOT autograd traces out of DTensor code, fully_shard's gathers), so both ranks key their compile
+    alike and one compile serves both (`shared_compile`). A graph that returns a DTensor: AOT autograd's wrappers
+    (and a cached entry of them) hold its mesh, which names c10d's groups, so its tp collectives keep c10d's names
+    and the ranks key apart; keyed alike, a warm cache handed one rank's code to the other ("Could not resolve the
+    process group registered under the name 3")."""
+    runs = [_start(2, False), _start(0, True), _start(2, True)]  # beside this process's rank 0
+    code_0, key_0, groups_0 = compile_key_on_rank(0)
+    code_2, key_2, groups_2 = _result(runs[0])
+    assert code_0 == code_2 and key_0 == key_2
+    assert groups_0 == groups_2 and len(groups_0) == 2 and all(g.startswith("fsdp_graph:") for g in groups_0)
+    assert any(g.startswith("fsdp_graph:dtensor:") for g in groups_0)
+    (code_0, key_0, groups_0), (code_2, key_2, groups_2) = _result(runs[1]), _result(runs[2])
+    assert code_0 == code_2 and key_0 != key_2 and groups_0 != groups_2

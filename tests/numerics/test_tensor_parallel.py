@@ -66,6 +66,9 @@ def test_tp_colwise_rowwise_inside_fsdp_matches_single_process(parity, case):
         assert max(r[k] for k in state_dicts) < 1e-6, r
         if mode != "eager":
             assert r["graphs"] == 1.0 and r["checked_graphs"] == 1.0, r  # and the checks' forwards: no recompile
+    if mode == "inductor":  # the tp and dp groups under aliases: one compile per tp coordinate, the other rank loads
+        assert sorted(r["shared_compiled"] for r in parity[case]) == [0.0, 0.0, 1.0, 1.0], parity[case]
+        assert sorted(r["shared_loaded"] for r in parity[case]) == [0.0, 0.0, 1.0, 1.0], parity[case]
 
 
 def test_tp_parity_fails_without_the_dp_mean(parity):

@@ -217,6 +217,8 @@ def tp_fsdp_parity(
     out["tp_params"] = float(sum(spec is not None for spec, _, _ in specs.values()))
     out["foreach_by_default"] = float(torch_picks_foreach(model.parameters()))
     out["checked_graphs"] = float(backend.dynamo_graphs if backend else 0)
+    if backend is not None:  # one compile per job (Inductor): graphs this rank compiled for all, or loaded
+        out.update({f"shared_{k}": float(backend.sharing.stats[k]) for k in ("compiled", "loaded")})
     return out
 
 

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_graph
 import fsdp_graph.fsdp2
+from fsdp_graph.api.groups import dtensor_group_name
 from tests.workers import titan
 from tests.workers.fsdp2_titan import _train
 
@@ -151,14 +152,19 @@ def ep_parity(
             )
         )
         out[f"{mode}_weight_diff"] = max(
-            ((params[n].to_local() - p.to_local()).abs().max().item() for n, p in ref_params.items() if p.to_local().numel()),
+            (
+                (params[n].to_local() - p.to_local()).abs().max().item()
+                for n, p in ref_params.items()
+                if p.to_local().numel()
+            ),
             default=0.0,
         )  # an empty row block: 2 router rows over 4 ranks
         buffers = dict(model.named_buffers())
         out[f"{mode}_buffer_diff"] = max((buffers[n] - b).abs().max().item() for n, b in ref_buffers.items())
         if backend is not None:
             out["graphs"] = backend.dynamo_graphs
-            ep_group = dims.get_mesh("ep").get_group().group_name
+            # as the graphs name it: the alias of the ep group, the dimension of the experts' DTensor mesh
+            ep_group = dtensor_group_name(dims.get_mesh("ep"), 0)
             # the model's own all-to-alls carry no fsdp unit; fully_shard's (gloo's reduce-scatters) do
             out["ep_all_to_alls"] = {
                 r.stage: sum(1 for kind, unit in r.collectives.units if kind == "all_to_all" and unit == "?")
