@@ -79,8 +79,7 @@ def dtensor_group_name(mesh: DeviceMesh, dim: int) -> str:
     a world mesh or a view of one whose other groups along `dim` are known (`_mesh_dim_ranks`), else c10d's own
     name. "dtensor" keeps it apart from fully_shard's groups over the same ranks (its gloo groups are copies)."""
     group = mesh.get_group(dim)
-    root = mesh._get_root_mesh()
-    if root.size() != dist.get_world_size() or (root is not mesh and not _has_layout(mesh) and not _root_dims(mesh)):
+    if mesh._get_root_mesh().size() != dist.get_world_size() or not _slices_known(mesh):
         return group.group_name
     return rank_independent_name(group, _mesh_dim_ranks(mesh, dim), "dtensor")
 
@@ -235,13 +234,19 @@ def _check_spans_or_slices_world(mesh: DeviceMesh) -> None:
             "dimensions of a mesh over the whole world, e.g. init_device_mesh(device_type, (dp, tp), "
             'mesh_dim_names=("dp", "tp"))["dp"].'
         )
-    if root is not mesh and not _has_layout(mesh) and not _root_dims(mesh):
+    if not _slices_known(mesh):
         raise ValueError(
             f"fully_shard: the mesh {mesh.mesh_dim_names} is a part of a {root.ndim}-D mesh {root.mesh_dim_names} "
             "that is not one of its named dimensions (a flattened or re-shaped dimension?), and this torch's "
             "DeviceMesh has no layout to find the other ranks' groups of it; pass "
             'world_mesh["name"] (or two names for HYBRID_SHARD).'
         )
+
+
+def _slices_known(mesh: DeviceMesh) -> bool:
+    """Whether the groups of every slice of `mesh` over the world can be listed (`_mesh_dim_ranks`): a world mesh,
+    a view with a layout, or named dimensions of the world mesh."""
+    return mesh._get_root_mesh() is mesh or _has_layout(mesh) or bool(_root_dims(mesh))
 
 
 def _has_layout(mesh: DeviceMesh) -> bool:

@@ -151,7 +151,6 @@ class FSDPBackend:
             self.pass_seconds,
             gloo,
             pieces,
-            tp_groups.names,
         )
         budget = self.schedule.activation_memory_budget
         functorch_patches = {} if budget is None else {"activation_memory_budget": budget}
@@ -169,9 +168,15 @@ class FSDPBackend:
             ):
                 if self.inductor:
                     return _compile_inductor(
-                        gm, example_inputs, reshard, lower, dumper.enabled or not caches, inductor_patches
+                        gm,
+                        example_inputs,
+                        reshard,
+                        lower,
+                        tp_groups.names,
+                        dumper.enabled or not caches,
+                        inductor_patches,
                     )
-                return _compile_eager(gm, example_inputs, reshard, lower)
+                return _compile_eager(gm, example_inputs, reshard, lower, tp_groups.names)
 
         reads = passes.gathered_reads(gm)  # before AOT autograd, on the graph whose outputs the caller sees
         if not verify and not share and not record:
@@ -281,14 +286,23 @@ class FSDPBackend:
 
 
 def _compile_inductor(
-    gm, example_inputs, reshard: ReshardPass, lower: LowerPass, dumping: bool, user_patches: dict | None = None
+    gm,
+    example_inputs,
+    reshard: ReshardPass,
+    lower: LowerPass,
+    group_names: dict[str, str],
+    dumping: bool,
+    user_patches: dict | None = None,
 ):
+    """Inductor's compile of `gm` with our passes. Each stage's groups are renamed (`group_names`, c10d's name -> the
+    graphs', `graph_facts.dtensor_groups`) as its compile starts: Inductor keys its FX graph cache on the graph
+    before it runs our post-grad pass."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner_compile(graph, inputs, **kwargs):
         lower.stage = "bw" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "fw")
         lower.stages_compiled.append(lower.stage)
-        passes.rename_groups(graph, lower.group_names)
+        passes.rename_groups(graph, group_names)
         return compile_fx_inner(graph, inputs, **kwargs)
 
     # Inductor's peak-memory reordering re-sorts the scheduler's nodes and sinks prefetched gathers to their first
@@ -316,7 +330,7 @@ def _on_cpu(example_inputs) -> bool:
     return any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in example_inputs)
 
 
-def _compile_eager(gm, example_inputs, reshard: ReshardPass, lower: LowerPass):
+def _compile_eager(gm, example_inputs, reshard: ReshardPass, lower: LowerPass, group_names: dict[str, str]):
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -328,7 +342,7 @@ def _compile_eager(gm, example_inputs, reshard: ReshardPass, lower: LowerPass):
     def compiler(stage: str):
         def compile_graph(graph: fx.GraphModule, inputs):
             lower.stage = stage
-            passes.rename_groups(graph, lower.group_names)
+            passes.rename_groups(graph, group_names)
             lower(graph.graph)
             return make_boxed_func(graph.forward)
 

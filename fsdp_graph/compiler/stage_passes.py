@@ -106,7 +106,6 @@ class LowerPass(CustomGraphPass):
         pass_seconds: Counter | None = None,
         serial_groups: frozenset[str] = frozenset(),
         piece_rows: Mapping[str, int] | None = None,
-        group_names: Mapping[str, str] | None = None,
     ):
         self.pass_seconds = pass_seconds if pass_seconds is not None else Counter()
         self._uuid, self.dumper, self.reports, self.keep_graphs = uuid, dumper, reports, keep_graphs
@@ -116,9 +115,6 @@ class LowerPass(CustomGraphPass):
         # came from the FX graph cache, whose entry another process may have written in the middle of this compile
         self.stages_compiled: list[str] = []
         self.piece_rows = piece_rows or {}  # `reshard_after_forward=k`: node group -> shards in its input piece
-        # c10d's name -> the graphs' (`graph_facts.dtensor_group_names`), renamed as a stage's compile starts:
-        # before Inductor keys its FX graph cache on the graph, which runs this pass after the lookup
-        self.group_names = group_names or {}
 
     def __call__(self, graph: fx.Graph) -> None:
         gm = graph.owning_module
