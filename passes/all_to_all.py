@@ -44,7 +44,9 @@ def reduce_scatter_as_all_to_all(gm: fx.GraphModule, groups: frozenset[str] | se
         wait = waits[0]
         issue = emit(ALL_TO_ALL, (grad, [chunk] * world, [chunk] * world, group), before=node, val=val)
         arrived = emit(WAIT, (issue,), before=wait, val=val)
-        blocks = emit(_aten.view.default, (arrived, [world, chunk]), before=wait, val=val.view(world, chunk))
+        # a fresh value, not a view of `val`: torch's GraphPickler (AOT autograd's cache of eager-kernel graphs)
+        # cannot pickle a fake view
+        blocks = emit(_aten.view.default, (arrived, [world, chunk]), before=wait, val=val.new_empty(world, chunk))
         summed = emit(_aten.sum.dim_IntList, (blocks, [0]), before=wait, val=val.new_empty(chunk))
         wait.replace_all_uses_with(summed)
         graph.erase_node(wait)

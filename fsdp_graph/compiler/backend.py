@@ -23,7 +23,7 @@ import torch.fx as fx
 import passes
 from fsdp_graph import ir
 from fsdp_graph.api.config import Compression
-from fsdp_graph.compiler import compiled_files, gc_pause
+from fsdp_graph.compiler import compiled_files, gc_pause, stage_passes
 from fsdp_graph.compiler.compiled_files import CompiledFiles
 from fsdp_graph.compiler.deferred_header import deferred_header
 from fsdp_graph.compiler.dump import DUMP_ENV, GraphDumper, no_caches_when_dumping
@@ -37,7 +37,7 @@ from fsdp_graph.compiler.graph_facts import (
     user_gloo_groups,
 )
 from fsdp_graph.compiler.options import OWNED_VALUES, inductor_config_patches, patches_key
-from fsdp_graph.compiler.rank_check import STORE, GraphCollectives, RankAgreement, check_first_call
+from fsdp_graph.compiler.rank_check import STORE, RankAgreement, check_first_call
 from fsdp_graph.compiler.region_schema import cached_region_schemas
 from fsdp_graph.compiler.shared_compile import CompileSharing
 from fsdp_graph.compiler.stage_passes import DEFAULT_SCHEDULE, GraphReport, LowerPass, ReshardPass, ScheduleOptions
@@ -51,7 +51,9 @@ def _code_hash() -> str:
     Computed at the first compile, not at import: `import passes` imports this package (for `fsdp_graph.ir`) before
     `passes` is whole."""
     names = sorted(m.name for m in pkgutil.iter_modules(passes.__path__))
-    modules = [ops, ir] + [importlib.import_module(f"passes.{name}") for name in names]
+    # the stage passes and this module decide which passes run on which graph, and how a stage compiles
+    here = [stage_passes, importlib.import_module(__name__)]
+    modules = [ops, ir, *here] + [importlib.import_module(f"passes.{name}") for name in names]
     h = hashlib.sha256()
     for module in modules:
         h.update(inspect.getsource(module).encode())
@@ -63,11 +65,13 @@ class FSDPBackend:
     the Dynamo graphs compiled (graph breaks and recompiles each add one). With `verify_collectives`, each
     compiled Dynamo graph checks on its first call that every rank compiled the same collectives
     (`fsdp_graph.compiler.rank_check`), waiting at most `verify_timeout_s` for the other ranks. With
-    `share_compiles` (Inductor only), the first rank to reach a graph compiles it for the ranks with the same graph
+    `share_compiles`, the first rank to reach a graph compiles it for the ranks with the same graph
     (`fsdp_graph.compiler.shared_compile`; `sharing.stats` counts what this rank compiled and loaded,
     `sharing.seconds` times its compiling, waiting and loading).
-    With Inductor and torch's compile caches on, `compiled` keeps what each compile left in those caches, by graph
-    (`compiled_files.recording`), for `save_checkpoint(compiled=backend)`; `restored` counts the graphs and kernel
+    With torch's compile caches on, a graph compiled before (by another rank, or an earlier compile on this machine)
+    is served from them, eager kernels included (`_compile_eager`), and `reports` then holds what the passes reported
+    when they compiled it (`GraphReport.loaded_from`). `compiled` keeps what each compile left in those caches, by
+    graph (`compiled_files.recording`), for `save_checkpoint(compiled=backend)` (Inductor's); `restored` counts the graphs and kernel
     files `load_checkpoint(compiled=backend)` installed."""
 
     def __init__(
@@ -155,10 +159,13 @@ class FSDPBackend:
         budget = self.schedule.activation_memory_budget
         functorch_patches = {} if budget is None else {"activation_memory_budget": budget}
         verify = self.verify_collectives and dist.is_initialized() and dist.get_world_size() > 1
-        share = self.share_compiles and self.inductor and not dumper.enabled and CompileSharing.applies()
-        record = self.inductor and not dumper.enabled and compiled_files.caches_on()  # kept in `compiled`
-        if verify or share or record:  # the backward compiles now (not at its first run): the first forward checks
-            functorch_patches["force_non_lazy_backward_lowering"] = True  # it too, and its files are recorded
+        # torch's compile caches serve a graph compiled before (AOT autograd's entry; Inductor's FX graph entries and
+        # kernels): with eager kernels too, where AOT autograd's entry holds the lowered graphs. Not for kept graphs:
+        # `explain` reads the graphs the passes leave, which a cache entry does not hold.
+        cached = not dumper.enabled and compiled_files.caches_on() and (self.inductor or not self.keep_graphs)
+        share = self.share_compiles and cached and CompileSharing.applies()
+        if verify or cached:  # the backward compiles now (not at its first run): the first forward checks it too,
+            functorch_patches["force_non_lazy_backward_lowering"] = True  # and its files and reports are kept
 
         def compile_graph(caches: bool = True):
             with (
@@ -176,37 +183,64 @@ class FSDPBackend:
                         dumper.enabled or not caches,
                         inductor_patches,
                     )
-                return _compile_eager(gm, example_inputs, reshard, lower, tp_groups.names)
+                return _compile_eager(gm, example_inputs, reshard, lower, tp_groups.names, cached and caches)
 
         reads = passes.gathered_reads(gm)  # before AOT autograd, on the graph whose outputs the caller sees
-        if not verify and not share and not record:
+        if not verify and not cached:
             return watch_gradients(compile_graph(), reads)
         store_key = STORE.key(uuid, gm, example_inputs)
         index = dumper.graph_index
 
         def compile_checked():
+            first = len(self.reports)
+            compiled = self._compile_reported(compile_graph, index, store_key, lower.stages_compiled, cached)
             if not verify:
-                return compile_graph()
-            return self._compile_verified(compile_graph, index, store_key, lower.stages_compiled)
+                return compiled
+            lists = [r.collectives_to_compare() for r in self.reports[first:] if r.graph_index == index]
+            return check_first_call(compiled, lambda: lists, self.agreement)
 
         if share:  # the sharing records what this rank's compile left in the caches
-            first = len(self.reports)
             compiled = self.sharing.compile(
                 store_key,
                 f"Dynamo graph {index}",
                 compile_checked,
-                lambda: STORE.load_json(store_key),
-                lambda lists: STORE.save_json(store_key, lists),
-                lambda: [r.to_json() for r in self.reports[first:] if r.graph_index == index],
+                lambda: STORE.load(store_key),
+                lambda entry: STORE.save(store_key, entry["rank"], entry["reports"]),
             )
-            self._adopt_reports(store_key, index, first)
-        elif record:
+        elif cached:
             with compiled_files.recording() as files:
                 compiled = compile_checked()
             self.compiled[store_key] = files
         else:
             compiled = compile_checked()
         return watch_gradients(compiled, reads)
+
+    def _compile_reported(self, compile_graph, index: int, store_key: str, stages_compiled: list[str], cached: bool):
+        """Compiles graph `index`, so that `reports` has its stages' reports. Where torch's caches served it (our
+        passes did not run), they are what the passes reported when they compiled the cached code, from
+        `rank_check.STORE` (written there by that compile, another rank's through the sharing, or a checkpoint's
+        artifacts), marked `loaded_from`. A hit with none stored compiles again without the caches (once: they are
+        then stored). So does a partial hit: some stage compiled by our passes, another served by an FX graph cache
+        entry that a concurrent process (another job, or a rank) wrote while this one compiled; its reports would
+        lack that stage."""
+        first = len(self.reports)
+
+        def lowered() -> list[GraphReport]:
+            return [r for r in self.reports[first:] if r.graph_index == index]
+
+        compiled = compile_graph()
+        stored = None if lowered() else STORE.load(store_key)
+        if stored is not None:
+            self.reports.extend(GraphReport.from_json(data, index, stored["rank"]) for data in stored["reports"])
+            return compiled
+        if not (lowered() and set(stages_compiled) <= {r.stage for r in lowered()}):
+            self.reports[first:] = [r for r in self.reports[first:] if r.graph_index != index]
+            del stages_compiled[:]
+            compiled = compile_graph(caches=False)
+        if cached:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            STORE.save(store_key, rank, [r.to_json() for r in lowered()])
+        return compiled
 
     def _check_restored_options(self, options: str) -> None:
         """Records the compile's torch.compile options; where installed artifacts were compiled with others, says so
@@ -224,45 +258,6 @@ class FSDPBackend:
                     "compiling as without them",
                     stacklevel=2,
                 )
-
-    def _adopt_reports(self, store_key: str, index: int, first: int) -> None:
-        """A rank that loaded graph `index` from another rank's compile (and did not compile it itself after all:
-        a cache miss) reports what that rank's passes reported, marked `loaded_from`."""
-        if store_key not in self.sharing.loaded or any(r.graph_index == index for r in self.reports[first:]):
-            return
-        owner, published = self.sharing.loaded[store_key]
-        self.reports.extend(GraphReport.from_json(data, index, owner) for data in published)
-
-    def _compile_verified(self, compile_graph, index: int, store_key: str, stages_compiled: list[str]):
-        """Compiles, and wraps the result to check the ranks' collectives on its first call. The lists come from
-        our passes, or on a compile-cache hit (the passes did not run) from `rank_check.STORE`. A hit with no stored
-        lists compiles again without the caches (once: the lists are then stored). So does a partial hit: some
-        stage compiled by our passes, another served by an FX graph cache entry that a concurrent process (another
-        job, or a rank) wrote while this one compiled; its lists would lack that stage."""
-        stored = STORE.load(store_key)
-        first = len(self.reports)
-
-        def lowered() -> list[GraphReport]:
-            return [r for r in self.reports[first:] if r.graph_index == index]
-
-        def complete() -> bool:
-            return set(stages_compiled) <= {r.stage for r in lowered()}
-
-        compiled = compile_graph()
-        if stored is None and not (lowered() and complete()):
-            self.reports[first:] = [r for r in self.reports[first:] if r.graph_index != index]
-            del stages_compiled[:]
-            compiled = compile_graph(caches=False)
-
-        def graphs() -> list[GraphCollectives]:
-            if lowered() and complete():
-                lists = [r.collectives_to_compare() for r in lowered()]
-                STORE.save(store_key, lists)
-                return lists
-            return [GraphCollectives(f"{g.stage} {index}", g.lines, g.groups) for g in stored or []]
-
-        graphs()  # stores the lists now: a later compile of the same graph may hit the cache before this one runs
-        return check_first_call(compiled, graphs, self.agreement)
 
     @property
     def keeps_compiled(self) -> bool:
@@ -330,7 +325,23 @@ def _on_cpu(example_inputs) -> bool:
     return any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in example_inputs)
 
 
-def _compile_eager(gm, example_inputs, reshard: ReshardPass, lower: LowerPass, group_names: dict[str, str]):
+def _any_op(name: str) -> bool:
+    return True  # the lowered graphs call our ops and c10d's functional collectives, registered on import
+
+
+def _picklable_meta(key: str) -> bool:
+    """The node metadata a cached graph keeps: not the module stacks (they hold the modules; the code needs none)."""
+    return key not in ("source_fn_stack", "nn_module_stack", "fwd_source_fn_stack", "fwd_nn_module_stack")
+
+
+def _compile_eager(
+    gm, example_inputs, reshard: ReshardPass, lower: LowerPass, group_names: dict[str, str], cached: bool = False
+):
+    """AOT autograd with our passes and eager kernels: each stage's lowered graph runs as Python code. `cached`:
+    AOT autograd's cache keeps the lowered graphs (its bundled entry, the graphs pickled by torch's GraphPickler,
+    `RegionalOutputCode`), so a process compiling the same graph again (another rank, a later job) runs neither
+    the partitioner nor our passes. Our passes' uuids enter its key as Inductor's would (the custom-pass slots of
+    `torch._inductor.config`, which AOT autograd's key hashes; Inductor itself does not run)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -342,18 +353,33 @@ def _compile_eager(gm, example_inputs, reshard: ReshardPass, lower: LowerPass, g
     def compiler(stage: str):
         def compile_graph(graph: fx.GraphModule, inputs):
             lower.stage = stage
+            lower.stages_compiled.append(stage)
             passes.rename_groups(graph, group_names)
             lower(graph.graph)
-            return make_boxed_func(graph.forward)
+            if not cached:
+                return make_boxed_func(graph.forward)
+            from torch._inductor.output_code import RegionalOutputCode
+
+            graph.recompile()
+            return RegionalOutputCode(graph, ops_filter=_any_op, node_metadata_key_filter=_picklable_meta)
 
         return compile_graph
 
-    return aot_autograd(
+    compile_with = aot_autograd(
         fw_compiler=compiler("fw"),
         bw_compiler=compiler("bw"),
         inference_compiler=compiler("inference"),
         partition_fn=partition,
-    )(gm, example_inputs)
+    )
+    if not cached:
+        return compile_with(gm, example_inputs)
+    import torch._inductor.config as inductor_config
+
+    with (
+        functorch_config.patch(force_autograd_cache=True, bundled_autograd_cache=True),
+        inductor_config.patch(post_grad_custom_pre_pass=lower, joint_custom_pre_pass=reshard),
+    ):
+        return compile_with(gm, example_inputs)
 
 
 def make_backend(
@@ -387,9 +413,9 @@ def make_backend(
     difference, if they differ (instead of hanging); `verify_timeout_s` bounds the wait for the other ranks.
     `compress`: quantized weight gathers and gradient all-to-alls (a `Compression`, or its `Compression.parse` text
     such as "int8"; None: off, the default), `passes.compress` between bucketing and scheduling.
-    `share_compiles`: with Inductor on several ranks, the first rank to reach a graph compiles it and the ranks with
-    the same graph load its cache entries and kernels instead of compiling (`fsdp_graph.compiler.shared_compile`);
-    they wait for it at most the default process group's timeout."""
+    `share_compiles`: on several ranks with torch's compile caches on, the first rank to reach a graph compiles it
+    and the ranks with the same graph load its cache entries (and Inductor's kernels) instead of compiling
+    (`fsdp_graph.compiler.shared_compile`); they wait for it at most the default process group's timeout."""
     if reduce_scatter not in ("auto", "native"):
         raise ValueError(f"make_backend: reduce_scatter must be 'auto' or 'native', got {reduce_scatter!r}")
     if activation_memory_budget is not None and not 0 < activation_memory_budget <= 1:

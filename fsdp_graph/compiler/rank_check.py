@@ -304,11 +304,12 @@ def _resolve(name: str) -> dist.ProcessGroup:
 
 
 class FingerprintStore:
-    """Collective lists of compiled Dynamo graphs, kept where Inductor keeps its cache: on a compile-cache hit our
-    passes do not run, so the lists of the cached code come from here (keyed by everything the passes see)."""
+    """What our passes reported of each compiled Dynamo graph, kept where Inductor keeps its cache: on a compile-cache
+    hit the passes do not run, so the cached code's reports (`GraphReport.to_json`, with the rank whose passes made
+    them), and the collective lists the rank check compares, come from here (keyed by everything the passes see)."""
 
     def __init__(self) -> None:
-        self._memory: dict[str, list[GraphCollectives]] = {}
+        self._memory: dict[str, dict] = {}
 
     @staticmethod
     def key(backend_key: str, gm: fx.GraphModule, example_inputs: Sequence) -> str:
@@ -342,35 +343,30 @@ class FingerprintStore:
     def _path(key: str) -> Path:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-        return Path(cache_dir()) / "fsdp_graph_collectives" / f"{key}.json"
+        return Path(cache_dir()) / "fsdp_graph_reports" / f"{key}.json"
 
-    def load(self, key: str) -> list[GraphCollectives] | None:
+    def load(self, key: str) -> dict | None:
+        """{"rank": the rank whose passes made them, "reports": [GraphReport JSON, ...]}, or None: none stored."""
         if key in self._memory:
             return self._memory[key]
         try:
-            items = json.loads(self._path(key).read_text())
-        except (OSError, ValueError):
+            entry = json.loads(self._path(key).read_text())
+            if not (isinstance(entry, dict) and isinstance(entry["rank"], int) and isinstance(entry["reports"], list)):
+                return None
+        except (OSError, ValueError, KeyError):
             return None
-        graphs = [GraphCollectives(name, tuple(lines), tuple(groups)) for name, lines, groups in items]
-        self._memory[key] = graphs
-        return graphs
+        self._memory[key] = entry
+        return entry
 
-    def load_json(self, key: str) -> list | None:
-        """`load` in a JSON-ready form (what another rank's `save_json` takes)."""
-        graphs = self.load(key)
-        return None if graphs is None else [[g.name, list(g.lines), list(g.groups)] for g in graphs]
-
-    def save_json(self, key: str, items: list) -> None:
-        self.save(key, [GraphCollectives(name, tuple(lines), tuple(groups)) for name, lines, groups in items])
-
-    def save(self, key: str, graphs: list[GraphCollectives]) -> None:
-        if self._memory.get(key) == graphs:
+    def save(self, key: str, rank: int, reports: list[dict]) -> None:
+        entry = {"rank": rank, "reports": reports}
+        if self._memory.get(key) == entry:
             return
-        self._memory[key] = graphs
+        self._memory[key] = entry
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            json.dump([[g.name, list(g.lines), list(g.groups)] for g in graphs], f)
+            json.dump(entry, f)
         os.replace(f.name, path)
 
 

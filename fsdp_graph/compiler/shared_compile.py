@@ -9,11 +9,12 @@ graph is. So the first rank to reach a graph compiles it for every rank, and the
   Dynamo graph's code, every input's metadata, torch's version and configs, the grad mode and thread count). A rank
   claims it in the default group's store (`compare_set`); the first claim wins.
 - The claiming rank compiles, capturing the cache entries and kernel libraries of that compile
-  (`compiled_files.recording`), and publishes them under the key with the graph's collective lists; it counts a
-  heartbeat in the store while it compiles.
+  (`compiled_files.recording`), and publishes them under the key with its passes' reports of the graph (whose
+  collective lists the rank check compares); it counts a heartbeat in the store while it compiles.
 - Every other rank reaching the key waits for the publication, installs the files into its own caches
   (`compiled_files.install`) and compiles: torch's AOT autograd and FX graph caches then serve the graph (no
-  partitioning, no passes, no Inductor, no C++ compiler). Which code runs is still decided by torch's own cache
+  partitioning, no passes, no Inductor, no C++ compiler). With eager kernels (`make_backend(inductor=False)`) the
+  AOT autograd entry alone holds the lowered graphs, and no AOT autograd runs there either. Which code runs is still decided by torch's own cache
   keys: if anything torch keys on differs on this rank, its cache misses and it compiles its own graph.
 - Ranks whose graphs differ (pipeline stages, tp ranks of another tp coordinate, a rank recompiling alone) have
   different keys and compile their own, without waiting. fully_shard's own groups are named alike on every rank
@@ -75,7 +76,6 @@ class CompileSharing:
         self.stats: Counter = Counter()
         self.seconds: Counter = Counter()
         self.files: dict[str, CompiledFiles] = {}  # key -> what this rank's compile of it left in the caches
-        self.loaded: dict[str, tuple[int, list]] = {}  # key -> (the rank that compiled it, its published reports)
 
     @staticmethod
     def applies() -> bool:
@@ -89,30 +89,28 @@ class CompileSharing:
         key: str,
         name: str,
         compile_fn: Callable[[], Any],
-        lists: Callable[[], list | None],
-        install_lists: Callable[[list], None],
-        reports: Callable[[], list] = list,
+        reports: Callable[[], dict | None],
+        install_reports: Callable[[dict], None],
     ) -> Any:
-        """`compile_fn()`, on the first rank to reach `key`; other ranks wait for its files, install them (and the
-        collective lists, through `install_lists`) and then run `compile_fn()`, which the caches serve.
-        `lists()` gives the compiled graph's collective lists in `rank_check`'s JSON form (None: not made);
-        `reports()` what the compiling rank's passes reported of it (JSON), kept in `loaded[key]` on the others."""
+        """`compile_fn()`, on the first rank to reach `key`; other ranks wait for its files, install them (and its
+        passes' reports, through `install_reports`, where the compile served from them finds them) and then run
+        `compile_fn()`, which the caches serve. `reports()` gives what the compiling rank's passes reported of the
+        graph (`rank_check.STORE`'s entry: the rank and its reports as JSON; None: not made)."""
         store = _default_store()
         base = f"{_scope()}/{key}"
         rank = dist.get_rank()
         owner = int(store.compare_set(f"{base}/owner", "", str(rank)).decode())
         start = time.perf_counter()
         if owner == rank:
-            compiled = self._compile_for_all(store, base, key, compile_fn, lists, reports)
+            compiled = self._compile_for_all(store, base, key, compile_fn, reports)
             self.seconds["compiling"] += time.perf_counter() - start
             return compiled
         files, published = self._wait_for(store, base, owner, name)
         waited = time.perf_counter()
         self.seconds["waiting"] += waited - start
         self.stats["kernels"] += compiled_files.install(files)
-        if published.get("lists") is not None:
-            install_lists(published["lists"])
-        self.loaded[key] = (owner, published.get("reports", []))
+        if published.get("reports") is not None:
+            install_reports(published["reports"])
         self.stats["loaded"] += 1
         with compiled_files.recording() as mine:
             compiled = compile_fn()
@@ -120,7 +118,7 @@ class CompileSharing:
         self.seconds["loading"] += time.perf_counter() - waited
         return compiled
 
-    def _compile_for_all(self, store: dist.Store, base: str, key: str, compile_fn, lists, reports) -> Any:
+    def _compile_for_all(self, store: dist.Store, base: str, key: str, compile_fn, reports) -> Any:
         stop = threading.Event()
         beat = threading.Thread(target=_heartbeat, args=(store, f"{base}/alive", stop, self.heartbeat_s), daemon=True)
         beat.start()
@@ -144,7 +142,6 @@ class CompileSharing:
             "machine": files.machine,
             "kernels": kernels,
             "artifacts": files.artifacts is not None,
-            "lists": lists(),
             "reports": reports(),
         }
         store.set(f"{base}/meta", json.dumps(meta))  # last: what the waiting ranks wait for

@@ -26,8 +26,10 @@ class GraphReport:
     """What one lowered graph communicates. `stage` is "fw", "bw" or "inference"; `code` is the graph's
     Python code after lowering (before Inductor); `graph` a copy of it when the backend keeps graphs;
     `fingerprint` its collective sequence (`passes.collective_fingerprint`) on the process `groups` it uses.
-    `loaded_from`: the rank whose compile this rank loaded (one compile per job, `compiler.shared_compile`): that
-    rank ran the passes, and this report is its report; None where this rank compiled the graph itself."""
+    `loaded_from`: where torch's compile caches served the graph (our passes did not run), the rank whose passes
+    made this report when they compiled the cached code (`rank_check.STORE`): the rank that compiled it for this one
+    (one compile per job, `compiler.shared_compile`), this rank in an earlier compile, or a checkpoint's; None where
+    the passes ran in this compile."""
 
     graph_index: int
     stage: str

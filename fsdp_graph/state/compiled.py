@@ -4,7 +4,8 @@ compiling.
 `save_checkpoint(..., compiled=backend)` writes, under `compiled/` in the checkpoint (through `extra_files`, so the
 manifest's checksums cover every file), what the backend's compiles left in torch's caches
 (`FSDPBackend.compiled`, recorded by `compiled_files.recording`): per graph, torch's serialized AOT autograd and FX
-graph cache entries and the collective lists the rank check compares; the kernel libraries once each, under the CPU
+graph cache entries and what our passes reported of the graph (`rank_check.STORE`'s entry: `backend.reports` on a
+cache hit, and the collective lists the rank check compares); the kernel libraries once each, under the CPU
 they were built for; and `header.json`, which says what they were compiled for: torch's version, the world size, the
 backend's options and passes, torch.compile's `mode=` and `options=`, and the model (every rank's parameter and
 buffer names, shapes and dtypes and module classes, hashed).
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 
 SUBDIR = "compiled"
 HEADER = f"{SUBDIR}/header.json"
-_FORMAT = 1
+_FORMAT = 2  # 2: a graph carries its passes' reports (1: its collective lists)
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -76,15 +77,15 @@ def _combined(fingerprints: list[str]) -> str:
 
 @dataclass
 class _Graph:
-    """One compiled graph as a rank holds it: its entries, its kernels and its collective lists."""
+    """One compiled graph as a rank holds it: its entries, its kernels and its passes' reports (`STORE`'s entry)."""
 
     key: str
     files: CompiledFiles
-    lists: list | None = None
+    reports: dict | None = None
 
 
 def _held(backend: FSDPBackend) -> dict[str, _Graph]:
-    return {key: _Graph(key, files, STORE.load_json(key)) for key, files in backend.compiled.items()}
+    return {key: _Graph(key, files, STORE.load(key)) for key, files in backend.compiled.items()}
 
 
 def checkpoint_files(backend: FSDPBackend, model: nn.Module) -> dict[str, bytes]:
@@ -130,7 +131,7 @@ def _encode(backend: FSDPBackend, held: dict[str, _Graph], model: str, world: in
     seen: set[tuple[str, str]] = set()
     for index, key in enumerate(sorted(held)):
         graph = held[key]
-        entry = {"key": key, "artifacts": None, "lists": graph.lists}
+        entry = {"key": key, "artifacts": None, "reports": graph.reports}
         if graph.files.artifacts:
             entry["artifacts"] = f"{SUBDIR}/graph_{index}.bin"
             files[entry["artifacts"]] = graph.files.artifacts
@@ -262,8 +263,8 @@ def install_from_checkpoint(path: str, backend: FSDPBackend, model: nn.Module) -
         try:
             if graph["artifacts"] is not None:
                 _load_entries(read(graph["artifacts"]))
-            if graph["lists"] is not None:
-                STORE.save_json(graph["key"], graph["lists"])
+            if graph["reports"] is not None:
+                STORE.save(graph["key"], graph["reports"]["rank"], graph["reports"]["reports"])
             installed["graphs"] += 1
         except Exception as e:  # torch's loader raises whatever a bad entry makes it raise
             problems.append(f"graph {graph['key'][:12]}: {type(e).__name__}: {e}"[:300])

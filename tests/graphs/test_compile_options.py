@@ -60,15 +60,17 @@ def test_options_reach_inductor_and_the_model_trains(fake_pg, monkeypatch):
 
 def test_options_are_part_of_the_cache_key(fake_pg, monkeypatch):
     uuids = []
-    monkeypatch.setattr(backend_module, "_compile_eager", lambda gm, inputs, reshard, lower: uuids.append(lower.uuid()))
+    monkeypatch.setattr(
+        backend_module, "_compile_eager", lambda gm, inputs, reshard, lower, *rest: uuids.append(lower.uuid())
+    )
 
     def compile_with(options):
         monkeypatch.setattr(
             backend_module, "_compile_inductor", lambda gm, inputs, reshard, lower, *rest: uuids.append(lower.uuid())
         )
-        # None is not a callable compiled graph: stop here (unchecked: the collective check would wrap the None, and
-        # compile again to find the lists a cache hit lacks)
-        with pytest.raises(BackendCompilerFailed):
+        # None is not a callable compiled graph: stop here (unchecked and uncached: the collective check would wrap
+        # the None, and a compile that leaves no reports, as a cache hit, compiles again to find them)
+        with pytest.raises(BackendCompilerFailed), inductor_config.patch(force_disable_caches=True):
             _compiled(fsdp_graph.make_backend(verify_collectives=False), **options)(torch.randn(2, 4))
 
     compile_with({})

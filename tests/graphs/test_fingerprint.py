@@ -110,11 +110,11 @@ def test_bad_timeout_is_refused():
 
 @pytest.mark.slow
 def test_cache_hit_takes_the_lists_from_the_store(fake_pg, monkeypatch, tmp_path):
-    """On an AOTAutograd cache hit our passes do not run: the lists come from the store; without a stored entry
-    the graph compiles again, uncached, so the lists are the passes' own (full Inductor)."""
+    """On an AOTAutograd cache hit our passes do not run: the reports, and the lists checked, come from the store;
+    without a stored entry the graph compiles again, uncached, so they are the passes' own (full Inductor)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     # A store of its own: an earlier test in this process may have compiled the same graph, and the store skips
-    # writing a file for lists it already holds in memory.
+    # writing a file for reports it already holds in memory.
     monkeypatch.setattr(rank_check, "STORE", rank_check.FingerprintStore())
     monkeypatch.setattr(fsdp_graph.compiler.backend, "STORE", rank_check.STORE)
     calls = []
@@ -132,11 +132,13 @@ def test_cache_hit_takes_the_lists_from_the_store(fake_pg, monkeypatch, tmp_path
     assert [r.stage for r in first.reports] == ["fw", "bw"] and len(saved_keys) == 2
     hit = fsdp_graph.make_backend()
     _compile_two_block(hit)
-    assert hit.reports == [] and calls[1] == calls[0]  # served by the cache, checked with the stored lists
+    assert calls[1] == calls[0]  # served by the cache, checked with the stored lists
+    assert [(r.stage, r.code, r.loaded_from) for r in hit.reports] == [(r.stage, r.code, 0) for r in first.reports]
+    assert [r.loaded_from for r in first.reports] == [None, None]
 
     monkeypatch.setattr(rank_check, "STORE", rank_check.FingerprintStore())
     monkeypatch.setattr(fsdp_graph.compiler.backend, "STORE", rank_check.STORE)
-    for stored in (tmp_path / "fsdp_graph_collectives").iterdir():
+    for stored in (tmp_path / "fsdp_graph_reports").iterdir():
         stored.unlink()
     unstored = fsdp_graph.make_backend()
     _compile_two_block(unstored)
@@ -147,7 +149,7 @@ def test_cache_hit_takes_the_lists_from_the_store(fake_pg, monkeypatch, tmp_path
     # directory failed the check ("rank 0 has no graph, rank 2 has graph 'bw 0'")
     monkeypatch.setattr(rank_check, "STORE", rank_check.FingerprintStore())
     monkeypatch.setattr(fsdp_graph.compiler.backend, "STORE", rank_check.STORE)
-    for stored in (tmp_path / "fsdp_graph_collectives").iterdir():
+    for stored in (tmp_path / "fsdp_graph_reports").iterdir():
         stored.unlink()
     shutil.rmtree(tmp_path / "aotautograd")
     shutil.rmtree(FxGraphCache._get_tmp_dir_for_key(saved_keys[0]))

@@ -18,7 +18,7 @@ def test_the_compiling_ranks_error_ends_the_wait_at_once():
     store = dist.HashStore()
     sharing = CompileSharing(timeout_s=60, stale_s=60)
     with pytest.raises(RuntimeError, match="boom"):
-        sharing._compile_for_all(store, BASE, "key", lambda: (_ for _ in ()).throw(RuntimeError("boom")), list, list)
+        sharing._compile_for_all(store, BASE, "key", lambda: (_ for _ in ()).throw(RuntimeError("boom")), dict)
     start = time.monotonic()
     with pytest.raises(SharedCompileError, match=r"rank 1, which compiles graph 7 .* failed: RuntimeError: boom"):
         sharing._wait_for(store, BASE, 1, "graph 7")
@@ -53,18 +53,18 @@ def test_a_live_compiling_rank_is_waited_for_until_the_jobs_timeout():
 
 
 def test_published_files_are_fetched():
-    """The waiting rank takes the entries, the lists, the reports and the kernel libraries it lacks."""
+    """The waiting rank takes the entries, the reports and the kernel libraries it lacks."""
     from fsdp_graph.compiler.compiled_files import machine_id
 
     store = dist.HashStore()
     store.set(f"{BASE}/artifacts", b"entries")
     store.set(f"{BASE}/kernel/0", b"library")
     meta = {"torch": torch.__version__, "machine": machine_id(), "kernels": ["zz/cnotthere.main.so"]}
-    published = {"lists": [["fw 0", ["a"], ["0"]]], "reports": [{"stage": "fw"}]}
+    published = {"reports": {"rank": 0, "reports": [{"stage": "fw"}]}}
     store.set(f"{BASE}/meta", json.dumps({**meta, "artifacts": True, **published}))
     files, meta = CompileSharing(timeout_s=5)._wait_for(store, BASE, 0, "graph 0")
-    assert (files.artifacts, files.kernels, meta["lists"], meta["reports"]) == (
+    assert (files.artifacts, files.kernels, meta["reports"]) == (
         b"entries",
         {"zz/cnotthere.main.so": b"library"},
-        *published.values(),
+        published["reports"],
     )

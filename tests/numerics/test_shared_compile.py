@@ -13,19 +13,24 @@ from fsdp_graph.train.launch import spawn
 from tests.workers.shared_compile import one_compile_per_graph, resume_from_compiled
 
 
-def _check_one_compiler(phase: list[dict]) -> None:
-    """Exactly one rank of `phase` (the ranks sharing one graph) ran AOT autograd, Inductor and the C++ compiler;
-    the others ran none of them and loaded its files, kernel libraries included."""
+def _check_one_compiler(phase: list[dict], inductor: bool = True) -> None:
+    """Exactly one rank of `phase` (the ranks sharing one graph) ran AOT autograd, Inductor and the C++ compiler
+    (eager kernels: AOT autograd, and no Inductor); the others ran none of them and loaded its files, kernel
+    libraries included."""
     compilers = [p for p in phase if p.get("compiled")]
     assert len(compilers) == 1, phase
     owner = compilers[0]
-    assert owner["inductor"] == 2 and owner["aot"] == 1 and owner["libraries"] > 0, owner  # forward and backward
+    assert owner["aot"] == 1, owner
+    if inductor:
+        assert owner["inductor"] == 2 and owner["libraries"] > 0, owner  # forward and backward
+    else:
+        assert (owner["inductor"], owner["libraries"]) == (0, 0), owner
     assert set(owner["seconds"]) == {"compiling"} and owner["seconds"]["compiling"] > 0, owner
     for p in phase:
         assert p["max_diff"] < 1e-6, p
         if p is not owner:
             assert (p["inductor"], p["aot"], p["libraries"], p.get("loaded")) == (0, 0, 0, 1), p
-            assert p.get("kernels", 0) > 0 or p.get("shared_dir"), p
+            assert not inductor or p.get("kernels", 0) > 0 or p.get("shared_dir"), p
             assert set(p["seconds"]) == {"waiting", "loading"} and p["seconds"]["loading"] > 0, p
         # every rank reports the graph's collectives: a loading rank the compiling rank's report, marked so
         assert [r[:3] for r in p["reports"]] == [r[:3] for r in owner["reports"]], (p, owner)
@@ -72,3 +77,22 @@ def test_one_rank_compiles_each_distinct_graph(world, tmp_path):
             assert torch.equal(after["params"][name], value), name
     assert sum(r["restored"].get("kernels", 0) for r in resumed) > 0  # by whichever rank got there first
     assert any(empty.rglob("*.main.so"))
+
+
+def test_eager_kernels_compile_once_per_graph():
+    """`make_backend(inductor=False)` on 4 ranks with a cache directory each (a machine each): AOT autograd's cache
+    keeps the lowered graphs, so one rank per distinct graph partitions and runs the passes, the others load its
+    entry (FULL_SHARD; HYBRID_SHARD over 2 x 2; a model per pair of ranks), with parity and its reports. Then the
+    first model again with a new backend: every rank's cache serves it, no rank runs AOT autograd, and the reports
+    are the ones its passes made."""
+    with mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="fsdp_graph_share_")}):
+        results = spawn(one_compile_per_graph, 4, (True, None, False))
+    phases = list(zip(*results))
+    _check_one_compiler(list(phases[0]), inductor=False)
+    _check_one_compiler(list(phases[1]), inductor=False)
+    for pair in (0, 1):
+        _check_one_compiler([p for p in phases[2] if p["pair"] == pair], inductor=False)
+    first = [r[:3] for r in phases[0][0]["reports"]]
+    for again in phases[3]:
+        assert again["max_diff"] < 1e-6 and (again["aot"], again["inductor"]) == (0, 0), again
+        assert again["reports"] == [(*r, True) for r in first], again

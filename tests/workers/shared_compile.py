@@ -70,13 +70,14 @@ def _train(
     seed: int,
     checkpoint: str | None = None,
     strategy: fsdp_graph.ShardingStrategy = fsdp_graph.ShardingStrategy.FULL_SHARD,
+    inductor: bool = True,
 ) -> tuple[fsdp_graph.FSDPBackend, float, dict]:
-    """Two SGD-with-momentum steps of `model` sharded over `mesh` (Inductor), against one process on the group's
-    whole batch: (the backend, the largest parameter difference, {}). With `checkpoint`: then
+    """Two SGD-with-momentum steps of `model` sharded over `mesh` (Inductor, or eager kernels), against one process
+    on the group's whole batch: (the backend, the largest parameter difference, {}). With `checkpoint`: then
     `save_checkpoint(compiled=backend)` there and a third step, whose loss and parameters the dict holds."""
     ref = copy.deepcopy(model)
     fsdp_graph.fully_shard(model, mesh, strategy=strategy)
-    backend = fsdp_graph.make_backend()
+    backend = fsdp_graph.make_backend(inductor=inductor)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref))
     batches = _batches(seed, group_size)
@@ -136,29 +137,37 @@ def _reports(backend) -> list[tuple]:
     return [(r.stage, dict(r.collectives.counts), r.fingerprint, r.loaded_from is not None) for r in backend.reports]
 
 
-def one_compile_per_graph(rank: int, world: int, own_cache: bool, checkpoint: str | None = None) -> list[dict]:
+def one_compile_per_graph(
+    rank: int, world: int, own_cache: bool, checkpoint: str | None = None, inductor: bool = True
+) -> list[dict]:
     """Each phase trains a model with uneven shards (OddMLP's 13 and 11 rows) and reports what this rank compiled:
     the world sharding one model (one graph for every rank), then, with 4 ranks, HYBRID_SHARD over (2, 2) (every
     rank's shard and replica groups differ, their rank-independent names do not: one graph for every rank), then
     each pair of consecutive ranks sharding a model of its own width over its own group (one graph per pair).
     `own_cache`: this rank gets an Inductor cache directory of its own, as on a machine of its own. `checkpoint`:
     the first phase then saves a checkpoint with its compiled artifacts there and trains one more step
-    (`resume_from_compiled` repeats that step)."""
+    (`resume_from_compiled` repeats that step). `inductor=False`: eager kernels, and a last phase trains the first
+    phase's model again with a new backend (every rank's cache then holds the graph)."""
     if own_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"fsdp_graph_rank{rank}_")
     runs = CompilerRuns()
     phases = []
     torch.manual_seed(0)
-    backend, diff, after = _train(OddMLP(), None, rank, world, 10, checkpoint)
+    backend, diff, after = _train(OddMLP(), None, rank, world, 10, checkpoint, inductor=inductor)
     phases.append(_phase(backend, diff, runs, **after))
     if world == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pair", "dp"))
         torch.manual_seed(1)
-        backend, diff, _ = _train(OddMLP(), mesh, rank, world, 20, strategy=fsdp_graph.ShardingStrategy.HYBRID_SHARD)
+        hybrid = fsdp_graph.ShardingStrategy.HYBRID_SHARD
+        backend, diff, _ = _train(OddMLP(), mesh, rank, world, 20, strategy=hybrid, inductor=inductor)
         phases.append(_phase(backend, diff, runs))
         pair = mesh["pair"].get_local_rank()
         torch.manual_seed(2)
         model = OddMLP((7, 13 + 2 * pair, 11, 5))
-        backend, diff, _ = _train(model, mesh["dp"], mesh["dp"].get_local_rank(), 2, 30 + pair)
+        backend, diff, _ = _train(model, mesh["dp"], mesh["dp"].get_local_rank(), 2, 30 + pair, inductor=inductor)
         phases.append(_phase(backend, diff, runs, pair=pair))
+    if not inductor:
+        torch.manual_seed(0)
+        backend, diff, _ = _train(OddMLP(), None, rank, world, 10, inductor=False)
+        phases.append(_phase(backend, diff, runs))
     return phases
