@@ -71,8 +71,8 @@ class FSDPBackend:
     With torch's compile caches on, a graph compiled before (by another rank, or an earlier compile on this machine)
     is served from them, eager kernels included (`_compile_eager`), and `reports` then holds what the passes reported
     when they compiled it (`GraphReport.loaded_from`). `compiled` keeps what each compile left in those caches, by
-    graph (`compiled_files.recording`), for `save_checkpoint(compiled=backend)` (Inductor's); `restored` counts the graphs and kernel
-    files `load_checkpoint(compiled=backend)` installed."""
+    graph (`compiled_files.recording`), for `save_checkpoint(compiled=backend)` (Inductor's); `restored` counts the
+    graphs and kernel files `load_checkpoint(compiled=backend)` installed."""
 
     def __init__(
         self,

@@ -14,8 +14,9 @@ graph is. So the first rank to reach a graph compiles it for every rank, and the
 - Every other rank reaching the key waits for the publication, installs the files into its own caches
   (`compiled_files.install`) and compiles: torch's AOT autograd and FX graph caches then serve the graph (no
   partitioning, no passes, no Inductor, no C++ compiler). With eager kernels (`make_backend(inductor=False)`) the
-  AOT autograd entry alone holds the lowered graphs, and no AOT autograd runs there either. Which code runs is still decided by torch's own cache
-  keys: if anything torch keys on differs on this rank, its cache misses and it compiles its own graph.
+  AOT autograd entry alone holds the lowered graphs, and no AOT autograd runs there either. Which code runs is
+  still decided by torch's own cache keys: if anything torch keys on differs on this rank, its cache misses and it
+  compiles its own graph.
 - Ranks whose graphs differ (pipeline stages, tp ranks of another tp coordinate, a rank recompiling alone) have
   different keys and compile their own, without waiting. fully_shard's own groups are named alike on every rank
   (`api.groups.rank_independent_name`), and so are the DTensor groups in the compiled graphs
