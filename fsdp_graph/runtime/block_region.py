@@ -25,10 +25,10 @@ layer becomes a fresh empty cache inside the body, its updates replayed outside 
 other argument but tensors, numbers, strings, None and modules (a cache holding keys already: decoding) runs the
 unit's own forward, with one warning; an output's non-tensors, returned arguments (T5's blocks) and structure
 (dicts, dataclasses, `ModelOutput`s) are taken out of the body and put back by the caller from a template recorded
-at trace time (`block_output`); an output that cannot be rebuilt so, or a forward writing a Python attribute, runs
-the unit's own forward, with one warning. In-place writes of buffers and inputs stay in the body until the backend
-moves them out (`passes.lift_region_mutations`). With `reuse_blocks=True` each of those fallbacks raises
-`ReuseBlocksError` instead.
+at trace time (`block_output`); an output that cannot be rebuilt so, or a forward writing a Python attribute it
+does not put back (`python_writes`), runs the unit's own forward, with one warning. In-place writes of buffers and
+inputs stay in the body until the backend moves them out (`passes.lift_region_mutations`). With `reuse_blocks=True`
+each of those fallbacks raises `ReuseBlocksError` instead.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch._dynamo.comptime import comptime
 
 from fsdp_graph import compat
-from fsdp_graph.runtime import block_arguments, block_cache
+from fsdp_graph.runtime import block_arguments, block_cache, python_writes
 from fsdp_graph.runtime.block_key import BLOCK_KEY, CACHE_LAYER, REGION_FLATS, STRICT, block_key
 from fsdp_graph.runtime.block_output import rebuild_output, refusal, split_output
 from fsdp_graph.runtime.unit import unsharded_flat
@@ -281,18 +281,20 @@ def _tracer(ctx):
 
 
 def _note_python_writes(ctx) -> None:
-    """At trace time, before the block's forward: the sources Dynamo has seen written so far in this trace."""
-    _WRITTEN_BEFORE[:] = [ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator().output.side_effects]
-    _WRITTEN_BEFORE.append(compat.mutated_sources(_WRITTEN_BEFORE[0]))
+    """At trace time, before the block's forward: what the trace has written so far."""
+    _WRITTEN_BEFORE[:] = [
+        python_writes.note(ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator().output.side_effects)
+    ]
 
 
 def _refuse_python_writes(ctx, call_key: int) -> None:
-    """At trace time, after the block's forward: if it wrote a Python attribute, list or dict it did not create (a
-    counter `self.calls += 1`), the caller must run it on its own: Dynamo applies a body's Python side effects once,
-    for the block it traced, and stamps the body out for the others without them. Recorded for `call_key`, and the
-    trace restarts (`RestartAnalysis`), so that this body's side effects are not applied on top of the fallback's."""
-    side_effects, before = _WRITTEN_BEFORE
-    written = [s for s in compat.mutated_sources(side_effects) - before if getattr(s, "member", None) != REGION_FLATS]
+    """At trace time, after the block's forward: if it wrote a Python attribute, list or dict it did not create and
+    did not put back (a counter `self.calls += 1`), the caller must run it on its own: Dynamo applies a body's
+    Python side effects once, for the block it traced, and stamps the body out for the others without them.
+    Recorded for `call_key`, and the trace restarts (`RestartAnalysis`), so that this body's side effects are not
+    applied on top of the fallback's. A constant attribute the forward puts back is no such write
+    (`python_writes`)."""
+    written = python_writes.lasting_writes(_WRITTEN_BEFORE[0], REGION_FLATS)
     if written:
         _PYTHON_WRITES[call_key] = sorted(_described(source) for source in written)[0]
         # the restarted trace takes another path at this call (Dynamo would report a diverged speculation log)

@@ -77,15 +77,19 @@ class Stack(nn.Module):
         return self.head(x).square().mean()
 
 
+def _compiled_keeping_graphs(model: nn.Module) -> tuple[nn.Module, list[torch.fx.GraphModule]]:
+    graphs: list[torch.fx.GraphModule] = []
+    backend = fsdp_graph.make_backend(inductor=False)
+    return torch.compile(model, backend=lambda gm, ex: graphs.append(gm) or backend(gm, ex), fullgraph=True), graphs
+
+
 def _run(reuse: bool | None) -> dict:
     """2 SGD steps with momentum and a no_grad forward (training mode: the buffers are written), compiled
     fullgraph."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = fsdp_graph.fully_shard(Stack(), **({} if reuse is None else {"reuse_blocks": reuse}))
-    backend = fsdp_graph.make_backend(inductor=False)
-    graphs: list[torch.fx.GraphModule] = []
-    compiled = torch.compile(model, backend=lambda gm, ex: graphs.append(gm) or backend(gm, ex), fullgraph=True)
+    compiled, graphs = _compiled_keeping_graphs(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     losses, inputs = [], []
     with warnings.catch_warnings(record=True) as caught:
@@ -171,3 +175,81 @@ def test_blocks_writing_python_attributes_run_on_their_own(one_rank):
     compiled = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
     with pytest.raises(ReuseBlocksError, match="reuse_blocks=True: Counting cannot share a body: its forward writes"):
         compiled(torch.randn(3, DIM, requires_grad=True))
+
+
+class _Selector:
+    """A module-global holder of the kernel a forward selects, set and put back around each forward as `kernels`'
+    `use_kernelized_func` does on transformers' attention layers, or a counter of calls (`count`)."""
+
+    def __init__(self):
+        self.active = None
+        self.count = 0
+
+
+_SELECTOR = _Selector()
+
+
+class Selecting(nn.Module):
+    """`undo`: selects a kernel for its forward and puts the previous selection back; else counts its calls in the
+    holder, which the model's own forward zeroed first (a write the trace had made before the body)."""
+
+    def __init__(self, undo: bool):
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.undo = undo
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.undo:
+            _SELECTOR.count = _SELECTOR.count + 1
+            return self.lin(x).relu() + x
+        previous = _SELECTOR.active
+        _SELECTOR.active = "gelu"
+        try:
+            h = self.lin(x)
+            return (nn.functional.gelu(h) if _SELECTOR.active == "gelu" else h.relu()) + x
+        finally:
+            _SELECTOR.active = previous
+
+
+class Selected(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _SELECTOR.count = 0
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("undo", [True, False])
+def test_a_python_write_put_back_shares_the_body_one_that_lasts_does_not(one_rank, undo):
+    """A forward that sets a module-global attribute and puts it back shares one body for its three blocks, no
+    warning, with the body's own outputs (not every intermediate, as for a write that lasts) and the gradients of
+    reuse_blocks=False bit for bit. One that counts in an attribute the model's forward wrote before the blocks
+    runs each block on its own, with one warning, and counts 3 as without reuse (1 before: the write was missed)."""
+    results = {}
+    for reuse in (False, None):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = fsdp_graph.fully_shard(Selected(*(Selecting(undo) for _ in range(3))), reuse_blocks=reuse)
+        compiled, graphs = _compiled_keeping_graphs(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled(torch.randn(3, DIM, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+        with fsdp_graph.summon_full_params(model, with_grads=True):
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        results[reuse] = {
+            "grads": grads,
+            "bodies": Counter(body_calls(graphs[0])),
+            "outputs": [len(m.graph.output_node().args[0]) for n, m in graphs[0].named_children() if "subgraph" in n],
+            "warnings": [str(w.message) for w in caught if "reuse_blocks" in str(w.message)],
+            "count": _SELECTOR.count,
+            "active": _SELECTOR.active,
+        }
+    reused, plain = results[None], results[False]
+    for name, grad in plain["grads"].items():
+        torch.testing.assert_close(reused["grads"][name], grad, rtol=0, atol=0, msg=name)
+    assert reused["active"] is None and plain["count"] == 3 * (not undo)
+    if undo:
+        assert reused["warnings"] == [] and list(reused["bodies"].values()) == [3], reused
+        assert reused["outputs"] == [1], reused["outputs"]  # the block's output alone
+    else:
+        assert reused["count"] == 3 and reused["bodies"] == Counter(), reused
+        (message,) = reused["warnings"]
+        assert "Selecting is traced layer by layer" in message and "the Python attribute 'count'" in message
