@@ -8,13 +8,14 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fsdp_graph.ir import REGION_PARAM_ANNOTATION, UNSHARD, UNSHARD_SIGNATURE, UNSHARD_TARGETS
+from fsdp_graph.ir import REGION_PARAM_ANNOTATION, ROWS_COPY_OUT, UNSHARD, UNSHARD_SIGNATURE, UNSHARD_TARGETS
 from passes.fx_nodes import INFER, NodeEmitter, bind_args
 from passes.lower import emit_rank_order
 
-# Copies of a gather's view that depend on nothing else: the rows layout's copy-out (`reshape` of a strided column
-# range decomposes into these). Saving them would keep an unsharded parameter alive to the backward.
-_COPY_OUTS = (torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default)
+# Copies of a gather's view that depend on nothing else: the rows layout's copy-out (`fsdp.rows_copy_out`; a
+# `reshape` of a strided column range decomposes into the other two). Saving them would keep an unsharded parameter
+# alive to the backward.
+_COPY_OUTS = (ROWS_COPY_OUT, torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default)
 
 
 def _is_view_of(user: fx.Node, base: fx.Node) -> bool:

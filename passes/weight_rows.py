@@ -4,10 +4,10 @@ fp8 weight compression wants one scale per row of each parameter (`passes.compre
 1-D shard and carries no layout; but with `fully_shard(layout="rows")` the graph reads each parameter back from the
 gathered flat with a fixed pattern (`RowShardLayout.param_of`):
 
-    view(wait, [world, S]) -> slice(dim 1, lo, hi) -> clone -> view/_unsafe_view([world * rows, *trailing])
+    fsdp.rows_copy_out(wait, world, S, lo, hi - lo) -> view([world * rows, *trailing])
 
-(without the clone where the partitioner recomputes the copy as a view), or, for a unit of one parameter whose rows
-divide evenly, `view(wait, [d0, *trailing])` directly. Column range `[lo, hi)` of every rank's shard is then `rows`
+(the same read written out, `view(wait, [world, S]) -> slice(dim 1, lo, hi) -> clone -> view`, is matched too), or,
+for a unit of one parameter whose rows divide evenly, `view(wait, [d0, *trailing])` directly. Column range `[lo, hi)` of every rank's shard is then `rows`
 rows of `prod(trailing)` elements (a 1-D parameter: one row, its whole block). A reused block body
 (`invoke_subgraph`) is read through its input. Every range found this way becomes a segment with that row length;
 the ranges the graph does not read, or reads some other way (a bucket's copy-out, `reshard_after_forward=k`'s rank
@@ -22,6 +22,7 @@ import math
 import torch
 import torch.fx as fx
 
+from fsdp_graph.ir import ROWS_COPY_OUT
 from passes.quantize import Segments
 
 _aten = torch.ops.aten
@@ -68,6 +69,14 @@ def _collect(gathered: fx.Node, world: int, n: int, found: dict[tuple[int, int],
             inputs = [p for p in body.graph.nodes if p.op == "placeholder"]
             for i, operand in enumerate(user.args[2:]):
                 if operand is gathered and i < len(inputs) and not _collect(inputs[i], world, n, found):
+                    return False
+            continue
+        if user.target is ROWS_COPY_OUT:
+            _, copy_world, shard, lo, width = user.args
+            lengths = {_row_length(view, world, width) for view in user.users}
+            row = lengths.pop() if len(lengths) == 1 else None
+            if (copy_world, shard) == (world, n) and width > 0 and row is not None:
+                if found.setdefault((lo, lo + width), row) != row:
                     return False
             continue
         shape = _shape(user)

@@ -25,6 +25,8 @@ UNSHARD = torch.ops.fsdp.unshard.default
 REDUCE_GRAD = torch.ops.fsdp.reduce_grad.default
 UNSHARD_TARGETS = (UNSHARD, torch.ops.fsdp.unshard)
 REDUCE_GRAD_TARGETS = (REDUCE_GRAD, torch.ops.fsdp.reduce_grad)
+# The rows layout's copy-out of one parameter from a gathered flat (`RowShardLayout.param_of`).
+ROWS_COPY_OUT = torch.ops.fsdp.rows_copy_out.default
 
 C10D = torch.ops._c10d_functional
 ALL_GATHER = C10D.all_gather_into_tensor.default

@@ -411,3 +411,34 @@ def reuse_gathered(gathered: torch.Tensor, *unshard_args: Any) -> torch.Tensor:
     """What `torch.ops.fsdp.unshard(*unshard_args)` returns, taken from `gathered` (the same flat parameter gathered
     earlier, not requiring grad) instead of a new gather; differentiable to `shard` like the op."""
     return _ReuseGathered.apply(gathered, *unshard_args)
+
+
+@torch.library.custom_op("fsdp::rows_copy_out", mutates_args=())
+def rows_copy_out(gathered: torch.Tensor, world: int, shard: int, start: int, width: int) -> torch.Tensor:
+    """Columns `[start, start + width)` of the gathered flat parameter viewed as `(world, shard)`, copied into a new
+    contiguous `(world, width)` tensor: the rows layout's copy-out of one parameter (`RowShardLayout.param_of`),
+    every rank's block of it. One opaque op rather than view, slice and clone, so that Inductor runs it as one copy
+    and its consumers read a plain buffer instead of each carrying the strided read (docs/design-notes.md, "The
+    rows layout's copy-out is one op"). Its gradient is the copy-in: the columns placed into zeros."""
+    return gathered.view(world, shard)[:, start : start + width].clone(memory_format=torch.contiguous_format)
+
+
+@rows_copy_out.register_fake
+def _rows_copy_out_fake(gathered: torch.Tensor, world: int, shard: int, start: int, width: int) -> torch.Tensor:
+    return gathered.new_empty((world, width))
+
+
+def _rows_copy_out_setup_context(ctx, inputs, output) -> None:
+    gathered, ctx.world, ctx.shard, ctx.start, ctx.width = inputs
+    ctx.gathered_shape = gathered.shape
+
+
+def _rows_copy_out_backward(ctx, grad: torch.Tensor):
+    # slice_backward: what autograd made of the view-slice-clone this op replaces, so the backward graph (and
+    # passes.flat_grad's match of it) is the same as before
+    end = ctx.start + ctx.width
+    placed = torch.ops.aten.slice_backward(grad, [ctx.world, ctx.shard], 1, ctx.start, end, 1)
+    return placed.view(ctx.gathered_shape), None, None, None, None
+
+
+rows_copy_out.register_autograd(_rows_copy_out_backward, setup_context=_rows_copy_out_setup_context)

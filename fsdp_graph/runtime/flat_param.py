@@ -22,6 +22,8 @@ from typing import ClassVar
 
 import torch
 
+from fsdp_graph.ir.ops import rows_copy_out
+
 
 @dataclass(frozen=True)
 class ParamSlot:
@@ -236,10 +238,17 @@ class RowShardLayout:
         # `block_rows` and `block_numel` written out: Dynamo inlines a call per parameter read in each compile
         world = self.world
         rows = -(-slot.shape[slot.dim] // world)
-        blocks = flat.view(world, self.shard_numel)[:, slot.offset : slot.offset + rows * slot.slice_numel]
+        width = rows * slot.slice_numel
         if slot.dim == 0:
-            full = blocks.reshape(world * rows, *slot.shape[1:])
+            if world == 1 or rows <= 1 or width == self.shard_numel:
+                # one block, one row a block, or the whole matrix: the parameter is a view of the flat, no copy
+                full = flat.view(world, self.shard_numel)[:, slot.offset : slot.offset + width]
+                full = full.view(world * rows, *slot.shape[1:])
+            else:  # a strided column range: copied, by one op (`ir.ops.rows_copy_out` says why)
+                full = rows_copy_out(flat, world, self.shard_numel, slot.offset, width)
+                full = full.view(world * rows, *slot.shape[1:])
             return full if world * rows == slot.shape[0] else full[: slot.shape[0]]
+        blocks = flat.view(world, self.shard_numel)[:, slot.offset : slot.offset + width]
         # Shard(d), d > 0: each rank's block is its chunk, contiguous, so the blocks are stacked on a new leading dim
         # and moved to d. Uneven chunks: the full blocks so, then the one partial chunk (a prefix of its block).
         full_ranks = world if rows == 0 else min(world, slot.shape[slot.dim] // rows)

@@ -319,11 +319,9 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_2, detach_2, 0);  mm_2 = detach_2 = None
     wait_tensor_default_3 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1);  all_gather_into_tensor_default_1 = None
-    view_2 = torch.ops.aten.view.default(wait_tensor_default_3, [2, 10]);  wait_tensor_default_3 = None
-    slice_3 = torch.ops.aten.slice.Tensor(view_2, 1, 0, 8);  view_2 = None
-    clone_2 = torch.ops.aten.clone.default(slice_3, memory_format = torch.contiguous_format);  slice_3 = None
-    _unsafe_view_2 = torch.ops.aten._unsafe_view.default(clone_2, [4, 4]);  clone_2 = None
-    t_1 = torch.ops.aten.t.default(_unsafe_view_2);  _unsafe_view_2 = None
+    rows_copy_out_2 = torch.ops.fsdp.rows_copy_out.default(wait_tensor_default_3, 2, 10, 0, 8);  wait_tensor_default_3 = None
+    view_2 = torch.ops.aten.view.default(rows_copy_out_2, [4, 4]);  rows_copy_out_2 = None
+    t_1 = torch.ops.aten.t.default(view_2);  view_2 = None
     t_7 = torch.ops.aten.t.default(t_1);  t_1 = None
     mm_3 = torch.ops.aten.mm.default(threshold_backward, t_7);  t_7 = None
     t_8 = torch.ops.aten.t.default(threshold_backward)
@@ -343,11 +341,9 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, tang
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
     threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
     wait_tensor_default_6 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_2);  all_gather_into_tensor_default_2 = None
-    view = torch.ops.aten.view.default(wait_tensor_default_6, [2, 10]);  wait_tensor_default_6 = None
-    slice_1 = torch.ops.aten.slice.Tensor(view, 1, 0, 8);  view = None
-    clone = torch.ops.aten.clone.default(slice_1, memory_format = torch.contiguous_format);  slice_1 = None
-    _unsafe_view = torch.ops.aten._unsafe_view.default(clone, [4, 4]);  clone = None
-    t = torch.ops.aten.t.default(_unsafe_view);  _unsafe_view = None
+    rows_copy_out = torch.ops.fsdp.rows_copy_out.default(wait_tensor_default_6, 2, 10, 0, 8);  wait_tensor_default_6 = None
+    view = torch.ops.aten.view.default(rows_copy_out, [4, 4]);  rows_copy_out = None
+    t = torch.ops.aten.t.default(view);  view = None
     t_11 = torch.ops.aten.t.default(t);  t = None
     mm_5 = torch.ops.aten.mm.default(threshold_backward_1, t_11);  t_11 = None
     t_12 = torch.ops.aten.t.default(threshold_backward_1)

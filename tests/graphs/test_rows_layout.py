@@ -44,8 +44,10 @@ def test_unknown_layout_is_refused(fake_pg):
 
 def test_rows_pipeline_one_gather_per_unit_then_copy_out(fake_pg):
     """World 4, dim 8: each Linear is 2 rows per rank, the 2-row head is on ranks 0 and 1 only. One all-gather per
-    unit in each direction; a unit's parameters are copied out of the rank-major gathered flat (`clone`), the
-    single-parameter head unit's is a view; FULL_SHARD recomputes the copies in backward instead of saving them."""
+    unit in each direction; a unit's parameters are copied out of the rank-major gathered flat, one
+    `fsdp.rows_copy_out` each, the single-parameter head unit's is a view; FULL_SHARD recomputes the copies in
+    backward (the weights' only: the biases' gradients need none) instead of saving them, and each unit's gradient
+    pieces are laid out by one `cat` (`passes.flat_grad`), not a sum of zero-padded slices."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     # without shared block bodies (the default since issue 25): this checks each block's own nodes
@@ -69,37 +71,34 @@ def forward(self, primals_1, primals_2, primals_3, primals_4):
     all_gather_into_tensor_default = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_2, 4, '0')
     all_gather_into_tensor_default_1 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_3, 4, '0')
     wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default);  all_gather_into_tensor_default = None
-    view = torch.ops.aten.view.default(wait_tensor_default, [4, 18]);  wait_tensor_default = None
-    slice_1 = torch.ops.aten.slice.Tensor(view, 1, 0, 16)
-    clone = torch.ops.aten.clone.default(slice_1, memory_format = torch.contiguous_format);  slice_1 = None
-    _unsafe_view = torch.ops.aten._unsafe_view.default(clone, [8, 8]);  clone = None
-    slice_2 = torch.ops.aten.slice.Tensor(view, 1, 16, 18);  view = None
-    clone_1 = torch.ops.aten.clone.default(slice_2, memory_format = torch.contiguous_format);  slice_2 = None
+    rows_copy_out = torch.ops.fsdp.rows_copy_out.default(wait_tensor_default, 4, 18, 0, 16)
+    view = torch.ops.aten.view.default(rows_copy_out, [8, 8]);  rows_copy_out = None
+    rows_copy_out_1 = torch.ops.fsdp.rows_copy_out.default(wait_tensor_default, 4, 18, 16, 2);  wait_tensor_default = None
     all_gather_into_tensor_default_2 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_4, 4, '0')
-    _unsafe_view_1 = torch.ops.aten._unsafe_view.default(clone_1, [8]);  clone_1 = None
-    t = torch.ops.aten.t.default(_unsafe_view);  _unsafe_view = None
-    addmm = torch.ops.aten.addmm.default(_unsafe_view_1, primals_1, t);  _unsafe_view_1 = t = None
+    view_1 = torch.ops.aten.view.default(rows_copy_out_1, [8]);  rows_copy_out_1 = None
+    t = torch.ops.aten.t.default(view);  view = None
+    addmm = torch.ops.aten.addmm.default(view_1, primals_1, t);  view_1 = t = None
     relu = torch.ops.aten.relu.default(addmm);  addmm = None
     wait_tensor_default_1 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1);  all_gather_into_tensor_default_1 = None
-    view_2 = torch.ops.aten.view.default(wait_tensor_default_1, [4, 18]);  wait_tensor_default_1 = None
-    slice_3 = torch.ops.aten.slice.Tensor(view_2, 1, 0, 16)
-    clone_2 = torch.ops.aten.clone.default(slice_3, memory_format = torch.contiguous_format);  slice_3 = None
-    _unsafe_view_2 = torch.ops.aten._unsafe_view.default(clone_2, [8, 8]);  clone_2 = None
-    slice_4 = torch.ops.aten.slice.Tensor(view_2, 1, 16, 18);  view_2 = None
-    clone_3 = torch.ops.aten.clone.default(slice_4, memory_format = torch.contiguous_format);  slice_4 = None
-    _unsafe_view_3 = torch.ops.aten._unsafe_view.default(clone_3, [8]);  clone_3 = None
-    t_1 = torch.ops.aten.t.default(_unsafe_view_2);  _unsafe_view_2 = None
-    addmm_1 = torch.ops.aten.addmm.default(_unsafe_view_3, relu, t_1);  _unsafe_view_3 = t_1 = None
+    rows_copy_out_2 = torch.ops.fsdp.rows_copy_out.default(wait_tensor_default_1, 4, 18, 0, 16)
+    view_2 = torch.ops.aten.view.default(rows_copy_out_2, [8, 8]);  rows_copy_out_2 = None
+    rows_copy_out_3 = torch.ops.fsdp.rows_copy_out.default(wait_tensor_default_1, 4, 18, 16, 2);  wait_tensor_default_1 = None
+    view_3 = torch.ops.aten.view.default(rows_copy_out_3, [8]);  rows_copy_out_3 = None
+    t_1 = torch.ops.aten.t.default(view_2);  view_2 = None
+    addmm_1 = torch.ops.aten.addmm.default(view_3, relu, t_1);  view_3 = t_1 = None
     relu_1 = torch.ops.aten.relu.default(addmm_1);  addmm_1 = None
     wait_tensor_default_2 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_default_2);  all_gather_into_tensor_default_2 = None
     view_4 = torch.ops.aten.view.default(wait_tensor_default_2, [4, 8]);  wait_tensor_default_2 = None
     alias = torch.ops.aten.alias.default(view_4);  view_4 = None
     view_5 = torch.ops.aten.view.default(alias, [4, 8]);  alias = None
-    slice_5 = torch.ops.aten.slice.Tensor(view_5, 0, 0, 2);  view_5 = None
-    t_2 = torch.ops.aten.t.default(slice_5);  slice_5 = None
+    slice_1 = torch.ops.aten.slice.Tensor(view_5, 0, 0, 2);  view_5 = None
+    t_2 = torch.ops.aten.t.default(slice_1);  slice_1 = None
     mm = torch.ops.aten.mm.default(relu_1, t_2);  t_2 = None
     return (mm, primals_1, primals_2, primals_3, primals_4, relu, relu_1)""",
     )
+    backward = reports["bw"].code
+    assert backward.count("fsdp.rows_copy_out.default(") == 2 and "(wait_tensor_default_2, 4, 18, 0, 16)" in backward
+    assert backward.count("aten.cat.default(") == 2 and "slice_scatter" not in backward
 
 
 def test_eager_full_shard_frees_copied_out_parameters(fake_pg):
