@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fsdp_graph.ir import UNSHARD_TARGETS
+from fsdp_graph.ir import ROWS_COPY_OUT_TARGETS, UNSHARD_TARGETS
 
 _IN_PLACE = frozenset(
     {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow, operator.iand}
@@ -39,7 +39,8 @@ def gathered_reads(gm: fx.GraphModule) -> list[GatheredRead]:
 
     Matches: `fsdp.unshard` nodes whose shard is a graph input; views of their result (nodes whose example value is
     a view and whose first argument is the gathered tensor or a view of it) are followed; each other node taking such
-    a view, whose own value requires grad, is one read. Guarantees: a read that can pass a gradient to an output has
+    a view, whose own value requires grad, is one read, at the element its view starts (`fsdp.rows_copy_out`: at its
+    `start` column, where the slot's block starts in every rank's shard). Guarantees: a read that can pass a gradient to an output has
     that output's bit (or `always`), so a parameter can be judged gradient-free only when none of its reads' outputs
     got one; reads are not deduplicated. Empty when the graph gathers nothing with gradients. Changes nothing.
     """
@@ -61,7 +62,10 @@ def gathered_reads(gm: fx.GraphModule) -> list[GatheredRead]:
             continue  # detach(), argmax...: no gradient flows back through it
         for arg in read:
             shard_input, unshard = views[arg]
-            found.append((node, shard_input, _position(arg, unshard)))
+            position = _position(arg, unshard)
+            if node.target in ROWS_COPY_OUT_TARGETS and arg is node.args[0] and position is None:
+                position = node.args[3]  # the rows layout's copy-out reads its columns from `start` on
+            found.append((node, shard_input, position))
     if not found:
         return []
     masks = _output_masks(gm)

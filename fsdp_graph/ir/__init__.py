@@ -27,6 +27,7 @@ UNSHARD_TARGETS = (UNSHARD, torch.ops.fsdp.unshard)
 REDUCE_GRAD_TARGETS = (REDUCE_GRAD, torch.ops.fsdp.reduce_grad)
 # The rows layout's copy-out of one parameter from a gathered flat (`RowShardLayout.param_of`).
 ROWS_COPY_OUT = torch.ops.fsdp.rows_copy_out.default
+ROWS_COPY_OUT_TARGETS = (ROWS_COPY_OUT, torch.ops.fsdp.rows_copy_out)
 
 C10D = torch.ops._c10d_functional
 ALL_GATHER = C10D.all_gather_into_tensor.default

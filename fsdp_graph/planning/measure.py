@@ -161,7 +161,7 @@ def wire_bytes_per_group(fn: Callable[[], object]) -> dict[str, Counter]:
     class _Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func.namespace == "fsdp":
+            if func.namespace == "fsdp" and func._opname in bodies:  # the others (copies, hand-offs) send nothing
                 with self:
                     return bodies[func._opname](*args, **kwargs)
             # wait_tensor and _wrap_tensor_autograd (DTensor's async all-reduce wraps its result) send nothing.
