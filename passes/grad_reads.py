@@ -40,9 +40,9 @@ def gathered_reads(gm: fx.GraphModule) -> list[GatheredRead]:
     Matches: `fsdp.unshard` nodes whose shard is a graph input; views of their result (nodes whose example value is
     a view and whose first argument is the gathered tensor or a view of it) are followed; each other node taking such
     a view, whose own value requires grad, is one read, at the element its view starts (`fsdp.rows_copy_out`: at its
-    `start` column, where the slot's block starts in every rank's shard). Guarantees: a read that can pass a gradient to an output has
-    that output's bit (or `always`), so a parameter can be judged gradient-free only when none of its reads' outputs
-    got one; reads are not deduplicated. Empty when the graph gathers nothing with gradients. Changes nothing.
+    `start` column, where the slot's block starts in every rank's shard). Guarantees: a read that can pass a
+    gradient to an output has that output's bit (or `always`), so a parameter can be judged gradient-free only when
+    none of its reads' outputs got one; reads are not deduplicated. Empty when the graph gathers nothing with gradients. Changes nothing.
     """
     inputs = {node: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     views: dict[fx.Node, tuple[int, fx.Node]] = {}  # view node -> (graph input, the unshard it views)

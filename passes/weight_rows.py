@@ -7,8 +7,8 @@ gathered flat with a fixed pattern (`RowShardLayout.param_of`):
     fsdp.rows_copy_out(wait, world, S, lo, hi - lo) -> view([world * rows, *trailing])
 
 (the same read written out, `view(wait, [world, S]) -> slice(dim 1, lo, hi) -> clone -> view`, is matched too), or,
-for a unit of one parameter whose rows divide evenly, `view(wait, [d0, *trailing])` directly. Column range `[lo, hi)` of every rank's shard is then `rows`
-rows of `prod(trailing)` elements (a 1-D parameter: one row, its whole block). A reused block body
+for a unit of one parameter whose rows divide evenly, `view(wait, [d0, *trailing])` directly. Column range `[lo, hi)`
+of every rank's shard is then `rows` rows of `prod(trailing)` elements (a 1-D parameter: one row, its whole block). A reused block body
 (`invoke_subgraph`) is read through its input. Every range found this way becomes a segment with that row length;
 the ranges the graph does not read, or reads some other way (a bucket's copy-out, `reshard_after_forward=k`'s rank
 reorder, the flat layout), keep `block_size` blocks. Values of a range nobody reads do not matter, so a backward

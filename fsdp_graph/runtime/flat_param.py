@@ -242,11 +242,10 @@ class RowShardLayout:
         if slot.dim == 0:
             if world == 1 or rows <= 1 or width == self.shard_numel:
                 # one block, one row a block, or the whole matrix: the parameter is a view of the flat, no copy
-                full = flat.view(world, self.shard_numel)[:, slot.offset : slot.offset + width]
-                full = full.view(world * rows, *slot.shape[1:])
+                blocks = flat.view(world, self.shard_numel)[:, slot.offset : slot.offset + width]
             else:  # a strided column range: copied, by one op (`ir.ops.rows_copy_out` says why)
-                full = rows_copy_out(flat, world, self.shard_numel, slot.offset, width)
-                full = full.view(world * rows, *slot.shape[1:])
+                blocks = rows_copy_out(flat, world, self.shard_numel, slot.offset, width)
+            full = blocks.view(world * rows, *slot.shape[1:])
             return full if world * rows == slot.shape[0] else full[: slot.shape[0]]
         blocks = flat.view(world, self.shard_numel)[:, slot.offset : slot.offset + width]
         # Shard(d), d > 0: each rank's block is its chunk, contiguous, so the blocks are stacked on a new leading dim

@@ -40,14 +40,14 @@ def forward(self, L_self_fsdp_flat_shards_0_ : torch.Tensor, L_x_ : torch.Tensor
     l_x_ = L_x_
     flat = torch.ops.fsdp.unshard(l_self_fsdp_flat_shards_0_, '', '0', 4);  l_self_fsdp_flat_shards_0_ = None
     view = flat.view(4, 3)
-    full = view[(slice(None, None, None), slice(0, 3, None))];  view = None
-    full_1 = full.view(4, 3);  full = None
-    getitem_1 = full_1[slice(None, 3, None)];  full_1 = None
+    blocks = view[(slice(None, None, None), slice(0, 3, None))];  view = None
+    full = blocks.view(4, 3);  blocks = None
+    getitem_1 = full[slice(None, 3, None)];  full = None
     matmul = l_x_ @ getitem_1;  getitem_1 = None
     view_2 = flat.view(4, 3);  flat = None
-    full_2 = view_2[(slice(None, None, None), slice(0, 3, None))];  view_2 = None
-    full_3 = full_2.view(4, 3);  full_2 = None
-    getitem_3 = full_3[slice(None, 3, None)];  full_3 = None
+    blocks_1 = view_2[(slice(None, None, None), slice(0, 3, None))];  view_2 = None
+    full_1 = blocks_1.view(4, 3);  blocks_1 = None
+    getitem_3 = full_1[slice(None, 3, None)];  full_1 = None
     t = getitem_3.t();  getitem_3 = None
     matmul_1 = l_x_ @ t;  l_x_ = t = None
     add = matmul + matmul_1;  matmul = matmul_1 = None
@@ -85,14 +85,14 @@ def forward(self, L_self_fsdp_flat_shards_0_ : torch.Tensor, L_x_ : torch.Tensor
     flat = torch.ops.fsdp.unshard(l_self_fsdp_flat_shards_0_, '', '0', 4);  l_self_fsdp_flat_shards_0_ = None
     detach = flat.detach()
     view = flat.view(4, 3)
-    full = view[(slice(None, None, None), slice(0, 3, None))];  view = None
-    full_1 = full.view(4, 3);  full = None
-    getitem_1 = full_1[slice(None, 3, None)];  full_1 = None
+    blocks = view[(slice(None, None, None), slice(0, 3, None))];  view = None
+    full = blocks.view(4, 3);  blocks = None
+    getitem_1 = full[slice(None, 3, None)];  full = None
     matmul = l_x_ @ getitem_1;  getitem_1 = None
     view_2 = flat.view(4, 3);  flat = None
-    full_2 = view_2[(slice(None, None, None), slice(0, 3, None))];  view_2 = None
-    full_3 = full_2.view(4, 3);  full_2 = None
-    getitem_3 = full_3[slice(None, 3, None)];  full_3 = None
+    blocks_1 = view_2[(slice(None, None, None), slice(0, 3, None))];  view_2 = None
+    full_1 = blocks_1.view(4, 3);  blocks_1 = None
+    getitem_3 = full_1[slice(None, 3, None)];  full_1 = None
     t = getitem_3.t();  getitem_3 = None
     matmul_1 = l_x_ @ t;  l_x_ = t = None
     add = matmul + matmul_1;  matmul = matmul_1 = None

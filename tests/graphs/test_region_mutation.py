@@ -82,12 +82,12 @@ def forward(self, l_x_ : torch._subclasses.fake_tensor.FakeTensor, l_self_module
     sum_1 = detach.sum(0);  detach = None
     add_ = clone.add_(sum_1);  sum_1 = add_ = None
     view = flat.view(4, 5)
-    full = view[(slice(None, None, None), slice(0, 4, None))];  view = None
-    full_1 = full.view(4, 4);  full = None
+    blocks = view[(slice(None, None, None), slice(0, 4, None))];  view = None
+    full = blocks.view(4, 4);  blocks = None
     view_2 = flat.view(4, 5);  flat = None
-    full_2 = view_2[(slice(None, None, None), slice(4, 5, None))];  view_2 = None
-    full_3 = full_2.view(4);  full_2 = None
-    linear = torch._C._nn.linear(l_x_, full_1, full_3);  l_x_ = full_1 = full_3 = None
+    blocks_1 = view_2[(slice(None, None, None), slice(4, 5, None))];  view_2 = None
+    full_1 = blocks_1.view(4);  blocks_1 = None
+    linear = torch._C._nn.linear(l_x_, full, full_1);  l_x_ = full = full_1 = None
     out = linear.relu();  linear = None
     return (out, clone)""",
     )
