@@ -8,8 +8,8 @@ users call it, `fully_shard(model)` and `fsdp_backend` with their defaults (`sha
 rank processes (`spawn`), one new empty Inductor cache directory for all of them (one node). Each rank times its
 first four steps after a barrier; its cold compile is the first step minus the median of the other three, and the
 world's figure is its slowest rank's. Prints each world's figure and every world / the first, the kernel libraries
-Inductor built, and the longest seconds any rank spent compiling for the others, waiting for them and loading
-their files (`CompileSharing.seconds`). On a machine with fewer cores than ranks, the ranks' Dynamo traces
+Inductor built, and the longest seconds any rank spent compiling for the others, loading the compile stack before
+it waited (preparing), waiting for them and loading their files (`CompileSharing.seconds`). On a machine with fewer cores than ranks, the ranks' Dynamo traces
 (every rank traces before the first one compiles for all) share the cores: say the core count with the figure.
 """
 

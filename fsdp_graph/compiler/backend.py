@@ -42,6 +42,7 @@ from fsdp_graph.compiler.region_schema import cached_region_schemas
 from fsdp_graph.compiler.shared_compile import CompileSharing
 from fsdp_graph.compiler.stage_passes import DEFAULT_SCHEDULE, GraphReport, LowerPass, ReshardPass, ScheduleOptions
 from fsdp_graph.compiler.vec_isa import vec_isa_patches
+from fsdp_graph.compiler.warm_up import load_compile_stack
 from fsdp_graph.ir import ops
 
 
@@ -67,7 +68,7 @@ class FSDPBackend:
     (`fsdp_graph.compiler.rank_check`), waiting at most `verify_timeout_s` for the other ranks. With
     `share_compiles`, the first rank to reach a graph compiles it for the ranks with the same graph
     (`fsdp_graph.compiler.shared_compile`; `sharing.stats` counts what this rank compiled and loaded,
-    `sharing.seconds` times its compiling, waiting and loading).
+    `sharing.seconds` times its compiling, preparing, waiting and loading).
     With torch's compile caches on, a graph compiled before (by another rank, or an earlier compile on this machine)
     is served from them, eager kernels included (`_compile_eager`), and `reports` then holds what the passes reported
     when they compiled it (`GraphReport.loaded_from`). `compiled` keeps what each compile left in those caches, by
@@ -206,6 +207,7 @@ class FSDPBackend:
                 compile_checked,
                 lambda: STORE.load(store_key),
                 lambda entry: STORE.save(store_key, entry["rank"], entry["reports"]),
+                functools.partial(load_compile_stack, self.inductor),
             )
         elif cached:
             with compiled_files.recording() as files:

@@ -69,8 +69,9 @@ def job_timeout_s() -> float:
 class CompileSharing:
     """One backend's side of the sharing on this rank. `stats` counts graphs this rank compiled for others
     ("compiled"), loaded from another rank ("loaded") and the kernel libraries it installed ("kernels");
-    `seconds` the wall time of each phase: compiling for the others ("compiling"), waiting for another rank's
-    files ("waiting"), installing them and compiling from the caches they fill ("loading")."""
+    `seconds` the wall time of each phase: compiling for the others ("compiling"), doing what a compile from the
+    caches does once per process before waiting for another rank's files ("preparing"), waiting ("waiting"),
+    installing them and compiling from the caches they fill ("loading")."""
 
     def __init__(self, timeout_s: float | None = None, stale_s: float = 120.0, heartbeat_s: float = 2.0):
         self.timeout_s, self.stale_s, self.heartbeat_s = timeout_s, stale_s, heartbeat_s
@@ -92,11 +93,13 @@ class CompileSharing:
         compile_fn: Callable[[], Any],
         reports: Callable[[], dict | None],
         install_reports: Callable[[dict], None],
+        prepare: Callable[[], None] | None = None,
     ) -> Any:
         """`compile_fn()`, on the first rank to reach `key`; other ranks wait for its files, install them (and its
         passes' reports, through `install_reports`, where the compile served from them finds them) and then run
         `compile_fn()`, which the caches serve. `reports()` gives what the compiling rank's passes reported of the
-        graph (`rank_check.STORE`'s entry: the rank and its reports as JSON; None: not made)."""
+        graph (`rank_check.STORE`'s entry: the rank and its reports as JSON; None: not made). A waiting rank runs
+        `prepare()` first (`warm_up.load_compile_stack`: the compile's one-time work), while the compiling rank works."""
         store = _default_store()
         base = f"{_scope()}/{key}"
         rank = dist.get_rank()
@@ -106,6 +109,10 @@ class CompileSharing:
             compiled = self._compile_for_all(store, base, key, compile_fn, reports)
             self.seconds["compiling"] += time.perf_counter() - start
             return compiled
+        if prepare is not None:
+            prepare()
+            self.seconds["preparing"] += time.perf_counter() - start
+            start = time.perf_counter()
         files, published = self._wait_for(store, base, owner, name)
         waited = time.perf_counter()
         self.seconds["waiting"] += waited - start

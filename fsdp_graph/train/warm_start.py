@@ -8,7 +8,9 @@ after this warm-up (the next ones 0.75 s: the rest is the first backward's set-u
 The suite forks several hundred ranks. Only CPU builds of torch warm up: a CUDA or ROCm build could initialise its
 driver while compiling, and a process forked after that cannot use the GPU.
 
-It also indexes the sources Dynamo names functions from (`_index_traced_sources`).
+It also indexes the sources Dynamo names functions from (`_index_traced_sources`), and imports and computes what a
+first compile does once per process (`fsdp_graph.compiler.warm_up.load_compile_stack`: about 800 modules, Inductor's
+C++ codegen among them, and torch's source key; over 1 s of CPU a rank).
 
 The server must stay safe to fork: the warm-up compiles an inference graph with eager kernels only (no autograd,
 whose engine marks a forked child unable to run a backward once it has started, torch 2.11; no Inductor, whose
@@ -17,6 +19,8 @@ guards reach a rank) and its counters, and stops tqdm's monitor thread if the co
 """
 
 from __future__ import annotations
+
+from fsdp_graph.compiler.warm_up import load_compile_stack
 
 
 def warm_up() -> None:
@@ -33,6 +37,7 @@ def warm_up() -> None:
     torch._dynamo.utils.counters.clear()
     _stop_tqdm_monitor()
     _index_traced_sources()
+    load_compile_stack(inductor=True)
 
 
 def _index_traced_sources() -> None:
