@@ -45,4 +45,6 @@ def load_compile_stack(inductor: bool = True) -> None:
             pass
     from torch._inductor import codecache
 
-    codecache.torch_key()
+    torch_key = getattr(codecache, "torch_key", None)  # another torch may have none: its compile keys as it will
+    if torch_key is not None:
+        torch_key()
