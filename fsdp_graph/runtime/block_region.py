@@ -371,7 +371,7 @@ def _gathering_forward(self: nn.Module, *args, **kwargs):
         if why is not None or refused is not None:
             return _fall_back(self, block_arguments.argument_reason(why, refused), args, kwargs)
     flats: tuple = ()
-    for index in range(len(self.__dict__["_fsdp_states"])):
+    for index in range(len(self._fsdp_states)):  # as `unsharded_flat` reads it: one Dynamo source, no alias guard
         flats += (unsharded_flat(self, index),)
     grad, training, block = torch.is_grad_enabled(), self.training, self.__dict__[BLOCK_KEY]  # noqa: F841 (see below)
     comptime(_note_call)

@@ -449,18 +449,23 @@ def exit_forward(root: RootState, own_states: list[FlatParamState]) -> None:
 def install_forward_hooks(module: nn.Module, root: RootState) -> None:
     """`enter_forward`/`exit_forward` around eager forwards of `module`. The hooks touch no tensor, so under
     torch.compile they add no graph."""
-    own_states: list[FlatParamState] = module.__dict__.get("_fsdp_states", [])
+    # A unit's states and root are read from the module, not closed over: Dynamo would reach each object through the
+    # hook's closure and the module both, and guard that they are one object (aliasing guards per unit, every call).
+    has_states = "_fsdp_states" in module.__dict__
+    stateless_root = None if has_states else root
 
     # Compiled, the hooks test for it themselves: each call Dynamo inlines costs it a frame, per unit.
     def pre_forward(module: nn.Module, args: tuple) -> None:
         if not torch.compiler.is_compiling():
-            enter_forward(root, args)
+            enter_forward(module._fsdp_states[0].root if has_states else stateless_root, args)
 
     def post_forward(module: nn.Module, args: tuple, output: object) -> None:
+        own_states: list[FlatParamState] = module._fsdp_states if has_states else []
+        unit_root = own_states[0].root if has_states else stateless_root
         if torch.compiler.is_compiling():
-            _compiled_exit(root, own_states)
+            _compiled_exit(unit_root, own_states)
         else:
-            exit_forward(root, own_states)
+            exit_forward(unit_root, own_states)
 
     module.register_forward_pre_hook(pre_forward)
     module.register_forward_hook(post_forward, always_call=True)
