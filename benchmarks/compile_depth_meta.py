@@ -6,6 +6,7 @@ passes; no Inductor code generation, which needs real tensors), at a shallow and
     python benchmarks/compile_depth_meta.py --preset 1b --layers 8 16
     python benchmarks/compile_depth_meta.py --reuse-blocks          # fully_shard(reuse_blocks=True)
     python benchmarks/compile_depth_meta.py --torch regions         # plain torch.compile, no fsdp_graph (below)
+    python benchmarks/compile_depth_meta.py --reuse-blocks --instructions   # what Dynamo traces per layer (below)
 
 Each depth runs in a fresh process: `scale_plans.explain_llama` (build on meta, `fully_shard(device="meta")`,
 `fsdp_graph.explain`: one training step traced and compiled, then its plan replayed). Prints, per depth, the
@@ -16,6 +17,12 @@ for both graphs), and the wall and CPU seconds of the whole call, then deep / sh
 and AOT autograd with eager kernels: the stages our compile has, without sharding and our passes), one forward and
 backward of the same loss; `regions` makes each block's forward torch's own block reuse,
 `torch.compiler.nested_compile_region`. The yardstick for what torch's tracing costs per layer without us.
+
+`--instructions`: also count the bytecode instructions Dynamo traces, by function, and print the functions that
+grow with depth, per layer. Unlike seconds, the counts do not depend on how busy the machine is (the same code and
+options trace the same instructions), so a change to what the runtime makes Dynamo trace can be measured exactly on
+a shared machine whose speed varies twofold from day to day. The counting slows Dynamo's tracing: take seconds
+from a run without it.
 """
 
 from __future__ import annotations
@@ -25,11 +32,39 @@ import json
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+# torch.compile's phases, as `compilation_time_metrics` names them: Dynamo's bytecode tracing (the model's and the
+# runtime's Python, run symbolically), the backend (AOT autograd's joint trace and partition, then our passes) and
+# the guards built at its end.
+PHASES = {
+    "dynamo_tracing": "bytecode_tracing",
+    "backend": "OutputGraph.call_user_compiler",
+    "guards": "build_guards",
+}
+
+
+def count_traced_instructions() -> Counter:
+    """From now on, each bytecode instruction Dynamo traces adds 1 to its function's count, keyed
+    "path/to/file.py:function" (paths from the package root: fsdp_graph/..., torch/...)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+    counts: Counter = Counter()
+    step = InstructionTranslatorBase.step
+
+    def counted_step(self) -> bool:
+        code = self.f_code
+        counts[f"{code.co_filename.split('site-packages/')[-1].removeprefix(str(ROOT) + '/')}:{code.co_name}"] += 1
+        return step(self)
+
+    InstructionTranslatorBase.step = counted_step
+    return counts
 
 
 def measure(preset_name: str, layers: int, world: int, reuse_blocks: bool) -> dict:
@@ -49,7 +84,8 @@ def measure(preset_name: str, layers: int, world: int, reuse_blocks: bool) -> di
         # torch.compile's own share of it (Dynamo, AOT autograd, our passes, both graphs: the fake world checks
         # collectives, so the backward compiles up front), without the build, the sharding and the plan replay.
         compile_s = sum(compilation_time_metrics["_compile.compile_inner"])
-        return {"layers": layers, "wall_s": wall, "cpu_s": cpu, "compile_s": compile_s}
+        phases = {name: sum(compilation_time_metrics.get(key, [])) for name, key in PHASES.items()}
+        return {"layers": layers, "wall_s": wall, "cpu_s": cpu, "compile_s": compile_s, "phases": phases}
     finally:
         dist.destroy_process_group()
 
@@ -74,16 +110,23 @@ def measure_torch(preset_name: str, layers: int, regions: bool) -> dict:
     torch.compile(step, backend="aot_eager", fullgraph=True)(llama, idx).backward()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     compile_s = sum(compilation_time_metrics["_compile.compile_inner"])
-    return {"layers": layers, "wall_s": wall, "cpu_s": cpu, "compile_s": compile_s}
+    phases = {name: sum(compilation_time_metrics.get(key, [])) for name, key in PHASES.items()}
+    return {"layers": layers, "wall_s": wall, "cpu_s": cpu, "compile_s": compile_s, "phases": phases}
 
 
 def in_fresh_process(
-    preset_name: str, layers: int, world: int, reuse_blocks: bool, torch_mode: str | None = None
+    preset_name: str,
+    layers: int,
+    world: int,
+    reuse_blocks: bool,
+    torch_mode: str | None = None,
+    instructions: bool = False,
 ) -> dict:
     """`measure` (or `measure_torch`) in a new Python process (nothing compiled or imported before it)."""
     command = [sys.executable, __file__, "--child", "--preset", preset_name, "--world", str(world)]
     command += ["--layers", str(layers), str(layers)] + (["--reuse-blocks"] if reuse_blocks else [])
     command += ["--torch", torch_mode] if torch_mode else []
+    command += ["--instructions"] if instructions else []
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -95,16 +138,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--reuse-blocks", action="store_true")
     parser.add_argument("--torch", choices=("plain", "regions"), help="plain torch.compile instead (see above)")
+    parser.add_argument("--instructions", action="store_true", help="count what Dynamo traces (see above)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
+        counts = count_traced_instructions() if args.instructions else Counter()
         if args.torch:
-            print(json.dumps(measure_torch(args.preset, args.layers[0], args.torch == "regions")))
+            result = measure_torch(args.preset, args.layers[0], args.torch == "regions")
         else:
-            print(json.dumps(measure(args.preset, args.layers[0], args.world, args.reuse_blocks)))
+            result = measure(args.preset, args.layers[0], args.world, args.reuse_blocks)
+        print(json.dumps({**result, "instructions": dict(counts)}))
         return 0
     results = [
-        in_fresh_process(args.preset, layers, args.world, args.reuse_blocks, args.torch) for layers in args.layers
+        in_fresh_process(args.preset, layers, args.world, args.reuse_blocks, args.torch, args.instructions)
+        for layers in args.layers
     ]
     if args.torch:
         label = f"{args.preset}, plain torch.compile (aot_eager){', nested_compile_region' * (args.torch == 'regions')}"
@@ -122,7 +169,30 @@ def main(argv: list[str] | None = None) -> int:
         f"compile (issue 15's goal: <= 2x); {whole}: {deep['wall_s'] / shallow['wall_s']:.2f}x wall, "
         f"{deep['cpu_s'] / shallow['cpu_s']:.2f}x CPU"
     )
+    print(
+        f"{label}: seconds a layer added, by phase: "
+        + ", ".join(
+            f"{name} {1000 * (deep['phases'][name] - shallow['phases'][name]) / (deep['layers'] - shallow['layers']):.0f} ms"
+            for name in PHASES
+        )
+    )
+    if args.instructions:
+        print_instructions(label, shallow, deep)
     return 0
+
+
+def print_instructions(label: str, shallow: dict, deep: dict, top: int = 15) -> None:
+    """Dynamo's traced instructions at both depths, and the functions whose count grows with depth, per layer."""
+    added = deep["layers"] - shallow["layers"]
+    before, after = Counter(shallow["instructions"]), Counter(deep["instructions"])
+    print(
+        f"{label}: Dynamo traced {sum(before.values())} instructions at {shallow['layers']} layers, "
+        f"{sum(after.values())} at {deep['layers']}: {(sum(after.values()) - sum(before.values())) / added:.0f} a layer"
+    )
+    growth = Counter({name: (after[name] - before[name]) / added for name in after})
+    for name, per_layer in growth.most_common(top):
+        if per_layer > 0:
+            print(f"  {per_layer:7.1f} a layer  {name}")
 
 
 if __name__ == "__main__":
