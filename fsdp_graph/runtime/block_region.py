@@ -98,14 +98,18 @@ def buffer_refusals(units: dict[str, nn.Module]) -> dict[str, str]:
 def complex_refusals(units: dict[str, nn.Module]) -> dict[str, str]:
     """For each unit (FQN -> module) holding a complex tensor (torchtitan's complex RoPE cache is a buffer of every
     layer), why it cannot share a body: torch 2.13's invoke_subgraph has no kernel for the Conjugate dispatch key
-    that complex tensors carry, so such a body fails when it runs (measured on torchtitan's Llama3)."""
+    that a lazily conjugated tensor carries, and the body's backward gets one (the gradient of a complex product),
+    so such a body fails when it runs (measured on torchtitan's Llama3). Materialising the conjugate makes it run,
+    exactly with eager kernels, but Inductor then computes the body's gradients wrong
+    (`benchmarks/complex_region_probe.py`), so the unit is refused whatever the backend."""
     refusals = {}
     for fqn, unit in units.items():
         for name, tensor in [*unit.named_buffers(), *unit.named_parameters()]:
             if tensor.is_complex():
                 refusals[fqn] = (
                     f"unit {fqn!r} holds a complex tensor ({name!r}, {tensor.dtype}), and torch's invoke_subgraph has "
-                    "no kernel for complex tensors' Conjugate dispatch key"
+                    "no kernel for the Conjugate dispatch key of the conjugates its backward makes, and Inductor "
+                    "computes such a body's gradients wrong (docs/limitations.md)"
                 )
                 break
     return refusals
