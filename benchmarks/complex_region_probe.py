@@ -10,7 +10,8 @@ rewrite of `aten._conj` into `aten.conj_physical`: the largest gradient differen
 region's partitioned forward saves `_conj` of the cache slice (a lazy-conjugate view) for its backward, and the
 invoke_subgraph HOP has no kernel for the Conjugate dispatch key such a tensor carries. The rewrite (the same values,
 materialised) removes the lazy view: exact with eager kernels, but under Inductor the region's gradients are then
-silently wrong (measured 9.6e-2 here; torchtitan's DeepSeek-V3 likewise), so the refusal stays.
+silently wrong (measured 9.6e-2 here, in the first block only, whose input needs no gradient; torchtitan's
+DeepSeek-V3 likewise), so the refusal stays.
 docs/design-notes.md ("No complex tensor in the body") has the measurements.
 """
 
