@@ -6,7 +6,7 @@ block, sliced to the sequence, multiplied into `view_as_complex` queries and key
     python benchmarks/complex_region_probe.py
 
 For each backend (`aot_eager`, `inductor`), with and without the region, and with the region plus a joint-graph
-rewrite of `aten._conj` into `aten.conj_physical`: the largest gradient difference from eager, or the error. The
+rewrite of `aten._conj` into `aten.conj_physical`, alone and with Dynamo's inlining of single-use bodies off: the largest gradient difference from eager, or the error. The
 region's partitioned forward saves `_conj` of the cache slice (a lazy-conjugate view) for its backward, and the
 invoke_subgraph HOP has no kernel for the Conjugate dispatch key such a tensor carries. The rewrite (the same values,
 materialised) removes the lazy view: exact with eager kernels, but under Inductor the gradients are then silently
@@ -19,10 +19,13 @@ docs/design-notes.md ("No complex tensor in the body") has the measurements.
 from __future__ import annotations
 
 import copy
+import os
 import tempfile
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.nn as nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 
 class Rope(nn.Module):
@@ -90,17 +93,17 @@ def _backend(name: str, rewrite: bool):
     return aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm, partition_fn=partition)
 
 
+class _Rewrite(CustomGraphPass):
+    """`materialize_conjugates` in Inductor's joint-graph slot."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        materialize_conjugates(graph)
+
+    def uuid(self) -> str:
+        return "materialize_conjugates"
+
+
 def run(backend: str, region: bool, rewrite: bool, inline_single_use: bool = True) -> str:
-    import torch._inductor.config as inductor_config
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    class Rewrite(CustomGraphPass):
-        def __call__(self, graph: torch.fx.Graph) -> None:
-            materialize_conjugates(graph)
-
-        def uuid(self) -> str:
-            return "materialize_conjugates"
-
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Model(region)
@@ -110,7 +113,7 @@ def run(backend: str, region: bool, rewrite: bool, inline_single_use: bool = Tru
     compiled = torch.compile(model, backend=_backend(backend, rewrite), fullgraph=True)
     try:
         with (
-            inductor_config.patch(joint_custom_pre_pass=Rewrite() if rewrite else None),
+            inductor_config.patch(joint_custom_pre_pass=_Rewrite() if rewrite else None),
             torch._dynamo.config.patch(inline_single_use_invoke_subgraph=inline_single_use),
         ):
             compiled(x).backward()
@@ -121,8 +124,6 @@ def run(backend: str, region: bool, rewrite: bool, inline_single_use: bool = Tru
 
 
 def main() -> None:
-    import os
-
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="complex_region_probe_")
     print(f"torch {torch.__version__}: complex RoPE cache, 3 blocks, one forward and backward")
     for backend in ("aot_eager", "inductor"):

@@ -100,16 +100,16 @@ def complex_refusals(units: dict[str, nn.Module]) -> dict[str, str]:
     layer), why it cannot share a body: torch 2.13's invoke_subgraph has no kernel for the Conjugate dispatch key
     that a lazily conjugated tensor carries, and the body's backward gets one (the gradient of a complex product),
     so such a body fails when it runs (measured on torchtitan's Llama3). Materialising the conjugate makes it run,
-    exactly with eager kernels, but Inductor then computes the body's gradients wrong
-    (`benchmarks/complex_region_probe.py`), so the unit is refused whatever the backend."""
+    exactly with eager kernels, but under Inductor a call that Dynamo inlines as a body used once then gets wrong
+    gradients (`benchmarks/complex_region_probe.py`; design-notes has the plan to lift this)."""
     refusals = {}
     for fqn, unit in units.items():
         for name, tensor in [*unit.named_buffers(), *unit.named_parameters()]:
             if tensor.is_complex():
                 refusals[fqn] = (
                     f"unit {fqn!r} holds a complex tensor ({name!r}, {tensor.dtype}), and torch's invoke_subgraph has "
-                    "no kernel for the Conjugate dispatch key of the conjugates its backward makes, and Inductor "
-                    "computes such a body's gradients wrong (docs/limitations.md)"
+                    "no kernel for the Conjugate dispatch key of the conjugates its backward makes; materialised, "
+                    "Inductor computes wrong gradients for such a body (docs/limitations.md)"
                 )
                 break
     return refusals
