@@ -53,6 +53,22 @@ def has_reuse_hash_fn() -> bool:
     return _accepts(torch.compiler.nested_compile_region, "reuse_hash_fn")
 
 
+def has_single_use_region_inlining() -> bool:
+    """torch._dynamo.config.inline_single_use_invoke_subgraph (torch 2.13): Dynamo inlines a compile region called
+    once; the switch turns it off."""
+    import torch._dynamo.config as dynamo_config
+
+    return hasattr(dynamo_config, "inline_single_use_invoke_subgraph")
+
+
+def keep_single_use_regions() -> None:
+    """Dynamo keeps a compile region called once as a region, in every compile of this process after the call."""
+    import torch._dynamo.config as dynamo_config
+
+    if has_single_use_region_inlining():
+        dynamo_config.inline_single_use_invoke_subgraph = False
+
+
 def nested_compile_region(fn: Callable, reuse_hash_fn: Callable, **options) -> Callable:
     """`torch.compiler.nested_compile_region(fn, reuse_hash_fn=...)`. Without `reuse_hash_fn` (torch 2.11) the region
     is made without it: Dynamo then traces the body at every call and installs one subgraph per distinct traced graph,

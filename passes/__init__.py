@@ -4,6 +4,7 @@ from passes.all_to_all import reduce_scatter_as_all_to_all
 from passes.bucket import bucket_collectives
 from passes.collective_counts import collective_summary
 from passes.compress import compress_collectives
+from passes.conjugates import materialize_conjugates
 from passes.dedup import dedup_unshard
 from passes.fingerprint import collective_fingerprint
 from passes.flat_grad import cat_flat_grads
@@ -26,6 +27,7 @@ __all__ = [
     "gathered_reads",
     "lift_region_mutations",
     "lower_fsdp_ops",
+    "materialize_conjugates",
     "reduce_scatter_as_all_to_all",
     "rename_groups",
     "schedule_collectives",

@@ -78,3 +78,17 @@ def fake_world_8():
     finally:
         dist.destroy_process_group()
 
+
+
+@pytest.fixture(autouse=True)
+def _single_use_regions_inlined():
+    """Each test starts with Dynamo inlining regions called once, torch's default: `fully_shard` of a model whose
+    blocks hold a complex tensor turns that off for the whole process (`block_region.keep_complex_bodies_exact`),
+    and a later test's graphs would otherwise depend on which tests ran before it on its worker."""
+    import contextlib
+
+    import torch._dynamo.config as dynamo_config
+
+    inlining = hasattr(dynamo_config, "inline_single_use_invoke_subgraph")
+    with dynamo_config.patch(inline_single_use_invoke_subgraph=True) if inlining else contextlib.nullcontext():
+        yield

@@ -21,7 +21,14 @@ from fsdp_graph.api.shard_unit import Member, shard_flat_param, unit_settings, u
 from fsdp_graph.api.wrap import auto_wrap_policy, check_group
 from fsdp_graph.compiler import gc_pause
 from fsdp_graph.ir import ops as _ops  # noqa: F401  (registers the fsdp:: ops)
-from fsdp_graph.runtime.block_region import buffer_refusals, complex_refusals, make_reusable, reuse_lost, reuse_refusals
+from fsdp_graph.runtime.block_region import (
+    buffer_refusals,
+    complex_refusals,
+    keep_complex_bodies_exact,
+    make_reusable,
+    reuse_lost,
+    reuse_refusals,
+)
 from fsdp_graph.runtime.composable_checkpoint import adopt_composable_checkpoints
 from fsdp_graph.runtime.dtensor_views import dtensor_views_mesh
 from fsdp_graph.runtime.flat_param import LAYOUTS
@@ -231,10 +238,15 @@ def fully_shard(
             cast_outputs_to=unit_mp.output_dtype,
         )
     if reuse_blocks is not False:
-        for unit, unit_fqn in zip(units, unit_fqns):
-            if unit is not model and "_fsdp_states" in unit.__dict__ and unit_fqn not in refused:
-                make_reusable(unit, strict=reuse_blocks is True)
-                compat.note_shared_bodies()
+        reusable = [
+            unit
+            for unit, unit_fqn in zip(units, unit_fqns)
+            if unit is not model and "_fsdp_states" in unit.__dict__ and unit_fqn not in refused
+        ]
+        for unit in reusable:
+            make_reusable(unit, strict=reuse_blocks is True)
+            compat.note_shared_bodies()
+        keep_complex_bodies_exact(reusable)
     model.__dict__["_fsdp_root"] = root_state
     module_state.install(model)
     adopt_composable_checkpoints(model)

@@ -95,24 +95,40 @@ def buffer_refusals(units: dict[str, nn.Module]) -> dict[str, str]:
     return refusals
 
 
+def _complex_tensor(unit: nn.Module) -> tuple[str, torch.dtype] | None:
+    return next(
+        ((name, t.dtype) for name, t in [*unit.named_buffers(), *unit.named_parameters()] if t.is_complex()), None
+    )
+
+
 def complex_refusals(units: dict[str, nn.Module]) -> dict[str, str]:
     """For each unit (FQN -> module) holding a complex tensor (torchtitan's complex RoPE cache is a buffer of every
-    layer), why it cannot share a body: torch 2.13's invoke_subgraph has no kernel for the Conjugate dispatch key
-    that a lazily conjugated tensor carries, and the body's backward gets one (the gradient of a complex product),
-    so such a body fails when it runs (measured on torchtitan's Llama3). Materialising the conjugate makes it run,
-    exactly with eager kernels, but under Inductor a call that Dynamo inlines as a body used once then gets wrong
-    gradients (`benchmarks/complex_region_probe.py`; design-notes has the plan to lift this)."""
+    layer), why it cannot share a body, on a torch where that is not known to be right: none on torch 2.13, where
+    `keep_complex_bodies_exact` and `passes.materialize_conjugates` make it right (measured, design-notes "No complex
+    tensor in the body"); on a torch without `reuse_hash_fn` or Dynamo's switch for inlining single-use bodies
+    (2.11), every such unit (not measured there; their buffers keep them out on 2.11 anyway, `buffer_refusals`)."""
+    if compat.has_reuse_hash_fn() and compat.has_single_use_region_inlining():
+        return {}
     refusals = {}
     for fqn, unit in units.items():
-        for name, tensor in [*unit.named_buffers(), *unit.named_parameters()]:
-            if tensor.is_complex():
-                refusals[fqn] = (
-                    f"unit {fqn!r} holds a complex tensor ({name!r}, {tensor.dtype}), and torch's invoke_subgraph has "
-                    "no kernel for the Conjugate dispatch key of the conjugates its backward makes; materialised, "
-                    "Inductor computes wrong gradients for such a body (docs/limitations.md)"
-                )
-                break
+        found = _complex_tensor(unit)
+        if found is not None:
+            refusals[fqn] = (
+                f"unit {fqn!r} holds a complex tensor ({found[0]!r}, {found[1]}), and torch {torch.__version__}'s "
+                "invoke_subgraph is not known to train a shared body with complex arithmetic right (torch 2.13 is)"
+            )
     return refusals
+
+
+def keep_complex_bodies_exact(units: list[nn.Module]) -> None:
+    """Where a reusable unit holds a complex tensor, turn off Dynamo's inlining of compile regions called once
+    (`torch._dynamo.config.inline_single_use_invoke_subgraph`, process-wide, read when a graph is traced): under
+    Inductor, a model whose single-use body was inlined beside a shared complex body gets wrong gradients for the
+    inlined call (torch 2.13; measured: `benchmarks/complex_region_probe.py` 9.6e-2, torchtitan's DeepSeek-V3 7.1e-4),
+    and right ones with that body kept as a region. Nothing else changes: the body used once is compiled as a region,
+    as the shared one is."""
+    if any(_complex_tensor(unit) is not None for unit in units):
+        compat.keep_single_use_regions()
 
 
 def _refusal(unit: str, unit_fqns: list[str], assignment: dict[int, str], uses: dict, tp: dict) -> str | None:

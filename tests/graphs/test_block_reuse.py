@@ -226,18 +226,23 @@ def test_by_default_refused_units_are_traced_alone_with_one_warning(fake_pg):
             assert messages == [] and body_calls(gm) == []
 
 
-def test_refuses_units_holding_complex_tensors(fake_pg):
-    """torchtitan's Llama3 keeps a complex RoPE cache in every layer, and torch's invoke_subgraph has no kernel for
-    complex tensors' Conjugate key: such units are refused (True) or traced on their own (the default)."""
-    model = Mixed()
-    model.blocks[1].register_buffer("rope", torch.ones(4, dtype=torch.complex64))
-    with pytest.raises(ValueError, match="holds a complex tensor \\('rope'"):
-        fsdp_graph.fully_shard(model, reuse_blocks=True)
-    assert not fsdp_graph.runtime.unit.is_sharded(model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fsdp_graph.fully_shard(model)
-    assert any("blocks.1' holds a complex tensor" in str(w.message) for w in caught), [str(w.message) for w in caught]
+def test_units_holding_complex_tensors_share_bodies(fake_pg):
+    """torchtitan's Llama3 keeps a complex RoPE cache in every layer: such units share a body like any other (no
+    warning, `reuse_blocks=True` accepted), and Dynamo then keeps a body called once as a region
+    (`block_region.keep_complex_bodies_exact`); a model without complex tensors leaves that setting alone."""
+    import torch._dynamo.config as dynamo_config
+
+    with dynamo_config.patch(inline_single_use_invoke_subgraph=True):  # the process's setting, restored after
+        fsdp_graph.fully_shard(Mixed(), reuse_blocks=True)
+        assert dynamo_config.inline_single_use_invoke_subgraph is True
+        model = Mixed()
+        for block in model.blocks:
+            block.register_buffer("rope", torch.ones(4, dtype=torch.complex64))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fsdp_graph.fully_shard(model, reuse_blocks=True)
+        assert all(fsdp_graph.runtime.block_key.BLOCK_KEY in block.__dict__ for block in model.blocks)
+        assert dynamo_config.inline_single_use_invoke_subgraph is False
 
 
 # test_one_schema_per_body_while_compiling: merged into test_llama_blocks_share_one_body (same compile).

@@ -5,6 +5,7 @@ safetensors torchdata` bring it; `available()` says why it cannot be used when i
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 import types
 
@@ -57,8 +58,11 @@ def build(
     as they are). Call it as `model(tokens, positions, None)`."""
     _import_models()
     configs = importlib.import_module(f"torchtitan.models.{family}")
-    registry = getattr(configs, f"{family}_configs")
-    config = registry[flavor]("flex")
+    registry = getattr(configs, f"{family}_configs", None) or getattr(configs, f"{family.replace('_', '')}_configs")
+    factory = registry[flavor]
+    # DeepSeek-V3's flavors also take the MoE's token dispatch: "standard", all-to-all-free on one expert group
+    takes_comm = "moe_comm_backend" in inspect.signature(factory).parameters
+    config = factory("flex", **({"moe_comm_backend": "standard"} if takes_comm else {}))
     if layers is not None:
         config.layers = config.layers[:layers]
     if expert_hidden is not None:
