@@ -1,19 +1,21 @@
-"""What torch 2.13 makes of a complex RoPE cache inside a `nested_compile_region` (the reason `fully_shard` traces
-units holding complex tensors layer by layer: `block_region.complex_refusals`), printed as facts. Plain torch, no
-fsdp_graph: one process, CPU, three blocks with torchtitan's `ComplexRoPE` arithmetic (a complex64 cache buffer per
-block, sliced to the sequence, multiplied into `view_as_complex` queries and keys).
+"""What torch 2.13 makes of a complex RoPE cache inside a `nested_compile_region`: the two faults that
+`passes.materialize_conjugates` and `block_region.keep_complex_bodies_exact` work around so that `fully_shard`'s
+blocks holding complex tensors share a body. Printed as facts. Plain torch, no fsdp_graph: one process, CPU, three
+blocks with torchtitan's `ComplexRoPE` arithmetic (a complex64 cache buffer per block, sliced to the sequence,
+multiplied into `view_as_complex` queries and keys).
 
     python benchmarks/complex_region_probe.py
 
-For each backend (`aot_eager`, `inductor`), with and without the region, and with the region plus a joint-graph
-rewrite of `aten._conj` into `aten.conj_physical`, alone and with Dynamo's inlining of single-use bodies off: the largest gradient difference from eager, or the error. The
-region's partitioned forward saves `_conj` of the cache slice (a lazy-conjugate view) for its backward, and the
-invoke_subgraph HOP has no kernel for the Conjugate dispatch key such a tensor carries. The rewrite (the same values,
-materialised) removes the lazy view: exact with eager kernels, but under Inductor the gradients are then silently
-wrong (9.6e-2 here) in the first block, whose call differs from the others (its input needs no gradient), so Dynamo
-inlines it as a body used once (`inline_single_use_invoke_subgraph`). With that inlining off as well, Inductor is
-right (the last row). The refusal stays until both are in the library (design-notes has the plan).
-docs/design-notes.md ("No complex tensor in the body") has the measurements.
+For each backend (`aot_eager`, `inductor`), with and without the region, with the region plus a joint-graph
+rewrite of `aten._conj` into `aten.conj_physical`, and with Dynamo's inlining of single-use bodies off as well: the
+largest gradient difference from eager, or the error. The region's partitioned forward saves `_conj` of the cache
+slice (a lazy-conjugate view) for its backward, and the invoke_subgraph HOP has no kernel for the Conjugate dispatch
+key such a tensor carries. The rewrite (the same values, materialised) is exact with eager kernels, but under
+Inductor the gradients are then silently wrong (9.6e-2 here) in the first block, whose call differs from the others
+(its input needs no gradient), so Dynamo inlines it as a body used once (`inline_single_use_invoke_subgraph`). With
+that inlining off as well, Inductor is right (the last row): what the library does. A torch that fixes both faults
+makes the second and third rows right, and the workarounds can go. docs/design-notes.md ("Complex tensors in the
+body") has the measurements.
 """
 
 from __future__ import annotations
