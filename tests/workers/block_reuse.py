@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import fsdp_graph
@@ -16,6 +18,25 @@ def body_calls(gm: torch.fx.GraphModule) -> list[str]:
     """The body each `invoke_subgraph` call of `gm` runs, in graph order."""
     calls = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
     return [str(node.args[0].target) for node in calls]
+
+
+def sgd_momentum_steps(
+    model: torch.nn.Module, step_loss: Callable[[], torch.Tensor], lr: float, steps: int
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """`steps` steps of SGD with momentum 0.9 on `model`, each on the loss `step_loss()` returns (it draws its own
+    batch): the losses, the last step's full gradients and the final full parameters."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses, grads = [], {}
+    for _ in range(steps):
+        loss = step_loss()
+        loss.backward()
+        grads = full_grads(model)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    with fsdp_graph.summon_full_params(model):
+        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return losses, grads, params
 
 
 def train(
@@ -39,19 +60,13 @@ def train(
         return backend(gm, example_inputs)
 
     compiled = torch.compile(model, backend=capture, fullgraph=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     gen = torch.Generator().manual_seed(1 + rank)
-    losses, grads = [], {}
-    for _ in range(STEPS):
+
+    def step_loss() -> torch.Tensor:
         tokens = torch.randint(0, CFG.vocab, (2, CFG.seq + 1), generator=gen)
-        loss = llama_loss(compiled, (tokens[:, :-1], tokens[:, 1:]))
-        loss.backward()
-        grads = full_grads(model)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    with fsdp_graph.summon_full_params(model):
-        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+        return llama_loss(compiled, (tokens[:, :-1], tokens[:, 1:]))
+
+    losses, grads, params = sgd_momentum_steps(model, step_loss, lr=0.5, steps=STEPS)
     return {
         "losses": losses,
         "grads": grads,

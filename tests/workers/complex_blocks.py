@@ -12,8 +12,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_graph
-from tests.workers.block_reuse import body_calls
-from tests.workers.training import full_grads
+from tests.workers.block_reuse import body_calls, sgd_momentum_steps
 
 DIM, HEADS, SEQ, STEPS = 16, 2, 12, 3
 
@@ -67,19 +66,10 @@ def train(rank: int, world: int, reuse: bool, inductor: bool) -> dict:
     backend = fsdp_graph.make_backend(inductor=inductor)
     graphs: list[torch.fx.GraphModule] = []
     compiled = torch.compile(model, backend=lambda gm, ex: graphs.append(gm) or backend(gm, ex), fullgraph=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(1 + rank)
-    losses, grads = [], {}
-    for _ in range(STEPS):
-        x = torch.randn(2, SEQ, DIM, generator=gen)
-        loss = compiled(x).square().mean()
-        loss.backward()
-        grads = full_grads(model)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    with fsdp_graph.summon_full_params(model):
-        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    losses, grads, params = sgd_momentum_steps(
+        model, lambda: compiled(torch.randn(2, SEQ, DIM, generator=gen)).square().mean(), lr=0.1, steps=STEPS
+    )
     uses = sorted(Counter(body_calls(graphs[0])).values()) if graphs else []
     return {"losses": losses, "grads": grads, "params": params, "body_uses": uses}
 
