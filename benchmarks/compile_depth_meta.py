@@ -5,6 +5,7 @@ passes; no Inductor code generation, which needs real tensors), at a shallow and
     python benchmarks/compile_depth_meta.py                         # 70b shapes, 8 and 80 layers, world 8
     python benchmarks/compile_depth_meta.py --preset 1b --layers 8 16
     python benchmarks/compile_depth_meta.py --reuse-blocks          # fully_shard(reuse_blocks=True)
+    python benchmarks/compile_depth_meta.py --reuse-blocks --repeats 5   # 5 interleaved pairs, each depth's median
     python benchmarks/compile_depth_meta.py --torch regions         # plain torch.compile, no fsdp_graph (below)
     python benchmarks/compile_depth_meta.py --reuse-blocks --instructions   # what Dynamo traces per layer (below)
 
@@ -23,12 +24,17 @@ grow with depth, per layer. Unlike seconds, the counts do not depend on how busy
 options trace the same instructions), so a change to what the runtime makes Dynamo trace can be measured exactly on
 a shared machine whose speed varies twofold from day to day. The counting slows Dynamo's tracing: take seconds
 from a run without it.
+
+`--repeats N`: N pairs of runs (shallow, deep, shallow, deep, ...: a change in the machine's speed meets both depths
+alike). Prints each depth's median, their ratio, and each pair's own ratio: one pair's ratio has varied by 0.3 on this
+2-core machine within minutes, mostly from the shallow depth's fixed cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -139,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse-blocks", action="store_true")
     parser.add_argument("--torch", choices=("plain", "regions"), help="plain torch.compile instead (see above)")
     parser.add_argument("--instructions", action="store_true", help="count what Dynamo traces (see above)")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved pairs of runs; prints each depth's median")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -149,10 +156,14 @@ def main(argv: list[str] | None = None) -> int:
             result = measure(args.preset, args.layers[0], args.world, args.reuse_blocks)
         print(json.dumps({**result, "instructions": dict(counts)}))
         return 0
-    results = [
-        in_fresh_process(args.preset, layers, args.world, args.reuse_blocks, args.torch, args.instructions)
-        for layers in args.layers
+    runs = [  # interleaved, shallow then deep, so that a change in the machine's speed meets both depths alike
+        [
+            in_fresh_process(args.preset, layers, args.world, args.reuse_blocks, args.torch, args.instructions)
+            for layers in args.layers
+        ]
+        for _ in range(args.repeats)
     ]
+    results = runs[0] if args.repeats == 1 else [median_run([run[depth] for run in runs]) for depth in range(2)]
     if args.torch:
         label = f"{args.preset}, plain torch.compile (aot_eager){', nested_compile_region' * (args.torch == 'regions')}"
     else:
@@ -176,9 +187,24 @@ def main(argv: list[str] | None = None) -> int:
             for name in PHASES
         )
     )
+    if args.repeats > 1:
+        ratios = sorted(deep_run["compile_s"] / shallow_run["compile_s"] for shallow_run, deep_run in runs)
+        print(
+            f"{label}: {args.repeats} interleaved pairs (figures above: each depth's median): each pair's "
+            f"{deep['layers']} / {shallow['layers']} compile ratio " + ", ".join(f"{r:.2f}" for r in ratios)
+        )
     if args.instructions:
         print_instructions(label, shallow, deep)
     return 0
+
+
+def median_run(results: list[dict]) -> dict:
+    """One depth's runs folded into one: each figure (and each phase's) the median over the runs."""
+    merged = dict(results[0])
+    for key in ("wall_s", "cpu_s", "compile_s"):
+        merged[key] = statistics.median(r[key] for r in results)
+    merged["phases"] = {name: statistics.median(r["phases"][name] for r in results) for name in PHASES}
+    return merged
 
 
 def print_instructions(label: str, shallow: dict, deep: dict, top: int = 15) -> None:

@@ -149,3 +149,10 @@ def mutated_sources(side_effects) -> set:
         if side_effects.is_modified(variable):
             sources.add(variable.source)
     return sources
+
+
+def graph_module_generating_code_on_use(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A GraphModule of `graph` whose Python code is generated when first needed (a call, `.code`), not now: torch's
+    `_LazyGraphModule` (all supported releases have it), else a plain GraphModule, which generates it at once."""
+    lazy = getattr(getattr(torch.fx, "_lazy_graph_module", None), "_LazyGraphModule", None)
+    return (lazy or torch.fx.GraphModule)(root, graph)
