@@ -74,7 +74,8 @@ class ReshardPass(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         start = time.perf_counter()
         passes.tag_reshard(graph)
-        passes.materialize_conjugates(graph)  # a complex body's saved conjugates cross its region (passes/conjugates.py)
+        # a complex body's saved conjugates cross its region (passes/conjugates.py)
+        passes.materialize_conjugates(graph)
         self.pass_seconds["reshard"] += time.perf_counter() - start
         self.dumper.graph("02_joint_tagged", graph)
 
