@@ -26,8 +26,8 @@ a shared machine whose speed varies twofold from day to day. The counting slows 
 from a run without it.
 
 `--repeats N`: N pairs of runs (shallow, deep, shallow, deep, ...: a change in the machine's speed meets both depths
-alike). Prints each depth's median, their ratio, and each pair's own ratio: one pair's ratio has varied by 0.3 on this
-2-core machine within minutes, mostly from the shallow depth's fixed cost.
+alike). Prints each depth's median, their ratio, and each pair's own ratio: one pair's ratio has varied by 0.3 to 0.9 on
+this 2-core machine within minutes, mostly from the shallow depth's fixed cost.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for _ in range(args.repeats)
     ]
-    results = runs[0] if args.repeats == 1 else [median_run([run[depth] for run in runs]) for depth in range(2)]
+    results = [median_run([run[depth] for run in runs]) for depth in range(2)]
     if args.torch:
         label = f"{args.preset}, plain torch.compile (aot_eager){', nested_compile_region' * (args.torch == 'regions')}"
     else:

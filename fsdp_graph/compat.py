@@ -153,6 +153,6 @@ def mutated_sources(side_effects) -> set:
 
 def graph_module_generating_code_on_use(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
     """A GraphModule of `graph` whose Python code is generated when first needed (a call, `.code`), not now: torch's
-    `_LazyGraphModule` (all supported releases have it), else a plain GraphModule, which generates it at once."""
+    `_LazyGraphModule` (2.11 and 2.13 have it); a release without it gets a plain GraphModule, generated at once."""
     lazy = getattr(getattr(torch.fx, "_lazy_graph_module", None), "_LazyGraphModule", None)
     return (lazy or torch.fx.GraphModule)(root, graph)
