@@ -88,7 +88,6 @@ def fake_world_8():
         dist.destroy_process_group()
 
 
-
 @pytest.fixture(autouse=True)
 def _single_use_regions_inlined():
     """Each test starts with Dynamo inlining regions called once, torch's default: `fully_shard` of a model whose
