@@ -34,8 +34,8 @@ BESIDE_THE_RANK_TESTS = (
     "tests/numerics/test_rank_check.py::",
     "tests/numerics/test_train_job.py::test_killed_rank_",
     "tests/numerics/test_train_job.py::test_stopped_rank_",
-    # Two ranks sharing one compile (issue 36: the first rank runs Inductor while the other waits for its
-    # artifacts), or both waiting on an injected delay: alone on the machine they kept its 2 cores 55-66% busy
+    # Two ranks sharing one compile (issue 36: the first rank compiles, Inductor or eager kernels, while the other
+    # waits for its artifacts), or both waiting on an injected delay: alone on the machine they kept its 2 cores 55-66% busy
     # (2026-12-07, /proc/stat over each test), where the rank queue's other tests keep them 80-96% busy. No module
     # fixture: each test is a scope of its own, as those above.
     "tests/numerics/test_block_reuse.py::",
