@@ -46,6 +46,16 @@ BESIDE_THE_RANK_TESTS = (
 )
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The modules imported by collection (torch, transformers: about 380,000 objects the collector tracks) live as
+    long as the session: out of the cyclic collector's reach, so that each full collection during the single-process
+    tests scans only what the tests made (as the launcher does for its ranks, `fsdp_graph.train.launch._entry`)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent where xdist is not installed
 def pytest_xdist_make_scheduler(config, log):
     """Under `-n 2 --dist loadgroup` (the README's command) the multi-rank tests (tests/numerics: two or more rank

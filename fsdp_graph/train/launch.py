@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -71,6 +72,11 @@ def _entry(
     # A crash in native code (SIGSEGV, SIGABRT, ...) leaves no Python traceback: every thread's Python stack at that
     # moment goes to a file the launcher puts in the failure it reports. The file stays open until the process ends.
     faulthandler.enable(open(os.path.join(out_dir, f"rank{rank}.fault"), "w"), all_threads=True)
+    # What the rank inherited or imported (torch's and the caller's modules: 300,000-400,000 objects the collector
+    # tracks) lives as long as the process: frozen out of the cyclic collector's reach, each full collection scans only
+    # what the rank made since. Before, the suite's ranks spent 99 s in 279 full collections (median 0.3 s,
+    # 2026-12-07). Reference counting still frees those objects; only a cycle among them would stay.
+    gc.freeze()
     # As torchrun does: ranks sharing a machine split its cores instead of oversubscribing them.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -1,6 +1,7 @@
 """The launcher every multi-rank test relies on: a failing rank ends the run with its own error, no hang."""
 
 import ctypes
+import gc
 import sys
 import time
 
@@ -30,18 +31,23 @@ def _returns_rank(rank: int, world: int) -> int:
     return rank * 10
 
 
-def _writes_to_both_streams(rank: int, world: int) -> int:
+def _writes_to_both_streams(rank: int, world: int) -> tuple[int, int, bool]:
     print(f"rank {rank} to stdout", flush=True)
     print(f"rank {rank} to stderr", file=sys.stderr, flush=True)
-    return rank
+    return rank, gc.get_freeze_count(), gc.isenabled()
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_ranks_write_to_the_callers_streams(method, monkeypatch, capfd):
     """Under spawn a rank inherits the caller's descriptors under their own numbers: re-pointing stdout at itself
-    once closed it, and the main job's progress bar died on its first write (EBADF)."""
+    once closed it, and the main job's progress bar died on its first write (EBADF). Each rank starts with what it
+    inherited or imported (torch: several hundred thousand objects) frozen out of the cyclic collector's scans, and
+    the collector on."""
     monkeypatch.setenv(START_METHOD_ENV, method)
-    assert spawn(_writes_to_both_streams, 2) == [0, 1]
+    results = spawn(_writes_to_both_streams, 2)
+    assert [r[0] for r in results] == [0, 1]
+    for _, frozen, collecting in results:
+        assert frozen > 100_000 and collecting, (frozen, collecting)
     out, err = capfd.readouterr()
     for rank in range(2):
         assert f"rank {rank} to stdout" in out and f"rank {rank} to stderr" in err, (out, err)
