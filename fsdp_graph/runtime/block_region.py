@@ -294,6 +294,7 @@ def _note_side_effects(ctx) -> None:
 def _forget_own_side_effect(ctx) -> None:
     if _SIDE_EFFECTS_BEFORE[0] is None:
         compat.clear_side_effect_record(_tracer(ctx))
+    _SIDE_EFFECTS_BEFORE[:] = [None]  # nothing of the trace outlives it
 
 
 def _tracer(ctx):
@@ -315,6 +316,8 @@ def _refuse_python_writes(ctx, call_key: int) -> None:
     applied on top of the fallback's. A constant attribute the forward puts back is no such write
     (`python_writes`)."""
     written = python_writes.lasting_writes(_WRITTEN_BEFORE[0], REGION_FLATS)
+    # The record holds the trace's side effects, and through them the model: kept, it would outlive the compile.
+    _WRITTEN_BEFORE.clear()
     if written:
         _PYTHON_WRITES[call_key] = sorted(_described(source) for source in written)[0]
         # the restarted trace takes another path at this call (Dynamo would report a diverged speculation log)

@@ -5,6 +5,7 @@ imports the other."""
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +30,7 @@ def bind_flat_shard(state: FlatParamState, flat_shard: torch.Tensor) -> None:
             set_local(view, layout.local_view(base, slot))
         else:
             _point(view, layout.local_view(base, slot))
-        view.__dict__[REQUIRES_GRAD_CHANGED] = functools.partial(sync_requires_grad, state)
+        view.__dict__[REQUIRES_GRAD_CHANGED] = functools.partial(_sync_if_alive, weakref.ref(state))
     # A flat shard's size never changes. Without this, compiling a second model of the same class in one process
     # (other sizes) makes Dynamo's automatic-dynamic mark the shards dynamic: symbolic collective sizes, which the
     # passes then cannot bucket, convert or schedule by size.
@@ -40,6 +41,12 @@ def bind_flat_shard(state: FlatParamState, flat_shard: torch.Tensor) -> None:
     else:
         shards[state.index] = flat_shard
     ensure_grad_hook(state)
+
+
+def _sync_if_alive(state_ref: weakref.ref[FlatParamState], view: nn.Parameter) -> None:
+    state = state_ref()
+    if state is not None:
+        sync_requires_grad(state, view)
 
 
 def _point(view: nn.Parameter, local: torch.Tensor) -> None:

@@ -1,0 +1,63 @@
+"""A sharded model is freed when its user drops it: parameters, flat shards and modules, after eager and compiled
+steps. Before, every `fully_shard` model lived as long as the process (a view's `requires_grad` callback held its
+flat parameter through the view's `__dict__`, a cycle through a tensor the collector cannot see), and the last
+compiled one through a trace record of block reuse's: a job that built an evaluation copy, or a sweep of models,
+kept every shard's memory."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp_graph
+from fsdp_graph.runtime.unit import flat_params
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class TwoBlocks(nn.Module):
+    """Two blocks of one structure: with block reuse (the default) they share a compiled body."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(2))
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _train_and_drop(mode: str) -> list[weakref.ref]:
+    model = fsdp_graph.fully_shard(TwoBlocks())
+    run = model
+    if mode == "compiled":
+        run = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        run(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.blocks[0].up.weight.requires_grad_(False)  # the callback that used to hold the flat parameter runs
+    watched = [weakref.ref(model), weakref.ref(model.blocks[1]), weakref.ref(model.head.weight)]
+    watched += [weakref.ref(state.flat_shard) for state in flat_params(model)]
+    return watched
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_dropped_model_is_freed(fake_pg, mode):
+    watched = _train_and_drop(mode)
+    torch._dynamo.reset()  # Dynamo's compiled code holds the model it guards on until then
+    gc.collect()
+    alive = [ref() for ref in watched if ref() is not None]
+    assert not alive, [type(obj).__name__ for obj in alive]
