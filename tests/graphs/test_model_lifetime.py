@@ -1,5 +1,5 @@
 """A sharded model is freed when its user drops it: parameters, flat shards and modules, after eager and compiled
-steps. Before, every `fully_shard` model lived as long as the process (a view's `requires_grad` callback held its
+steps, and with tensor-parallel blocks. Before, every `fully_shard` model lived as long as the process (a view's `requires_grad` callback held its
 flat parameter through the view's `__dict__`, a cycle through a tensor the collector cannot see), and the last
 compiled one through a trace record of block reuse's: a job that built an evaluation copy, or a sweep of models,
 kept every shard's memory."""
@@ -10,6 +10,8 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fsdp_graph
 from fsdp_graph.runtime.unit import flat_params
@@ -39,7 +41,14 @@ class TwoBlocks(nn.Module):
 
 
 def _train_and_drop(mode: str) -> list[weakref.ref]:
-    model = fsdp_graph.fully_shard(TwoBlocks())
+    model = TwoBlocks()
+    if mode == "tensor_parallel":  # the views are DTensors (`ShardedDTensor`), with the same callback
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fsdp_graph.fully_shard(model, mesh["dp"])
+    else:
+        fsdp_graph.fully_shard(model)
     run = model
     if mode == "compiled":
         run = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
@@ -54,7 +63,7 @@ def _train_and_drop(mode: str) -> list[weakref.ref]:
     return watched
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["eager", "compiled", "tensor_parallel"])
 def test_a_dropped_model_is_freed(fake_pg, mode):
     watched = _train_and_drop(mode)
     torch._dynamo.reset()  # Dynamo's compiled code holds the model it guards on until then
