@@ -1,51 +1,27 @@
 """A sharded model is freed when its user drops it: parameters, flat shards and modules, after eager and compiled
-steps, and with tensor-parallel blocks. Before, every `fully_shard` model lived as long as the process (a view's `requires_grad` callback held its
-flat parameter through the view's `__dict__`, a cycle through a tensor the collector cannot see), and the last
-compiled one through a trace record of block reuse's: a job that built an evaluation copy, or a sweep of models,
-kept every shard's memory."""
+steps, and with tensor-parallel blocks. Before, every `fully_shard` model lived as long as the process (a view's
+`requires_grad` callback held its flat parameter through the view's `__dict__`, a cycle through a tensor the
+collector cannot see), and the last compiled one through a trace record of block reuse's: a job that built an
+evaluation copy, or a sweep of models, kept every shard's memory."""
 
 import gc
 import weakref
 
 import pytest
 import torch
-import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 
 import fsdp_graph
 from fsdp_graph.runtime.unit import flat_params
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class TwoBlocks(nn.Module):
-    """Two blocks of one structure: with block reuse (the default) they share a compiled body."""
-
-    def __init__(self, dim: int = 8):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(2))
-        self.head = nn.Linear(dim, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+from tests.workers.tensor_parallel import TinyTransformer, tp_plan
 
 
 def _train_and_drop(mode: str) -> list[weakref.ref]:
-    model = TwoBlocks()
+    model = TinyTransformer()  # two blocks of one structure: with block reuse (the default) they share a body
     if mode == "tensor_parallel":  # the views are DTensors (`ShardedDTensor`), with the same callback
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        for block in model.blocks:
-            parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        parallelize_module(model, mesh["tp"], tp_plan())
         fsdp_graph.fully_shard(model, mesh["dp"])
     else:
         fsdp_graph.fully_shard(model)
@@ -54,7 +30,7 @@ def _train_and_drop(mode: str) -> list[weakref.ref]:
         run = torch.compile(model, backend=fsdp_graph.make_backend(inductor=False), fullgraph=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for _ in range(2):
-        run(torch.randn(4, 8)).sum().backward()
+        run(torch.randn(4, 6, 8)).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
     model.blocks[0].up.weight.requires_grad_(False)  # the callback that used to hold the flat parameter runs
