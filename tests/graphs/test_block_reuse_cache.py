@@ -1,7 +1,9 @@
 """Hugging Face layers given a KV cache share a body when the cache is empty for them (issue 36), 1 gloo rank,
-eager kernels: a prefill's cache equals an unsharded model's bit for bit, `generate()` gives its tokens (the decoding
-steps, whose cache is not empty, run each layer on its own with one warning), and `reuse_blocks=True` raises where
-a unit would fall back."""
+eager kernels: `generate()` gives an unsharded model's tokens (its prefill shares the body; the decoding steps, whose
+cache is not empty, run each layer on its own with one warning), and `reuse_blocks=True` raises where a unit would
+fall back. A prefill's logits and cache equal an unsharded model's bit for bit: the first step of every family in
+tests/numerics/test_hf_models.py::test_families_train_alike_with_and_without_block_reuse (T5's EncoderDecoderCache
+and its cross-attention flags included)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 import fsdp_graph
 from fsdp_graph.runtime.block_region import ReuseBlocksError
 from tests.workers.block_reuse import body_calls
-from tests.workers.hf_families import build_family, cache_tensors, family_batch
+from tests.workers.hf_families import build_family
 
 pytest.importorskip("transformers")
 
@@ -31,28 +33,6 @@ def _pair(name: str, reuse: bool | None = None):
     torch._dynamo.reset()
     model.compile(backend=lambda gm, ex: graphs.append(gm) or backend(gm, ex), fullgraph=True)
     return plain, model, graphs
-
-
-@pytest.mark.parametrize("name", ["llama", "t5"])
-def test_a_prefill_shares_the_body_and_fills_the_cache_as_unsharded(one_rank, name):
-    """The default call (a DynamicCache; T5's decoder an EncoderDecoderCache, with its cross-attention flags): the
-    layers call shared bodies, no warning, and the logits and every cached key and value equal the unsharded
-    model's bit for bit."""
-    plain, model, graphs = _pair(name)
-    batch = family_batch(name, torch.Generator().manual_seed(1))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        mine = model(**batch)
-    theirs = plain(**batch)
-    assert [str(w.message) for w in caught if "reuse_blocks" in str(w.message)] == []
-    (gm,) = graphs
-    assert len(body_calls(gm)) == (4 if name == "t5" else 2), body_calls(gm)
-    assert torch.equal(mine.logits, theirs.logits)
-    mine_cache, their_cache = cache_tensors(mine), cache_tensors(theirs)
-    assert len(mine_cache) == len(their_cache) == (12 if name == "t5" else 4)
-    assert all(torch.equal(a, b) for a, b in zip(mine_cache, their_cache))
-    if name == "t5":  # T5 marks each decoder layer's cross-attention entry as computed
-        assert mine.past_key_values.is_updated == theirs.past_key_values.is_updated == {0: True, 1: True, 2: True}
 
 
 def test_generate_decodes_layer_by_layer_with_one_warning(one_rank):

@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from fsdp_graph.train.launch import spawn  # noqa: E402
-from tests.workers.hf_families import FAMILIES, train_families  # noqa: E402
+from tests.workers.hf_families import FAMILIES, FAMILIES_BY_RANK, train_families  # noqa: E402
 from tests.workers.hf_models import HFResult, run_hf_models  # noqa: E402
 
 PARAM_TOL = 2e-5  # fp32 noise after 5 AdamW steps (measured 5.4e-6 GPT-2, 3.0e-6 Llama)
@@ -65,10 +65,11 @@ def test_families_train_alike_with_and_without_block_reuse():
     """Issues 25 and 36: six families (`FAMILIES`: one per structure), each trained with `reuse_blocks` False and True, called with their defaults
     (transformers gives every decoder layer a KV cache, empty on entry, and T5's decoder an EncoderDecoderCache):
     the same losses, parameters and caches afterwards, one Dynamo graph each (no recompile at the second step), no
-    warning, and with reuse the layers run shared bodies."""
+    warning, and with reuse the layers run shared bodies. The first step's forward, a prefill, gives the logits and
+    every cached key and value of the unsharded model bit for bit (T5: its cross-attention flags too)."""
     # Each family on one rank, half of them on each (2 ranks each compiling all twenty models took ~190 CPU s): the
     # on/off comparison needs no second rank (multi-rank reuse parity: tests/numerics/test_block_reuse.py).
-    results = spawn(train_families, 2, (FAMILIES,))
+    results = spawn(train_families, 2, (FAMILIES_BY_RANK,))
     assert sorted(name for runs in results for name in runs) == sorted(FAMILIES)
     for runs in results:
         for name, (off, on) in runs.items():
@@ -84,6 +85,13 @@ def test_families_train_alike_with_and_without_block_reuse():
             assert off["graphs"] == on["graphs"] == 1, (name, off["graphs"], on["graphs"])
             assert off["body_uses"] == [] and on["body_uses"] == REUSE_BODY_USES.get(name, [2]), (name, on)
             assert off["reuse_warnings"] == on["reuse_warnings"] == [], (name, on["reuse_warnings"])
+            # the first step's forward is a prefill: logits and caches equal an unsharded model's, bit for bit
+            for run in (off, on):
+                prefill = run["prefill"]
+                assert prefill["logits_equal"] and prefill["caches_equal"], (name, prefill)
+                assert prefill["cache_tensors"] == CACHE_TENSORS.get(name, 4), (name, prefill)
+                if name == "t5":  # T5 marks each decoder layer's cross-attention entry as computed
+                    assert prefill["is_updated"] == [{0: True, 1: True, 2: True}] * 2, prefill
 
 
 # keys and values per layer: 2 layers, Gemma2's 4, T5's 3 decoder layers' self- and cross-attention, ViT none

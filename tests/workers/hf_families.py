@@ -31,13 +31,14 @@ DECODERS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"bos_token_id": 0, "eos_token_id": 0}),
 }
-# In an order that splits the compile time evenly over 2 ranks (`train_families`: every other family; CPU seconds
-# for both runs, measured on 1 rank: T5 21, Llama 8 + 3.5 with a cache, the rest 6.5-10 each). One family per
-# structure the block key and the cache handling meet: Llama (its Qwen2/Qwen3/Mistral/Phi3 relatives differ in a
-# bias, a norm or fused projections, not in how a layer is called; `build_family` still builds them), T5 (encoder
-# and decoder stacks, an EncoderDecoderCache), Gemma2 (two layer kinds), GPT-NeoX (parallel residual), ViT (no
-# text, no cache), GPT-2 (tied head in the root).
-FAMILIES = ["llama", "t5", "gemma2", "gpt_neox", "vit", "gpt2"]
+# One family per structure the block key and the cache handling meet: Llama (its Qwen2/Qwen3/Mistral/Phi3 relatives
+# differ in a bias, a norm or fused projections, not in how a layer is called; `build_family` still builds them), T5
+# (encoder and decoder stacks, an EncoderDecoderCache), Gemma2 (two layer kinds), GPT-NeoX (parallel residual), ViT
+# (no text, no cache), GPT-2 (tied head in the root). Split over 2 ranks by their CPU seconds for both runs (measured
+# on 1 rank, 2026-12-07: T5 24.7, Gemma2 14.9, GPT-NeoX 8.0, Llama 7.7, GPT-2 7.0, ViT 6.6): 32.7 and 36.2 s, where
+# every other family of one list gave 39.7 and 29.2.
+FAMILIES_BY_RANK = [["t5", "gpt_neox"], ["llama", "gemma2", "vit", "gpt2"]]
+FAMILIES = [name for names in FAMILIES_BY_RANK for name in names]
 
 
 def build_family(name: str) -> tuple[nn.Module, object]:
@@ -97,10 +98,28 @@ def cache_tensors(out) -> list[torch.Tensor]:
     return [t.detach().clone() for cache in caches for t in flat(cache)]
 
 
+def _prefill_against(plain: nn.Module, batch: dict, out) -> dict:
+    """The first step's forward (a prefill: every layer's cache empty on entry) against the unsharded model's on the
+    same batch: whether the logits and every cached key and value are equal bit for bit, how many cache tensors, and
+    T5's per-layer cross-attention flags (`EncoderDecoderCache.is_updated`) on both sides."""
+    theirs = plain(**batch)  # autograd on, as for the compiled forward: T5's eager logits move 1.5e-6 under no_grad
+    mine_cache, their_cache = cache_tensors(out), cache_tensors(theirs)
+    flags = [getattr(o.get("past_key_values"), "is_updated", None) for o in (out, theirs)]
+    return {
+        "logits_equal": torch.equal(out.logits.detach(), theirs.logits.detach()),
+        "caches_equal": len(mine_cache) == len(their_cache)
+        and all(torch.equal(a, b) for a, b in zip(mine_cache, their_cache)),
+        "cache_tensors": len(mine_cache),
+        "is_updated": [dict(f) if f is not None else None for f in flags],
+    }
+
+
 def train_family(name: str, reuse: bool, mesh=None) -> dict:
     """STEPS SGD steps (momentum) of `name`, sharded over `mesh` (None: the world), compiled fullgraph with eager
     kernels, called as its users call it: the config's defaults (decoders' `use_cache`: transformers passes every
     layer a cache, empty on entry)."""
+    torch.manual_seed(0)
+    plain, _ = build_family(name)
     torch.manual_seed(0)
     model, wrap = build_family(name)
     fsdp_graph.fully_shard(model, mesh, wrap=wrap, reuse_blocks=reuse)
@@ -115,11 +134,14 @@ def train_family(name: str, reuse: bool, mesh=None) -> dict:
     compiled = torch.compile(model, backend=capture, fullgraph=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
-    losses = []
+    losses, prefill = [], {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(STEPS):
-            out = compiled(**family_batch(name, gen))
+        for step in range(STEPS):
+            batch = family_batch(name, gen)
+            out = compiled(**batch)
+            if step == 0:
+                prefill = _prefill_against(plain, batch, out)
             loss = out.loss
             loss.backward()
             optimizer.step()
@@ -131,16 +153,17 @@ def train_family(name: str, reuse: bool, mesh=None) -> dict:
         "losses": losses,
         "params": params,
         "cache": [] if name == "vit" else cache_tensors(out),
+        "prefill": prefill,
         "graphs": len(graphs),
         "body_uses": sorted(Counter(body_calls(graphs[0])).values()),
         "reuse_warnings": [str(w.message) for w in caught if "reuse_blocks" in str(w.message)],
     }
 
 
-def train_families(rank: int, world: int, names: list[str]) -> dict[str, list[dict]]:
-    """Each family trained without and with `reuse_blocks`. Each rank trains every `world`-th family on its own,
-    sharded over a one-rank mesh: the comparison is within a rank, so the ranks split the compiles between them."""
+def train_families(rank: int, world: int, names_by_rank: list[list[str]]) -> dict[str, list[dict]]:
+    """Each family of `names_by_rank[rank]` trained without and with `reuse_blocks`, on its own, sharded over a
+    one-rank mesh: the comparison is within a rank, so the ranks split the compiles between them."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("family", "dp"))["dp"]
-    return {name: [train_family(name, False, mesh), train_family(name, True, mesh)] for name in names[rank::world]}
+    return {name: [train_family(name, False, mesh), train_family(name, True, mesh)] for name in names_by_rank[rank]}
