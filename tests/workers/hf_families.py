@@ -1,7 +1,7 @@
 """Hugging Face model families (tiny configs, random init, nothing downloaded), each trained sharded and compiled with
 and without `reuse_blocks` (issue 25), called with their defaults (a KV cache for decoders: issue 36): the same
-losses, parameters and caches bit for bit, one Dynamo graph, and with reuse a body shared by the decoder (encoder,
-vision) layers."""
+losses, parameters and caches bit for bit, one Dynamo graph, with reuse a body shared by the decoder (encoder,
+vision) layers, and both trained as the unsharded model, stepped eagerly beside them on the same batches."""
 
 from __future__ import annotations
 
@@ -98,11 +98,10 @@ def cache_tensors(out) -> list[torch.Tensor]:
     return [t.detach().clone() for cache in caches for t in flat(cache)]
 
 
-def _prefill_against(plain: nn.Module, batch: dict, out) -> dict:
-    """The first step's forward (a prefill: every layer's cache empty on entry) against the unsharded model's on the
-    same batch: whether the logits and every cached key and value are equal bit for bit, how many cache tensors, and
-    T5's per-layer cross-attention flags (`EncoderDecoderCache.is_updated`) on both sides."""
-    theirs = plain(**batch)  # autograd on, as for the compiled forward: T5's eager logits move 1.5e-6 under no_grad
+def _prefill_against(theirs, out) -> dict:
+    """The first step's forward (a prefill: every layer's cache empty on entry) against the unsharded model's output
+    `theirs` on the same batch: whether the logits and every cached key and value are equal bit for bit, how many
+    cache tensors, and T5's per-layer cross-attention flags (`EncoderDecoderCache.is_updated`) on both sides."""
     mine_cache, their_cache = cache_tensors(out), cache_tensors(theirs)
     flags = [getattr(o.get("past_key_values"), "is_updated", None) for o in (out, theirs)]
     return {
@@ -132,26 +131,32 @@ def train_family(name: str, reuse: bool, mesh=None) -> dict:
 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=capture, fullgraph=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, plain)]
     gen = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
-    losses, prefill = [], {}
+    losses, plain_losses, prefill = [], [], {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(STEPS):
             batch = family_batch(name, gen)
             out = compiled(**batch)
+            theirs = plain(**batch)  # autograd on, as compiled: T5's eager logits move 1.5e-6 under no_grad
             if step == 0:
-                prefill = _prefill_against(plain, batch, out)
-            loss = out.loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+                prefill = _prefill_against(theirs, out)
+            for loss, kept in ((out.loss, losses), (theirs.loss, plain_losses)):
+                loss.backward()
+                kept.append(loss.item())
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
     with fsdp_graph.summon_full_params(model):
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plain_params = dict(plain.named_parameters())
     return {
         "losses": losses,
         "params": params,
+        # single-process training, the unsharded model stepped eagerly beside it on the same batches
+        "plain_loss_diff": max(abs(a - b) for a, b in zip(losses, plain_losses)),
+        "plain_param_diff": max((v - plain_params[n]).abs().max().item() for n, v in params.items()),
         "cache": [] if name == "vit" else cache_tensors(out),
         "prefill": prefill,
         "graphs": len(graphs),
