@@ -23,6 +23,8 @@ import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
+import tests.workers  # noqa: E402, F401  (the test processes' torch settings: tests/workers/__init__.py)
+
 FAKE_WORLD = 4
 RANKS_GROUP = "ranks"
 # Rank tests that mostly wait, measured with the system's CPU ticks alone on 2 cores (2026-12-01): the soak's

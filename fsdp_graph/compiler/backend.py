@@ -331,9 +331,15 @@ def _any_op(name: str) -> bool:
     return True  # the lowered graphs call our ops and c10d's functional collectives, registered on import
 
 
+# The node metadata a cached lowered graph keeps: only users' annotations (`fx.traceback.annotate`), which torch's
+# regional compilation reads. The loaded graph runs as Python code and nothing reads the rest again: no pass runs
+# on a hit, and its reports travel beside it. Pickling the fake values, stack traces and provenance was 70% of the
+# pickle's time, which every compiling rank pays and every loading rank pays again (docs/design-notes.md).
+_KEPT_META = frozenset({"custom"})
+
+
 def _picklable_meta(key: str) -> bool:
-    """The node metadata a cached graph keeps: not the module stacks (they hold the modules; the code needs none)."""
-    return key not in ("source_fn_stack", "nn_module_stack", "fwd_source_fn_stack", "fwd_nn_module_stack")
+    return key in _KEPT_META
 
 
 def _compile_eager(

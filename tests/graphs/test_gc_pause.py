@@ -35,8 +35,20 @@ def test_the_collector_is_paused_while_compiling_and_restored_after(fake_pg, mon
     torch._dynamo.reset()
     fsdp_graph.fully_shard(nn.Linear(2, 2))  # sharding installs the pause for the compiles that follow
     assert gc.isenabled()
-    torch.compile(model, backend=spy)(x).sum().backward()
+    collections = []
+
+    def record_collection(phase, info):
+        if phase == "start":
+            collections.append((info["generation"], gc.isenabled(), len(seen)))
+
+    gc.callbacks.append(record_collection)
+    try:
+        torch.compile(model, backend=spy)(x).sum().backward()
+    finally:
+        gc.callbacks.remove(record_collection)
     assert seen == [False] and gc.isenabled()
+    # the compile's young objects are collected once, at its end, before the collector is on again
+    assert (1, False, 1) in collections, collections
 
     def broken(gm, example_inputs):
         seen.append(gc.isenabled())
