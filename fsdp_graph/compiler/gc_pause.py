@@ -8,8 +8,7 @@ faster than the model's depth (measurements on 70B shapes: docs/design-notes.md)
 which run around each outermost compile: Dynamo's trace and its backend, and AOT autograd's lazy backward compile.
 The start callback disables the collector if it is enabled; the end callback, which runs even when the compile
 raises, collects the young generations the compile filled and enables it again (Dynamo runs both under its own
-lock, once per outermost compile). A collector the user had
-disabled stays disabled. `torch._dynamo.reset()` clears those callbacks; our backend installs them again at its next
+lock, once per outermost compile). A collector the user had disabled stays disabled. `torch._dynamo.reset()` clears those callbacks; our backend installs them again at its next
 call and runs its own part (AOT autograd, our passes, Inductor) under `paused()` whatever the callbacks' state, so
 after a reset only one compile's Dynamo trace runs with the collector on. Garbage made during a compile is still
 freed by reference counting as it goes, and torch collects the young generations after each Dynamo compile

@@ -19,7 +19,7 @@ for _module in ("transformers", "transformers.models.llama.modeling_llama", "tra
 # torch times each new set of guards once, right after building it, behind a flush of the CPU caches
 # (`profile_guard_manager`), for its debug log and compile metrics only: about 22 ms a compile on these machines,
 # about 2% of the suite's CPU over its thousands of compiles. No test reads the figure; the guards are still built
-# and checked as users' are. (torch 2.11 has the same function; a torch without it is left as it is.)
+# and checked as users' are. (A torch without the function is left as it is.)
 import torch._dynamo.guards as _dynamo_guards  # noqa: E402
 
 if hasattr(_dynamo_guards, "profile_guard_manager"):
