@@ -24,6 +24,8 @@ AOT_MODULES = (
     "networkx",
     "torch.export._trace",
     "torch._inductor.output_code",
+    # Dynamo's check of whether a call is `local_map`'s, on every traced function call it cannot skip
+    "torch.distributed.tensor.experimental._func_map",
 )
 # Imported by an Inductor compile, also when its FX graph cache serves it (the cached graph's module imports them).
 INDUCTOR_MODULES = (
@@ -42,6 +44,14 @@ def load_compile_stack(inductor: bool = True) -> None:
             importlib.import_module(name)
         # Another torch may name them otherwise: the compile then imports what it uses, and meets any error there.
         except Exception:
+            pass
+    if inductor:
+        # Inductor's device backends (cached for the process): registered by the first FX graph hash, cached or not
+        try:
+            from torch._inductor.codegen.common import init_backend_registration
+
+            init_backend_registration()
+        except Exception:  # another torch may have none, or fail here: the compile then registers what it uses
             pass
     from torch._inductor import codecache
 

@@ -102,13 +102,18 @@ class FlatParamState:
 
     def __post_init__(self) -> None:
         self.__dict__["static_unshard_args"] = _static_unshard_args(self)
+        self.__dict__["plain_gather"] = _plain_gather(self)
 
     def __setattr__(self, name: str, value) -> None:
-        # `static_unshard_args` is kept current eagerly, never computed inside a trace: Dynamo reads one tuple per
-        # parameter access instead of tracing a dozen attribute reads and a dict (3x its own tracing time).
+        # `static_unshard_args` and `plain_gather` are kept current eagerly, never computed inside a trace: Dynamo
+        # reads one value per parameter access instead of tracing a dozen attribute reads and a dict.
         super().__setattr__(name, value)
-        if name in _STATIC_FIELDS.values() and "static_unshard_args" in self.__dict__:
+        if "plain_gather" not in self.__dict__:
+            return
+        if name in _STATIC_FIELDS.values():
             self.__dict__["static_unshard_args"] = _static_unshard_args(self)
+        if name in _PLAIN_GATHER_FIELDS:
+            self.__dict__["plain_gather"] = _plain_gather(self)
 
     @property
     def flat_shard(self) -> torch.Tensor:
@@ -268,6 +273,16 @@ _STATIC_FIELDS = {
 }
 
 
+# The fields `_plain_gather` reads.
+_PLAIN_GATHER_FIELDS = frozenset({"unsynced", "partial", "reshard_after_backward", "world"})
+
+
+def _plain_gather(state: FlatParamState) -> bool:
+    """Whether a compiled read of `state` is the op on its static arguments alone (`_call_unshard`'s first case)
+    and keeps nothing (`_compiled_gather`), unless a gather is held: no accumulator leaf, no kept gather."""
+    return state.unsynced is None and state.partial is None and not keeps(state)
+
+
 def _static_unshard_args(state: FlatParamState) -> tuple:
     """The call's positional arguments after `shard` when every tensor argument is None (`call_args` drops trailing
     defaults, so the graph shows only the facts that matter; under `reshard_after_forward=k` the None tensor
@@ -315,12 +330,22 @@ def _make_property(name: str) -> property:
             if spec.slot in state.detached_slots:
                 flat = flat.detach()
             return region_param(state.layout.param_of, flat, state.layout.slots[spec.slot])
-        flat = unsharded_flat(spec.unit, spec.index)
-        if flat is None:
-            return self._parameters[name]
+        if not torch.compiler.is_compiling():
+            flat = unsharded_flat(spec.unit, spec.index)
+            if flat is None:
+                return self._parameters[name]
+        elif state.plain_gather and state.name not in state.root.held:
+            # `_compiled_gather`'s common case written out: Dynamo inlines every helper frame once per read
+            flat = torch.ops.fsdp.unshard(spec.unit._fsdp_flat_shards[spec.index], *state.static_unshard_args)
+        else:
+            flat = _compiled_gather(spec.unit._fsdp_flat_shards[spec.index], state)
         if spec.slot in state.detached_slots:  # frozen after fully_shard: no gradient, as an unsharded frozen one
             flat = flat.detach()
         tp = state.tp[spec.slot] if state.tp else None
+        if torch.compiler.is_compiling() and state.root.session is None:  # `_tracked` would return it as is
+            if tp is None:
+                return state.layout.param_of(flat, state.layout.slots[spec.slot])
+            return tp.wrap(state.layout.param_of(flat, state.layout.slots[spec.slot]))
         if tp is None:  # (no local name for the result: Dynamo would name the graph's node after it)
             return _tracked(state, spec.slot, flat, state.layout.param_of(flat, state.layout.slots[spec.slot]))
         return tp.wrap(_tracked(state, spec.slot, flat, state.layout.param_of(flat, state.layout.slots[spec.slot])))

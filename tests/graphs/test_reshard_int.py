@@ -120,6 +120,30 @@ def test_fast_path_arguments_carry_the_post_forward_fields(fake_pg):
     assert by_node.static_unshard_args[1:] == whole.static_unshard_args[1:]  # all but the unit's name
 
 
+def test_plain_gather_follows_the_per_step_switches(fake_pg):
+    """A compiled read calls the op on `static_unshard_args` alone while `plain_gather` holds (the property's fast
+    path): it must turn off under each switch that gives the op a per-step argument or keeps the gather, and on
+    again when the switch is undone."""
+    model = fsdp_graph.fully_shard(TwoBlock())
+    states = flat_params(model)
+    assert all(s.plain_gather for s in states)
+    fsdp_graph.set_requires_gradient_sync(model, False)  # no_sync's accumulator leaves
+    assert not any(s.plain_gather for s in states)
+    fsdp_graph.set_requires_gradient_sync(model, True)
+    assert not any(s.plain_gather for s in states)  # the leaves stay, their pending gradient goes in next
+    for s in states:
+        s.unsynced = None
+    assert all(s.plain_gather for s in states)
+    model.set_reshard_after_backward(False)  # the gather is kept (world 4)
+    assert not any(s.plain_gather for s in states)
+    model.set_reshard_after_backward(True)
+    assert all(s.plain_gather for s in states)
+    states[0].partial = torch.zeros(1)  # set_requires_all_reduce(False)'s leaf (HYBRID_SHARD)
+    assert [s.plain_gather for s in states] == [False] + [True] * (len(states) - 1)
+    states[0].partial = None
+    assert all(s.plain_gather for s in states)
+
+
 def test_int_with_the_rows_layout_reorders_before_the_copy_out(fake_pg):
     torch.manual_seed(0)
     model = fsdp_graph.fully_shard(TwoBlock(8), reshard_after_forward=2)  # the default layout, rows
