@@ -3,9 +3,10 @@
 A compile that torch's caches serve still pays, once per process, for what torch does lazily: importing AOT
 autograd, its partitioner, and with Inductor `compile_fx` and the C++ codegen and builder (about 300 modules, 0.9 s
 of a 2-core machine's CPU), and `torch_key()`, the hash of torch's source files that every AOT autograd and FX graph
-cache key includes (0.2 s). A rank that waits for another rank's compile (`shared_compile`) calls it before
-it waits, so that this work overlaps the other rank's compile instead of following it; the tests' fork server calls
-it once for every rank it forks (`fsdp_graph.train.warm_start`).
+cache key includes (0.2 s), and with Inductor its device backends' registration. A rank that waits for another
+rank's compile (`shared_compile`) calls it before it waits, so that this work overlaps the other rank's compile
+instead of following it; the tests' fork server calls it once for every rank it forks
+(`fsdp_graph.train.warm_start`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ INDUCTOR_MODULES = (
 
 
 def load_compile_stack(inductor: bool = True) -> None:
-    """Imports what this process's first compile would (`AOT_MODULES`, and `INDUCTOR_MODULES` with `inductor`) and
-    computes torch's source key, which torch keeps for the process (forked children inherit it)."""
+    """Imports what this process's first compile would (`AOT_MODULES`, and `INDUCTOR_MODULES` with `inductor`), with
+    `inductor` registers Inductor's device backends, and computes torch's source key: torch keeps each for the
+    process (forked children inherit them)."""
     for name in AOT_MODULES + (INDUCTOR_MODULES if inductor else ()):
         try:
             importlib.import_module(name)
