@@ -330,7 +330,8 @@ def _make_property(name: str) -> property:
             if spec.slot in state.detached_slots:
                 flat = flat.detach()
             return region_param(state.layout.param_of, flat, state.layout.slots[spec.slot])
-        if not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
             flat = unsharded_flat(spec.unit, spec.index)
             if flat is None:
                 return self._parameters[name]
@@ -342,7 +343,7 @@ def _make_property(name: str) -> property:
         if spec.slot in state.detached_slots:  # frozen after fully_shard: no gradient, as an unsharded frozen one
             flat = flat.detach()
         tp = state.tp[spec.slot] if state.tp else None
-        if torch.compiler.is_compiling() and state.root.session is None:  # `_tracked` would return it as is
+        if compiling and state.root.session is None:  # `_tracked` would return it as is
             if tp is None:
                 return state.layout.param_of(flat, state.layout.slots[spec.slot])
             return tp.wrap(state.layout.param_of(flat, state.layout.slots[spec.slot]))
